@@ -1,0 +1,105 @@
+"""Which array backend is available: CuPy on a CUDA GPU, or NumPy on the CPU.
+
+`import cupysparse` must work without a GPU and without CuPy, so CuPy is imported lazily here
+and nowhere else in the core.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import warnings
+
+import numpy as np
+
+_DEFAULT_CUPY_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")
+
+
+def kernel_cache_dir() -> str:
+    """Directory where CuPy stores the kernels cupysparse compiles (CuPy's own kernel cache)."""
+    return os.environ.get("CUPY_CACHE_DIR", _DEFAULT_CUPY_CACHE_DIR)
+
+
+def _is_writable_dir(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _prepare_kernel_cache_dir() -> None:
+    """CuPy creates its cache directory at import and fails if it cannot; redirect it instead."""
+    wanted = kernel_cache_dir()
+    if _is_writable_dir(wanted):
+        return
+    fallback = os.path.join(tempfile.gettempdir(), f"cupysparse-kernel-cache-{os.getuid()}")
+    if _is_writable_dir(fallback):
+        os.environ["CUPY_CACHE_DIR"] = fallback
+        where = f"compiled kernels are cached in {fallback} instead"
+    else:
+        os.environ["CUPY_CACHE_IN_MEMORY"] = "1"
+        where = "kernels are compiled in memory for this process only"
+    warnings.warn(
+        f"cupysparse: the kernel cache directory {wanted} is not writable; {where}. "
+        "Set CUPY_CACHE_DIR to a writable directory to keep compiled kernels between runs.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+@functools.cache
+def cupy_module():
+    """The `cupy` module, or None when CuPy is not installed or cannot be imported."""
+    _prepare_kernel_cache_dir()
+    try:
+        import cupy
+    except ImportError:
+        return None
+    except Exception as error:  # CuPy installed but broken: keep the NumPy path usable.
+        warnings.warn(f"cupysparse: CuPy failed to import ({error}); using NumPy only.", RuntimeWarning)
+        return None
+    return cupy
+
+
+@functools.cache
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    cupy = cupy_module()
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_cupy_array(array) -> bool:
+    cupy = cupy_module() if "cupy" in type(array).__module__ else None
+    return cupy is not None and isinstance(array, cupy.ndarray)
+
+
+def array_module(array):
+    """`cupy` for CuPy arrays, `numpy` for anything else."""
+    return cupy_module() if is_cupy_array(array) else np
+
+
+def default_device() -> str:
+    """'cuda' when a GPU is usable, else 'cpu'."""
+    return "cuda" if gpu_available() else "cpu"
+
+
+def to_device(array, device: str):
+    """Move `array` to 'cpu' (NumPy) or 'cuda' (CuPy)."""
+    if device == "cpu":
+        return array.get() if is_cupy_array(array) else np.asarray(array)
+    if device == "cuda":
+        if not gpu_available():
+            raise RuntimeError("device='cuda' was requested but no CUDA GPU is usable (see `python -m cupysparse info`)")
+        return cupy_module().asarray(array)
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+
+
+def to_numpy(array) -> np.ndarray:
+    return to_device(array, "cpu")
