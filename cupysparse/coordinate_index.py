@@ -1,0 +1,146 @@
+"""Find the row of a coordinate: a GPU hash table (CuPy) or sorted keys (NumPy), one interface.
+
+`build_index(coords)` returns an index over the rows of `coords`; `index.pair_table(...)` answers,
+for every output row and every kernel offset at once, which input row sits at
+`(out * out_scale + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`.
+Submanifold and strided maps use divisor 1 and sign +1; generative transposed maps ask with
+sign -1 and the stride as divisor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import is_cupy_array
+from .compile import KernelSource, launch_config
+from .coords import key_layout, kernel_offsets, pack_keys
+
+_KERNELS = KernelSource(
+    "coordinate_hash.cu",
+    tuple(f"{name}<{d}>" for name in ("insert_coordinates", "query_pair_table") for d in (2, 3, 4)),
+)
+
+EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+# Mirrors `struct QueryGeometry` in raw_kernels/coordinate_hash.cu.
+_GEOMETRY_DTYPE = np.dtype(
+    [
+        ("kernel_size", np.int32, (4,)),
+        ("out_scale", np.int32, (4,)),
+        ("dilation", np.int32, (4,)),
+        ("divisor", np.int32, (4,)),
+        ("sign", np.int32),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Query:
+    """Per-axis geometry of a pair-table query; see the module docstring."""
+
+    kernel_size: tuple[int, ...]
+    dilation: tuple[int, ...]
+    out_scale: tuple[int, ...]
+    divisor: tuple[int, ...]
+    sign: int = 1
+
+    def as_struct(self) -> np.void:
+        pad = (1,) * (4 - len(self.kernel_size))
+        record = np.zeros((), dtype=_GEOMETRY_DTYPE)
+        record["kernel_size"] = self.kernel_size + pad
+        record["out_scale"] = self.out_scale + pad
+        record["dilation"] = self.dilation + pad
+        record["divisor"] = self.divisor + pad
+        record["sign"] = self.sign
+        return record[()]
+
+
+def build_index(coords):
+    """An index over the rows of int32 coordinates `[N, 1 + D]` (validated by the caller)."""
+    return GpuHashTable(coords) if is_cupy_array(coords) else SortedKeyIndex(coords)
+
+
+class SortedKeyIndex:
+    """CPU reference: sorted packed keys, looked up by binary search."""
+
+    # Output rows per vectorised block, so memory stays O(block · K) on large inputs.
+    _ROWS_PER_BLOCK = 1 << 15
+
+    def __init__(self, coords: np.ndarray):
+        self.num_coords = coords.shape[0]
+        self.spatial_dims = coords.shape[1] - 1
+        keys = pack_keys(coords)
+        self._order = np.argsort(keys, kind="stable").astype(np.int32)
+        self._sorted_keys = keys[self._order]
+
+    def pair_table(self, out_coords: np.ndarray, query: Query) -> np.ndarray:
+        offsets = kernel_offsets(query.kernel_size).astype(np.int64)
+        table = np.full((offsets.shape[0], out_coords.shape[0]), -1, dtype=np.int32)
+        shift = query.sign * offsets * np.asarray(query.dilation, dtype=np.int64)  # [K, D]
+        scale = np.asarray(query.out_scale, dtype=np.int64)
+        divisor = np.asarray(query.divisor, dtype=np.int64)
+        layout = key_layout(self.spatial_dims)
+        for start in range(0, out_coords.shape[0], self._ROWS_PER_BLOCK):
+            block = out_coords[start : start + self._ROWS_PER_BLOCK].astype(np.int64)
+            shifted = block[None, :, 1:] * scale + shift[:, None, :]  # [K, rows, D]
+            candidate = np.floor_divide(shifted, divisor)
+            valid = np.all(candidate * divisor == shifted, axis=2)
+            valid &= np.all((candidate >= layout.coord_min) & (candidate <= layout.coord_max), axis=2)
+            ks, rows = np.nonzero(valid)
+            if self.num_coords == 0 or ks.size == 0:
+                continue
+            wanted = np.concatenate([block[rows, :1], candidate[ks, rows]], axis=1)
+            keys = pack_keys(wanted)
+            position = np.minimum(np.searchsorted(self._sorted_keys, keys), self.num_coords - 1)
+            hit = self._sorted_keys[position] == keys
+            table[ks[hit], start + rows[hit]] = self._order[position[hit]]
+        return table
+
+
+class GpuHashTable:
+    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
+
+    def __init__(self, coords):
+        import cupy
+
+        self.num_coords = coords.shape[0]
+        self.spatial_dims = coords.shape[1] - 1
+        capacity = 1 << max(4, (2 * self.num_coords - 1).bit_length())
+        self._capacity_mask = np.uint64(capacity - 1)
+        self._keys = cupy.full(capacity, EMPTY_KEY, dtype=np.uint64)
+        self._values = cupy.empty(capacity, dtype=np.int32)
+        if self.num_coords:
+            grid, block = launch_config(self.num_coords)
+            _KERNELS.get(f"insert_coordinates<{self.spatial_dims}>")(
+                grid,
+                block,
+                (coords, np.int32(self.num_coords), self._keys, self._values, self._capacity_mask),
+            )
+
+    def pair_table(self, out_coords, query: Query):
+        import cupy
+
+        kernel_volume = int(np.prod(query.kernel_size))
+        num_out = out_coords.shape[0]
+        table = cupy.empty((kernel_volume, num_out), dtype=np.int32)
+        if num_out == 0:
+            return table
+        (blocks,), block = launch_config(num_out)
+        _KERNELS.get(f"query_pair_table<{self.spatial_dims}>")(
+            (blocks, kernel_volume),
+            block,
+            (
+                out_coords,
+                np.int32(num_out),
+                np.int32(kernel_volume),
+                query.as_struct(),
+                self._keys,
+                self._values,
+                self._capacity_mask,
+                table,
+            ),
+        )
+        return table
+

@@ -1,0 +1,225 @@
+"""Kernel maps: which input row feeds which output row through which kernel offset.
+
+A `KernelMap` holds the pair table `[K, N_out]` (input row, or -1 when offset k of output row i
+has no input) and derives on demand the per-offset CSR lists, the per-row offset bitmask and the
+mask-sorted row order. The builders below work on NumPy (CPU reference) or CuPy (GPU) coordinates
+alike; only the coordinate index (`coordinate_index`) and the bitmask differ per backend.
+
+Conventions, with coordinates in units of each tensor's own stride and `o_k` the k-th kernel
+offset (`coords.kernel_offsets`):
+- submanifold: output = input coordinates, pair when `in = out + dilation·o_k`;
+- strided: output = unique(floor(in / stride)), pair when `in = out·stride + dilation·o_k`;
+- transposed: the strided map with input and output swapped (output = the finer coordinates);
+- generative transposed: output = every `in·stride + dilation·o_k`, pair when that holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import array_module, is_cupy_array
+from .compile import KernelSource, launch_config
+from .coordinate_index import Query, build_index
+from .coords import as_tuple, kernel_offsets, pack_keys, unpack_keys
+
+_FORMAT_KERNELS = KernelSource("kernel_map_formats.cu", ("offset_mask",))
+
+
+@dataclass(frozen=True)
+class CsrPairs:
+    """Pairs grouped by offset: pairs `offsets[k]:offsets[k+1]` belong to offset k, by output row."""
+
+    in_idx: object
+    out_idx: object
+    offsets: object
+
+
+class KernelMap:
+    """The pair table of one convolution and the formats derived from it."""
+
+    def __init__(self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False):
+        self.pair_table = pair_table
+        self.num_in = num_in
+        self.kernel_size = tuple(kernel_size)
+        self.stride = tuple(stride)
+        self.dilation = tuple(dilation)
+        self.transposed = transposed
+        self.generative = generative
+
+    @property
+    def kernel_volume(self) -> int:
+        return self.pair_table.shape[0]
+
+    @property
+    def num_out(self) -> int:
+        return self.pair_table.shape[1]
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return kernel_offsets(self.kernel_size)
+
+    def __repr__(self) -> str:
+        kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
+        return (
+            f"KernelMap({kind}, kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, "
+            f"num_in={self.num_in}, num_out={self.num_out})"
+        )
+
+    @functools.cached_property
+    def _csr(self) -> CsrPairs:
+        xp = array_module(self.pair_table)
+        valid = self.pair_table >= 0
+        flat = xp.flatnonzero(valid.ravel())  # k-major, then output row ascending
+        counts = valid.sum(axis=1, dtype=np.int64)
+        offsets = xp.zeros(self.kernel_volume + 1, dtype=np.int64)
+        xp.cumsum(counts, out=offsets[1:])
+        return CsrPairs(
+            in_idx=self.pair_table.ravel()[flat],
+            out_idx=(flat % max(self.num_out, 1)).astype(np.int32),
+            offsets=offsets,
+        )
+
+    def csr(self) -> CsrPairs:
+        """Per-offset pair lists (computed once; on the GPU this synchronises for the pair count)."""
+        return self._csr
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self._csr.offsets[-1])
+
+    @functools.cached_property
+    def _offset_mask(self):
+        return offset_mask(self.pair_table)
+
+    def offset_mask(self):
+        """uint32 `[N_out, ceil(K/32)]`: bit k%32 of word k//32 set when offset k has an input."""
+        return self._offset_mask
+
+    @functools.cached_property
+    def _mask_sorted_order(self):
+        mask = self.offset_mask()
+        xp = array_module(mask)
+        if mask.shape[1] == 1:
+            return xp.argsort(mask[:, 0], kind="stable").astype(np.int32)
+        # The last key is the primary one: the highest word is the most significant.
+        return xp.lexsort(mask.T).astype(np.int32)
+
+    def mask_sorted_order(self):
+        """Output rows ordered by their offset bitmask (as a little-endian big integer), stable."""
+        return self._mask_sorted_order
+
+
+def offset_mask(pair_table):
+    """The offset bitmask of a pair table; see `KernelMap.offset_mask`."""
+    kernel_volume, num_out = pair_table.shape
+    num_words = -(-kernel_volume // 32)
+    if not is_cupy_array(pair_table):
+        present = np.zeros((num_words * 32, num_out), dtype=np.uint8)
+        present[:kernel_volume] = pair_table >= 0
+        packed = np.packbits(present.T.reshape(num_out, num_words, 32), axis=2, bitorder="little")
+        return np.ascontiguousarray(packed).view("<u4").reshape(num_out, num_words).astype(np.uint32)
+    import cupy
+
+    mask = cupy.empty((num_out, num_words), dtype=np.uint32)
+    if num_out:
+        grid, block = launch_config(num_out)
+        _FORMAT_KERNELS.get("offset_mask")(grid, block, (pair_table, np.int32(num_out), np.int32(kernel_volume), mask))
+    return mask
+
+
+def _unique_coordinates(coords):
+    """Unique rows of int32 coordinates, sorted by packed key (synchronises on the GPU)."""
+    xp = array_module(coords)
+    return unpack_keys(xp.unique(pack_keys(coords)), coords.shape[1] - 1)
+
+
+def downsample_coordinates(coords, stride):
+    """unique(floor(coords / stride)) per batch, in key order."""
+    spatial_dims = coords.shape[1] - 1
+    stride = as_tuple(stride, spatial_dims, "stride")
+    xp = array_module(coords)
+    scaled = coords.copy()
+    scaled[:, 1:] = xp.floor_divide(coords[:, 1:], xp.asarray(stride, dtype=np.int32))
+    return _unique_coordinates(scaled)
+
+
+def generative_coordinates(coords, kernel_size, stride, dilation):
+    """Every coordinate `in·stride + dilation·o_k`, unique, in key order."""
+    xp = array_module(coords)
+    spatial_dims = coords.shape[1] - 1
+    shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int32))  # [K, D]
+    candidates = xp.empty((shift.shape[0], coords.shape[0], 1 + spatial_dims), dtype=np.int32)
+    candidates[:, :, 0] = coords[None, :, 0]
+    candidates[:, :, 1:] = coords[None, :, 1:] * xp.asarray(stride, dtype=np.int32) + shift[:, None, :]
+    return _unique_coordinates(candidates.reshape(-1, 1 + spatial_dims))
+
+
+def _geometry(coords, kernel_size, stride, dilation):
+    spatial_dims = coords.shape[1] - 1
+    return (
+        as_tuple(kernel_size, spatial_dims, "kernel_size"),
+        as_tuple(stride, spatial_dims, "stride"),
+        as_tuple(dilation, spatial_dims, "dilation"),
+    )
+
+
+def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
+    """Output = input coordinates. `index` reuses a `coordinate_index.build_index(in_coords)`."""
+    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
+    index = index or build_index(in_coords)
+    table = index.pair_table(in_coords, Query(kernel_size, dilation, out_scale=stride, divisor=stride))
+    return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
+
+
+def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coords=None):
+    """(out_coords, map) of a strided convolution; `out_coords` defaults to the downsampled input."""
+    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
+    if out_coords is None:
+        out_coords = downsample_coordinates(in_coords, stride)
+    index = index or build_index(in_coords)
+    ones = (1,) * len(stride)
+    table = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=ones))
+    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
+
+
+def transposed_map(strided: KernelMap) -> KernelMap:
+    """The map of the transposed convolution matching `strided`: coarse input, fine output.
+
+    Inverts the pair table without any search: strided pair (k, coarse c, fine f) becomes
+    transposed pair (k, fine f, coarse c).
+    """
+    if strided.transposed:
+        raise ValueError("transposed_map expects the forward (strided) map")
+    xp = array_module(strided.pair_table)
+    kernel_volume, num_coarse = strided.pair_table.shape
+    num_fine = strided.num_in
+    fine = strided.pair_table
+    valid = fine >= 0
+    # Invalid entries all write -1 into one spare slot past the end, so no compaction (and no
+    # device synchronisation) is needed.
+    spare = kernel_volume * num_fine
+    target = xp.where(valid, xp.arange(kernel_volume, dtype=np.int64)[:, None] * num_fine + fine, spare)
+    coarse = xp.broadcast_to(xp.arange(num_coarse, dtype=np.int32), fine.shape)
+    table = xp.full(spare + 1, -1, dtype=np.int32)
+    table[target.ravel()] = xp.where(valid, coarse, -1).ravel()
+    return KernelMap(
+        table[:spare].reshape(kernel_volume, num_fine),
+        num_coarse,
+        strided.kernel_size,
+        strided.stride,
+        strided.dilation,
+        transposed=True,
+    )
+
+
+def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
+    """(out_coords, map) of a generative transposed convolution: every reachable coordinate."""
+    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
+    out_coords = generative_coordinates(in_coords, kernel_size, stride, dilation)
+    index = index or build_index(in_coords)
+    ones = (1,) * len(stride)
+    table = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1))
+    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True)
