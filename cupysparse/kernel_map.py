@@ -70,17 +70,7 @@ class KernelMap:
 
     @functools.cached_property
     def _csr(self) -> CsrPairs:
-        xp = array_module(self.pair_table)
-        valid = self.pair_table >= 0
-        flat = xp.flatnonzero(valid.ravel())  # k-major, then output row ascending
-        counts = valid.sum(axis=1, dtype=np.int64)
-        offsets = xp.zeros(self.kernel_volume + 1, dtype=np.int64)
-        xp.cumsum(counts, out=offsets[1:])
-        return CsrPairs(
-            in_idx=self.pair_table.ravel()[flat],
-            out_idx=(flat % max(self.num_out, 1)).astype(np.int32),
-            offsets=offsets,
-        )
+        return csr_pairs(self.pair_table)
 
     def csr(self) -> CsrPairs:
         """Per-offset pair lists (computed once; on the GPU this synchronises for the pair count)."""
@@ -100,16 +90,26 @@ class KernelMap:
 
     @functools.cached_property
     def _mask_sorted_order(self):
-        mask = self.offset_mask()
-        xp = array_module(mask)
-        if mask.shape[1] == 1:
-            return xp.argsort(mask[:, 0], kind="stable").astype(np.int32)
-        # The last key is the primary one: the highest word is the most significant.
-        return xp.lexsort(mask.T).astype(np.int32)
+        return mask_sorted_order(self.offset_mask())
 
     def mask_sorted_order(self):
         """Output rows ordered by their offset bitmask (as a little-endian big integer), stable."""
         return self._mask_sorted_order
+
+
+def csr_pairs(pair_table) -> CsrPairs:
+    """The per-offset pair lists of a pair table; see `KernelMap.csr`."""
+    xp = array_module(pair_table)
+    kernel_volume, num_out = pair_table.shape
+    valid = pair_table >= 0
+    flat = xp.flatnonzero(valid.ravel())  # k-major, then output row ascending
+    offsets = xp.zeros(kernel_volume + 1, dtype=np.int64)
+    xp.cumsum(valid.sum(axis=1, dtype=np.int64), out=offsets[1:])
+    return CsrPairs(
+        in_idx=pair_table.ravel()[flat],
+        out_idx=(flat % max(num_out, 1)).astype(np.int32),
+        offsets=offsets,
+    )
 
 
 def offset_mask(pair_table):
@@ -128,6 +128,15 @@ def offset_mask(pair_table):
         grid, block = launch_config(num_out)
         _FORMAT_KERNELS.get("offset_mask")(grid, block, (pair_table, np.int32(num_out), np.int32(kernel_volume), mask))
     return mask
+
+
+def mask_sorted_order(mask):
+    """Rows ordered by their offset bitmask (as a little-endian big integer), stable."""
+    xp = array_module(mask)
+    if mask.shape[1] == 1:
+        return xp.argsort(mask[:, 0], kind="stable").astype(np.int32)
+    # The last key is the primary one: the highest word is the most significant.
+    return xp.lexsort(mask.T).astype(np.int32)
 
 
 def _unique_coordinates(coords):

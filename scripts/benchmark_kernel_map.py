@@ -1,0 +1,198 @@
+"""Kernel-map build time: cupysparse against spconv 2.x in the same run, on the indoor scene.
+
+For each voxel count it times, with CUDA events (median of --repeats after --warmup runs):
+  submanifold 3³: hash build, pair-table query, then each derived format (CSR lists, offset
+  bitmask, mask-sorted order); strided 2³ stride 2: downsampling (unique), hash build, query.
+When spconv is importable the same maps are built by spconv's implicit-GEMM pair generation
+(pair table + masks + mask argsort, inference mode) and the ratio spconv / cupysparse is printed.
+Without a GPU it times the NumPy reference path with the host clock.
+
+    cupysparse-benchmark-kernel-map --num-voxels 100000,1000000 --csv kernel_map.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from cupysparse import backend
+from cupysparse.coordinate_index import Query, build_index
+from cupysparse.kernel_map import csr_pairs, downsample_coordinates, mask_sorted_order, offset_mask
+from cupysparse.scenes import make_scene
+
+SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
+STRIDED = ((2, 2, 2), (2, 2, 2))
+
+
+def _timer(device: str):
+    if device == "cpu":
+
+        def time_cpu(fn, warmup, repeats):
+            for _ in range(warmup):
+                fn()
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(samples)
+
+        return time_cpu
+    import cupy
+
+    def time_gpu(fn, warmup, repeats):
+        for _ in range(warmup):
+            fn()
+        cupy.cuda.Device().synchronize()
+        samples = []
+        for _ in range(repeats):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop))
+        return statistics.median(samples)
+
+    return time_gpu
+
+
+def cupysparse_stages(coords):
+    """(case, stage) → zero-argument callable doing that stage of the map build from scratch."""
+    kernel_size, stride = SUBMANIFOLD
+    index = build_index(coords)
+    query = Query(kernel_size, (1, 1, 1), out_scale=stride, divisor=stride)
+    table = index.pair_table(coords, query)
+    mask = offset_mask(table)
+
+    strided_kernel, strided_stride = STRIDED
+    coarse = downsample_coordinates(coords, strided_stride)
+    strided_query = Query(strided_kernel, (1, 1, 1), out_scale=strided_stride, divisor=(1, 1, 1))
+
+    def strided_full():
+        out = downsample_coordinates(coords, strided_stride)
+        return mask_sorted_order(offset_mask(build_index(coords).pair_table(out, strided_query)))
+
+    return {
+        ("subm 3^3", "hash build"): lambda: build_index(coords),
+        ("subm 3^3", "query (pair table)"): lambda: index.pair_table(coords, query),
+        ("subm 3^3", "map = build + query"): lambda: build_index(coords).pair_table(coords, query),
+        ("subm 3^3", "csr lists"): lambda: csr_pairs(table),
+        ("subm 3^3", "offset mask"): lambda: offset_mask(table),
+        ("subm 3^3", "mask-sorted order"): lambda: mask_sorted_order(mask),
+        ("subm 3^3", "map + mask + order"): lambda: mask_sorted_order(
+            offset_mask(build_index(coords).pair_table(coords, query))
+        ),
+        ("strided 2^3/2", "downsample (unique)"): lambda: downsample_coordinates(coords, strided_stride),
+        ("strided 2^3/2", "query (pair table)"): lambda: index.pair_table(coarse, strided_query),
+        ("strided 2^3/2", "map + mask + order"): strided_full,
+    }
+
+
+def spconv_stages(coords_numpy):
+    """The comparable spconv work, or {} when spconv (and torch with CUDA) is not importable."""
+    try:
+        import torch
+        from spconv.core import ConvAlgo
+        from spconv.pytorch import ops
+    except Exception as error:  # spconv absent or broken: the benchmark still runs without it
+        print(f"spconv not importable ({type(error).__name__}: {error}); cupysparse only", file=sys.stderr)
+        return {}
+    # spconv wants non-negative (batch, z, y, x) inside a spatial shape.
+    shifted = coords_numpy.copy()
+    shifted[:, 1:] -= shifted[:, 1:].min(axis=0)
+    spatial_shape = (shifted[:, 1:].max(axis=0) + 2).tolist()
+    indices = torch.from_numpy(shifted).cuda()
+    batch_size = int(shifted[:, 0].max()) + 1
+
+    def pairs(kernel_size, stride, subm):
+        return lambda: ops.get_indice_pairs_implicit_gemm(
+            indices, batch_size, spatial_shape, ConvAlgo.MaskImplicitGemm, list(kernel_size), list(stride),
+            [k // 2 if subm else 0 for k in kernel_size], [1, 1, 1], [0, 0, 0], subm=subm, is_train=False,
+        )
+
+    return {
+        ("subm 3^3", "map + mask + order"): pairs(*SUBMANIFOLD, subm=True),
+        ("strided 2^3/2", "map + mask + order"): pairs(*STRIDED, subm=False),
+    }
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-voxels", default=None, help="comma-separated voxel counts (default: 100000,1000000 "
+                        "on a GPU, 100000 on the CPU)")
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-spconv", action="store_true", help="skip the spconv comparison")
+    parser.add_argument("--csv", default=None, help="write the rows to this CSV file")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = backend.default_device()
+    default_counts = "100000,1000000" if args.device == "cuda" else "100000"
+    try:
+        args.num_voxels = [int(n) for n in (args.num_voxels or default_counts).split(",")]
+    except ValueError:
+        parser.error(f"--num-voxels must be comma-separated integers, got {args.num_voxels!r}")
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
+    return args
+
+
+def describe_device(device: str) -> str:
+    if device == "cpu":
+        return "CPU (NumPy reference path)"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return f"{props['name'].decode()} (sm_{props['major']}{props['minor']})"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    measure = _timer(args.device)
+    print(f"kernel-map build, {args.scene} scene, on {describe_device(args.device)}; "
+          f"median of {args.repeats} after {args.warmup} warm-up runs")
+    rows = []
+    for num_voxels in args.num_voxels:
+        scene = make_scene(args.scene, num_voxels, seed=0)
+        voxels = scene.voxel_coordinates()
+        coords_numpy = np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
+        coords = backend.to_device(coords_numpy, args.device)
+        ours = cupysparse_stages(coords)
+        theirs = {} if args.no_spconv or args.device == "cpu" else spconv_stages(coords_numpy)
+        for (case, stage), fn in ours.items():
+            ours_ms = measure(fn, args.warmup, args.repeats)
+            theirs_ms = measure(theirs[(case, stage)], args.warmup, args.repeats) if (case, stage) in theirs else None
+            rows.append({
+                "device": args.device,
+                "num_voxels": len(voxels),
+                "case": case,
+                "stage": stage,
+                "cupysparse_ms": round(ours_ms, 4),
+                "spconv_ms": None if theirs_ms is None else round(theirs_ms, 4),
+                "spconv_over_cupysparse": None if theirs_ms is None else round(theirs_ms / ours_ms, 2),
+            })
+    print(f"{'voxels':>9} {'case':<14} {'stage':<22} {'cupysparse ms':>14} {'spconv ms':>10} {'spconv/ours':>12}")
+    for row in rows:
+        theirs = "" if row["spconv_ms"] is None else f"{row['spconv_ms']:.3f}"
+        ratio = "" if row["spconv_over_cupysparse"] is None else f"{row['spconv_over_cupysparse']:.2f}x"
+        print(f"{row['num_voxels']:>9} {row['case']:<14} {row['stage']:<22} {row['cupysparse_ms']:>14.3f} "
+              f"{theirs:>10} {ratio:>12}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

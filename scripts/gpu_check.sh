@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU machine's one-call check: install offline, run the GPU tests, then the quick benchmark.
+# Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
+# there (see the peer-wheels tool), so the benchmark compares against it.
+set -uo pipefail
+out=${OUT:-gpu-check-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
+if [ -s .peer/peer.tar.xz ]; then
+  mkdir -p /tmp/peer && tar -C /tmp/peer -xJf .peer/peer.tar.xz &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/peer .peer/*.whl &&
+    export PYTHONPATH=/tmp/peer${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+python3 -m cupysparse info | tee "$out/info.txt"
+# Test from outside the checkout so the installed package (with its kernel folder) is imported.
+(cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir=. -c ../pyproject.toml . 2>&1) | tee "$out/pytest_gpu.txt"
+tests_status=${PIPESTATUS[0]}
+python3 -m cupysparse.scripts.benchmark_kernel_map --csv "$out/benchmark_kernel_map.csv" "$@" 2>&1 | tee "$out/benchmark_kernel_map.txt"
+bench_status=${PIPESTATUS[0]}
+echo "gpu tests exit $tests_status, benchmark exit $bench_status"
+exit $(( tests_status || bench_status ))
