@@ -232,3 +232,79 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
     ones = (1,) * len(stride)
     table = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1))
     return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True)
+
+
+@dataclass(frozen=True)
+class MapResult:
+    """A kernel map with the coordinates, tensor stride and cache its output tensor gets."""
+
+    kernel_map: KernelMap
+    out_coordinates: object
+    out_tensor_stride: tuple[int, ...]
+    out_map_cache: KernelMapCache
+
+
+class KernelMapCache:
+    """Coordinates per tensor stride, their indices, and the maps built between them.
+
+    Shared by every tensor derived from one input through submanifold, strided and transposed
+    convolutions, so a U-Net builds each map once and its decoder reuses the encoder's maps
+    (a transposed convolution inverts the matching strided map). Generative convolutions create
+    new coordinates and so start a cache of their own.
+    """
+
+    def __init__(self, coordinates, tensor_stride: tuple[int, ...]):
+        self._coordinates = {tuple(tensor_stride): coordinates}
+        self._indices = {}
+        self._maps: dict[tuple, MapResult] = {}
+
+    def coordinates(self, tensor_stride: tuple[int, ...]):
+        try:
+            return self._coordinates[tuple(tensor_stride)]
+        except KeyError:
+            known = sorted(self._coordinates)
+            raise ValueError(
+                f"no coordinates at tensor stride {tuple(tensor_stride)} in this map cache (known: {known}); "
+                "a transposed convolution returns to the coordinates of a tensor this one was downsampled "
+                "from; use generative=True to create new coordinates instead"
+            ) from None
+
+    def _index(self, tensor_stride):
+        if tensor_stride not in self._indices:
+            self._indices[tensor_stride] = build_index(self.coordinates(tensor_stride))
+        return self._indices[tensor_stride]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def kernel_map(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
+        """The `MapResult` of a convolution applied to the coordinates at `tensor_stride`, cached."""
+        coords = self.coordinates(tensor_stride)
+        tensor_stride = tuple(tensor_stride)
+        kernel_size, stride, dilation = _geometry(coords, kernel_size, stride, dilation)
+        if generative and not transposed:
+            raise ValueError("generative=True needs transposed=True")
+        key = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        if key not in self._maps:
+            self._maps[key] = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        return self._maps[key]
+
+    def _build(self, coords, tensor_stride, kernel_size, stride, dilation, transposed, generative) -> MapResult:
+        index = self._index(tensor_stride)
+        if not transposed:
+            if all(s == 1 for s in stride):
+                return MapResult(submanifold_map(coords, kernel_size, dilation, index), coords, tensor_stride, self)
+            out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
+            if out_stride not in self._coordinates:
+                self._coordinates[out_stride] = downsample_coordinates(coords, stride)
+            out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index, self._coordinates[out_stride])
+            return MapResult(forward, out_coords, out_stride, self)
+        if any(t % s for t, s in zip(tensor_stride, stride)):
+            raise ValueError(f"a transposed convolution with stride {stride} needs a tensor stride divisible by it, "
+                             f"got {tensor_stride}")
+        fine_stride = tuple(t // s for t, s in zip(tensor_stride, stride))
+        if generative:
+            out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)
+            return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride))
+        forward = self.kernel_map(fine_stride, kernel_size, stride, dilation).kernel_map
+        return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, self)

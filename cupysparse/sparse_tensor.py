@@ -12,6 +12,7 @@ import numpy as np
 
 from .backend import array_module, is_cupy_array, to_device, to_numpy
 from .coords import MAX_SPATIAL_DIMS, as_tuple, key_layout, pack_keys, unpack_keys, validate_coordinates
+from .kernel_map import KernelMapCache, MapResult
 
 _REDUCTIONS = ("mean", "first")
 
@@ -68,7 +69,8 @@ class SparseTensor:
 
     `validate=False` skips the value checks of the coordinates (range, batch gaps, duplicates),
     which synchronise the GPU; use it only for coordinates the library produced itself. Dtype and
-    shape checks always run. `map_cache` is shared with tensors that have the same coordinates.
+    shape checks always run. `map_cache` (a `KernelMapCache`) is shared by the tensors derived
+    from one another, so each kernel map is built once.
     """
 
     def __init__(self, coordinates, features, tensor_stride=1, *, validate=True, map_cache=None):
@@ -80,7 +82,7 @@ class SparseTensor:
         self._coordinates = coordinates
         self._features = features
         self._tensor_stride = as_tuple(tensor_stride, coordinates.shape[1] - 1, "tensor_stride")
-        self._map_cache = {} if map_cache is None else map_cache
+        self._map_cache = KernelMapCache(coordinates, self._tensor_stride) if map_cache is None else map_cache
         self._batch_size = None
 
     @property
@@ -128,6 +130,14 @@ class SparseTensor:
     @property
     def map_cache(self):
         return self._map_cache
+
+    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
+        """The kernel map of a convolution applied to this tensor, built once and cached.
+
+        See `cupysparse.kernel_map` for the semantics of each kind. The result also carries the
+        output coordinates and tensor stride, and the map cache the output tensor should share.
+        """
+        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
 
     def __repr__(self) -> str:
         return (

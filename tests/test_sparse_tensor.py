@@ -11,6 +11,7 @@ import pytest
 
 from cupysparse.backend import cupy_module, gpu_available, to_numpy
 from cupysparse.coords import key_layout
+from cupysparse.kernel_map import KernelMapCache
 from cupysparse.sparse_tensor import SparseTensor
 
 GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
@@ -86,12 +87,62 @@ def test_empty_tensor_is_valid(xp):
     assert len(tensor) == 0 and tensor.batch_size == 0 and tensor.num_channels == 7
 
 
-def test_map_cache_defaults_to_a_fresh_dict_and_keeps_a_given_object():
+def test_map_cache_defaults_to_a_fresh_cache_and_keeps_a_given_object():
     coords, feats = np.zeros((1, 4), np.int32), np.ones((1, 1), np.float32)
     first, second = SparseTensor(coords, feats), SparseTensor(coords, feats)
-    assert first.map_cache == {} and first.map_cache is not second.map_cache
-    cache = {"built": "maps"}
-    assert SparseTensor(coords, feats, map_cache=cache).map_cache is cache
+    assert isinstance(first.map_cache, KernelMapCache) and len(first.map_cache) == 0
+    assert first.map_cache is not second.map_cache
+    shared = first.map_cache
+    assert SparseTensor(coords, feats, map_cache=shared).map_cache is shared
+
+
+def _cloud(seed=0, size=200):
+    rng = np.random.default_rng(seed)
+    coords = np.concatenate([rng.integers(0, 2, (size, 1)), rng.integers(-6, 6, (size, 3))], axis=1).astype(np.int32)
+    coords = np.unique(coords, axis=0)
+    coords = coords[np.isin(coords[:, 0], [0, 1])]
+    return SparseTensor(coords, np.ones((len(coords), 2), np.float32))
+
+
+def test_kernel_maps_are_built_once_and_shared_through_the_network():
+    tensor = _cloud()
+    subm = tensor.kernel_map(3)
+    assert tensor.kernel_map(3) is subm and tensor.replace_features(tensor.features * 2).kernel_map(3) is subm
+    assert subm.out_coordinates is tensor.coordinates and subm.out_tensor_stride == (1, 1, 1)
+    down = tensor.kernel_map(2, stride=2)
+    assert down.out_tensor_stride == (2, 2, 2) and down.out_map_cache is tensor.map_cache
+    coarse = SparseTensor(down.out_coordinates, np.ones((len(down.out_coordinates), 1), np.float32), (2, 2, 2),
+                          map_cache=down.out_map_cache)
+    up = coarse.kernel_map(2, stride=2, transposed=True)
+    # The decoder's map is the encoder's, inverted: same pairs, roles swapped.
+    assert up.out_coordinates is tensor.coordinates and up.out_tensor_stride == (1, 1, 1)
+    forward = down.kernel_map.pair_table
+    for k in range(forward.shape[0]):
+        coarse_rows = np.flatnonzero(forward[k] >= 0)
+        assert np.array_equal(up.kernel_map.pair_table[k, forward[k, coarse_rows]], coarse_rows)
+    assert (up.kernel_map.pair_table >= 0).sum() == (forward >= 0).sum()
+    cached = len(tensor.map_cache)
+    assert coarse.kernel_map(2, stride=2, transposed=True) is up and len(tensor.map_cache) == cached
+
+
+def test_generative_transposed_map_starts_its_own_cache():
+    tensor = _cloud(seed=1)
+    coarse_map = tensor.kernel_map(3, stride=2)
+    coarse = SparseTensor(coarse_map.out_coordinates, np.ones((len(coarse_map.out_coordinates), 1), np.float32),
+                          (2, 2, 2), map_cache=coarse_map.out_map_cache)
+    generated = coarse.kernel_map(3, stride=2, transposed=True, generative=True)
+    assert generated.out_map_cache is not tensor.map_cache and generated.out_tensor_stride == (1, 1, 1)
+    assert len(generated.out_coordinates) > len(tensor.coordinates)
+
+
+def test_transposed_without_finer_coordinates_or_generative_without_transposed_is_an_error():
+    tensor = _cloud(seed=2)
+    with pytest.raises(ValueError, match="no coordinates at tensor stride"):
+        SparseTensor(tensor.coordinates, tensor.features, 2).kernel_map(2, stride=2, transposed=True)
+    with pytest.raises(ValueError, match="divisible"):
+        tensor.kernel_map(2, stride=2, transposed=True)
+    with pytest.raises(ValueError, match="generative=True needs transposed=True"):
+        tensor.kernel_map(3, stride=2, generative=True)
 
 
 def test_repr_reports_size_stride_dtype_and_device():
@@ -169,7 +220,7 @@ def test_mixing_numpy_and_cupy_names_both_arguments():
 
 def test_replace_features_shares_coordinates_stride_and_map_cache(xp):
     coords = xp.asarray(np.array([[0, 0, 0], [0, 1, 0], [1, 5, -5]], np.int32))
-    cache = {}
+    cache = KernelMapCache(coords, (2, 4))
     tensor = SparseTensor(coords, xp.ones((3, 2), np.float32), tensor_stride=(2, 4), map_cache=cache)
     new_features = xp.asarray(np.arange(12, dtype=np.float64).reshape(3, 4))
 
