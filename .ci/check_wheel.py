@@ -1,0 +1,45 @@
+"""Check a built cupysparse wheel: the mapped folders live under `cupysparse/`, never at top level.
+
+Usage: python .ci/check_wheel.py WHEEL
+"""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import PurePosixPath
+
+
+def problems(names: list[str]) -> list[str]:
+    paths = [PurePosixPath(name) for name in names]
+    found = []
+    if not any(path.parent == PurePosixPath("cupysparse/raw_kernels") and path.suffix == ".cu" for path in paths):
+        found.append("no cupysparse/raw_kernels/*.cu")
+    if "cupysparse/adapters/__init__.py" not in names:
+        found.append("no cupysparse/adapters/__init__.py")
+    if not any(name.startswith("cupysparse/scripts/") for name in names):
+        found.append("no cupysparse/scripts/")
+    # Only the package and its metadata may be installed: a top-level `adapters` would clash with PyPI's.
+    top_level = {path.parts[0] for path in paths}
+    stray = sorted(name for name in top_level if name != "cupysparse" and not name.endswith(".dist-info"))
+    if stray:
+        found.append(f"top-level entries besides cupysparse/: {', '.join(stray)}")
+    return found
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    with zipfile.ZipFile(argv[0]) as wheel:
+        names = wheel.namelist()
+    found = problems(names)
+    for problem in found:
+        print(f"check_wheel: {argv[0]}: {problem}", file=sys.stderr)
+    if not found:
+        print(f"check_wheel: {argv[0]}: ok ({len(names)} files)")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
