@@ -23,7 +23,7 @@ import numpy as np
 from .backend import array_module, is_cupy_array
 from .compile import KernelSource, launch_config
 from .coordinate_index import Query, build_index
-from .coords import as_tuple, kernel_offsets, pack_keys, unpack_keys
+from .coords import as_tuple, kernel_offsets, key_layout, pack_keys, unpack_keys
 
 _FORMAT_KERNELS = KernelSource("kernel_map_formats.cu", ("offset_mask",))
 
@@ -156,13 +156,23 @@ def downsample_coordinates(coords, stride):
 
 
 def generative_coordinates(coords, kernel_size, stride, dilation):
-    """Every coordinate `in·stride + dilation·o_k`, unique, in key order."""
+    """Every coordinate `in·stride + dilation·o_k`, unique, in key order.
+
+    Raises ValueError when one falls outside the key range (it would wrap, not fail, otherwise).
+    """
     xp = array_module(coords)
     spatial_dims = coords.shape[1] - 1
-    shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int32))  # [K, D]
+    shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64))  # [K, D]
+    spatial = coords[None, :, 1:].astype(np.int64) * xp.asarray(stride, dtype=np.int64) + shift[:, None, :]
+    layout = key_layout(spatial_dims)
+    if spatial.size and (int(spatial.min()) < layout.coord_min or int(spatial.max()) > layout.coord_max):
+        raise ValueError(
+            f"a generative transposed convolution (kernel {kernel_size}, stride {stride}, dilation {dilation}) "
+            f"would create coordinates outside [{layout.coord_min}, {layout.coord_max}], the range of D = {spatial_dims}"
+        )
     candidates = xp.empty((shift.shape[0], coords.shape[0], 1 + spatial_dims), dtype=np.int32)
     candidates[:, :, 0] = coords[None, :, 0]
-    candidates[:, :, 1:] = coords[None, :, 1:] * xp.asarray(stride, dtype=np.int32) + shift[:, None, :]
+    candidates[:, :, 1:] = spatial
     return _unique_coordinates(candidates.reshape(-1, 1 + spatial_dims))
 
 
