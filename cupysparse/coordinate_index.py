@@ -19,10 +19,15 @@ from .coords import key_layout, kernel_offsets, pack_keys
 
 _KERNELS = KernelSource(
     "coordinate_hash.cu",
-    tuple(f"{name}<{d}>" for name in ("insert_coordinates", "query_pair_table") for d in (2, 3, 4)),
+    tuple(
+        f"{name}<{d}>"
+        for name in ("insert_coordinates", "insert_smallest_row", "mark_first_occurrence", "query_pair_table")
+        for d in (2, 3, 4)
+    ),
 )
 
-EMPTY_KEY = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Slots are {key, value} pairs of uint64, both all ones when empty (see coordinate_key.cuh).
+EMPTY_SLOT = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 # Mirrors `struct QueryGeometry` in raw_kernels/coordinate_hash.cu.
 _GEOMETRY_DTYPE = np.dtype(
@@ -102,22 +107,32 @@ class SortedKeyIndex:
 class GpuHashTable:
     """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
 
-    def __init__(self, coords):
+    def __init__(self, coords, insert_kernel="insert_coordinates"):
         import cupy
 
         self.num_coords = coords.shape[0]
         self.spatial_dims = coords.shape[1] - 1
         capacity = 1 << max(4, (2 * self.num_coords - 1).bit_length())
         self._capacity_mask = np.uint64(capacity - 1)
-        self._keys = cupy.full(capacity, EMPTY_KEY, dtype=np.uint64)
-        self._values = cupy.empty(capacity, dtype=np.int32)
+        self._slots = cupy.full((capacity, 2), EMPTY_SLOT, dtype=np.uint64)
         if self.num_coords:
-            grid, block = launch_config(self.num_coords)
-            _KERNELS.get(f"insert_coordinates<{self.spatial_dims}>")(
-                grid,
-                block,
-                (coords, np.int32(self.num_coords), self._keys, self._values, self._capacity_mask),
-            )
+            self._launch(insert_kernel, coords)
+
+    def _launch(self, kernel, coords, *outputs):
+        grid, block = launch_config(coords.shape[0])
+        _KERNELS.get(f"{kernel}<{self.spatial_dims}>")(
+            grid, block, (coords, np.int32(coords.shape[0]), self._slots, self._capacity_mask, *outputs)
+        )
+
+    def first_occurrences(self, coords):
+        """bool `[N]`: whether each row is the first one with its coordinate (table built from them
+        with `insert_kernel="insert_smallest_row"`)."""
+        import cupy
+
+        is_first = cupy.empty(coords.shape[0], dtype=bool)
+        if coords.shape[0]:
+            self._launch("mark_first_occurrence", coords, is_first)
+        return is_first
 
     def pair_table(self, out_coords, query: Query):
         import cupy
@@ -127,20 +142,38 @@ class GpuHashTable:
         table = cupy.empty((kernel_volume, num_out), dtype=np.int32)
         if num_out == 0:
             return table
-        (blocks,), block = launch_config(num_out)
+        grid, block = launch_config(num_out)
         _KERNELS.get(f"query_pair_table<{self.spatial_dims}>")(
-            (blocks, kernel_volume),
+            grid,
             block,
             (
                 out_coords,
                 np.int32(num_out),
                 np.int32(kernel_volume),
                 query.as_struct(),
-                self._keys,
-                self._values,
+                self._slots,
                 self._capacity_mask,
                 table,
             ),
         )
         return table
 
+
+
+def unique_coordinates(coords):
+    """The distinct rows of int32 coordinates `[N, 1 + D]`, in order of first occurrence.
+
+    On the GPU a hash table keeps the smallest row of each coordinate, so no sort is needed; the
+    CPU gives the same rows in the same order. Synchronises once on the GPU (for the count).
+    """
+    if not is_cupy_array(coords):
+        keys = pack_keys(coords)
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        starts = np.ones(len(keys), dtype=bool)
+        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+        return coords[np.sort(order[starts])]
+    import cupy
+
+    table = GpuHashTable(coords, insert_kernel="insert_smallest_row")
+    return coords[cupy.flatnonzero(table.first_occurrences(coords))]

@@ -11,6 +11,8 @@ offset (`coords.kernel_offsets`):
 - strided: output = unique(floor(in / stride)), pair when `in = out·stride + dilation·o_k`;
 - transposed: the strided map with input and output swapped (output = the finer coordinates);
 - generative transposed: output = every `in·stride + dilation·o_k`, pair when that holds.
+New output coordinates come in order of first occurrence (input rows outer, offsets inner), on
+both backends, so results are deterministic without sorting.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import numpy as np
 
 from .backend import array_module, is_cupy_array
 from .compile import KernelSource, launch_config
-from .coordinate_index import Query, build_index
-from .coords import as_tuple, kernel_offsets, key_layout, pack_keys, unpack_keys
+from .coordinate_index import Query, build_index, unique_coordinates
+from .coords import as_tuple, kernel_offsets, key_layout
 
 _FORMAT_KERNELS = KernelSource("kernel_map_formats.cu", ("offset_mask",))
 
@@ -139,41 +141,36 @@ def mask_sorted_order(mask):
     return xp.lexsort(mask.T).astype(np.int32)
 
 
-def _unique_coordinates(coords):
-    """Unique rows of int32 coordinates, sorted by packed key (synchronises on the GPU)."""
-    xp = array_module(coords)
-    return unpack_keys(xp.unique(pack_keys(coords)), coords.shape[1] - 1)
-
-
 def downsample_coordinates(coords, stride):
-    """unique(floor(coords / stride)) per batch, in key order."""
+    """unique(floor(coords / stride)) per batch, in order of first occurrence in `coords`."""
     spatial_dims = coords.shape[1] - 1
     stride = as_tuple(stride, spatial_dims, "stride")
     xp = array_module(coords)
     scaled = coords.copy()
     scaled[:, 1:] = xp.floor_divide(coords[:, 1:], xp.asarray(stride, dtype=np.int32))
-    return _unique_coordinates(scaled)
+    return unique_coordinates(scaled)
 
 
 def generative_coordinates(coords, kernel_size, stride, dilation):
-    """Every coordinate `in·stride + dilation·o_k`, unique, in key order.
+    """Every coordinate `in·stride + dilation·o_k`, unique, in order of first occurrence with
+    input rows outer and offsets inner.
 
     Raises ValueError when one falls outside the key range (it would wrap, not fail, otherwise).
     """
     xp = array_module(coords)
     spatial_dims = coords.shape[1] - 1
     shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64))  # [K, D]
-    spatial = coords[None, :, 1:].astype(np.int64) * xp.asarray(stride, dtype=np.int64) + shift[:, None, :]
+    spatial = coords[:, None, 1:].astype(np.int64) * xp.asarray(stride, dtype=np.int64) + shift[None, :, :]
     layout = key_layout(spatial_dims)
     if spatial.size and (int(spatial.min()) < layout.coord_min or int(spatial.max()) > layout.coord_max):
         raise ValueError(
             f"a generative transposed convolution (kernel {kernel_size}, stride {stride}, dilation {dilation}) "
             f"would create coordinates outside [{layout.coord_min}, {layout.coord_max}], the range of D = {spatial_dims}"
         )
-    candidates = xp.empty((shift.shape[0], coords.shape[0], 1 + spatial_dims), dtype=np.int32)
-    candidates[:, :, 0] = coords[None, :, 0]
+    candidates = xp.empty((coords.shape[0], shift.shape[0], 1 + spatial_dims), dtype=np.int32)
+    candidates[:, :, 0] = coords[:, None, 0]
     candidates[:, :, 1:] = spatial
-    return _unique_coordinates(candidates.reshape(-1, 1 + spatial_dims))
+    return unique_coordinates(candidates.reshape(-1, 1 + spatial_dims))
 
 
 def _geometry(coords, kernel_size, stride, dilation):

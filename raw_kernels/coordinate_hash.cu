@@ -1,5 +1,6 @@
-// The GPU coordinate index: a hash table of input coordinates and one query kernel that, for all
-// kernel offsets at once, writes the pair table [K, N_out] (input row or -1).
+// The GPU coordinate index: a hash table of coordinates, one query kernel that writes the pair
+// table [K, N_out] (input row or -1) for all kernel offsets at once, and the first-occurrence
+// marking behind `unique_coordinates`.
 #include "coordinate_key.cuh"
 
 // Per-axis geometry of a query, passed by value (D <= 4).
@@ -12,55 +13,72 @@ struct QueryGeometry {
 };
 
 template <int D>
-__global__ void insert_coordinates(const int* __restrict__ coords, int num_coords, key_t64* __restrict__ keys,
-                                   int* __restrict__ values, key_t64 capacity_mask) {
+__global__ void insert_coordinates(const int* __restrict__ coords, int num_coords, ulonglong2* __restrict__ slots,
+                                   key_t64 capacity_mask) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= num_coords) return;
-  const int* c = coords + (long long)row * (D + 1);
-  long long spatial[D];
-#pragma unroll
-  for (int axis = 0; axis < D; ++axis) spatial[axis] = c[1 + axis];
-  key_t64 key;
-  pack_key<D>(c[0], spatial, &key);  // validated on the host: always fits
-  key_t64 slot = mix_key(key) & capacity_mask;
-  while (true) {
-    const key_t64 previous = atomicCAS(keys + slot, CUPYSPARSE_EMPTY_KEY, key);
-    if (previous == CUPYSPARSE_EMPTY_KEY || previous == key) {
-      values[slot] = row;
-      return;
-    }
-    slot = (slot + 1) & capacity_mask;
-  }
+  claim_slot(slots, capacity_mask, row_key<D>(coords, row))->y = row;
 }
 
-// One thread per (offset, output row): pair_table[k * num_out + row] = input row or -1.
+// Rows may repeat: each key keeps the smallest row that has it, so the result is deterministic.
+template <int D>
+__global__ void insert_smallest_row(const int* __restrict__ coords, int num_coords, ulonglong2* __restrict__ slots,
+                                    key_t64 capacity_mask) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= num_coords) return;
+  atomicMin(&claim_slot(slots, capacity_mask, row_key<D>(coords, row))->y, (key_t64)row);
+}
+
+template <int D>
+__global__ void mark_first_occurrence(const int* __restrict__ coords, int num_coords,
+                                      const ulonglong2* __restrict__ slots, key_t64 capacity_mask,
+                                      bool* __restrict__ is_first) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= num_coords) return;
+  is_first[row] = find_key(slots, capacity_mask, row_key<D>(coords, row)) == row;
+}
+
+// One thread per output row, looping over the offsets: the row's coordinates are read once and
+// each offset's writes are coalesced across the warp.
 template <int D>
 __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out, int kernel_volume,
-                                 QueryGeometry geometry, const key_t64* __restrict__ keys,
-                                 const int* __restrict__ values, key_t64 capacity_mask,
-                                 int* __restrict__ pair_table) {
+                                 QueryGeometry geometry, const ulonglong2* __restrict__ slots,
+                                 key_t64 capacity_mask, int* __restrict__ pair_table) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  const int k = blockIdx.y;
   if (row >= num_out) return;
   const int* c = out_coords + (long long)row * (D + 1);
-  long long candidate[D];
-  bool valid = true;
-  int remaining = k;
+  const int batch = c[0];
+  long long base[D];
+  int index[D];  // per-axis position inside the kernel; the last axis runs fastest
 #pragma unroll
-  for (int axis = D - 1; axis >= 0; --axis) {  // offset k in lexicographic order, last axis fastest
-    const int size = geometry.kernel_size[axis];
-    const int offset = remaining % size - (size - 1) / 2;
-    remaining /= size;
-    const long long shifted =
-        (long long)c[1 + axis] * geometry.out_scale[axis] + geometry.sign * geometry.dilation[axis] * offset;
-    const int divisor = geometry.divisor[axis];
-    // Floor-correct divisibility test for negative values too.
-    const long long quotient = shifted >= 0 ? shifted / divisor : -((-shifted + divisor - 1) / divisor);
-    valid = valid && quotient * divisor == shifted;
-    candidate[axis] = quotient;
+  for (int axis = 0; axis < D; ++axis) {
+    base[axis] = (long long)c[1 + axis] * geometry.out_scale[axis];
+    index[axis] = 0;
   }
-  key_t64 key;
-  int found = -1;
-  if (valid && pack_key<D>(c[0], candidate, &key)) found = find_key(keys, values, capacity_mask, key);
-  pair_table[(long long)k * num_out + row] = found;
+  for (int k = 0; k < kernel_volume; ++k) {
+    long long candidate[D];
+    bool valid = true;
+#pragma unroll
+    for (int axis = 0; axis < D; ++axis) {
+      const int offset = index[axis] - (geometry.kernel_size[axis] - 1) / 2;
+      const long long shifted = base[axis] + geometry.sign * geometry.dilation[axis] * offset;
+      const int divisor = geometry.divisor[axis];
+      candidate[axis] = shifted;
+      if (divisor != 1) {  // transposed queries only: 64-bit division is costly
+        // Floor division, so the divisibility test also holds for negative values.
+        const long long quotient = shifted >= 0 ? shifted / divisor : -((-shifted + divisor - 1) / divisor);
+        valid = valid && quotient * divisor == shifted;
+        candidate[axis] = quotient;
+      }
+    }
+    key_t64 key;
+    int found = -1;
+    if (valid && pack_key<D>(batch, candidate, &key)) found = find_key(slots, capacity_mask, key);
+    pair_table[(long long)k * num_out + row] = found;
+#pragma unroll
+    for (int axis = D - 1; axis >= 0; --axis) {
+      if (++index[axis] < geometry.kernel_size[axis]) break;
+      index[axis] = 0;
+    }
+  }
 }

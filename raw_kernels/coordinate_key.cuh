@@ -1,11 +1,12 @@
-// Packing of int coordinates (batch, c1..cD) into 64-bit keys and the hash of a key.
+// Packing of int coordinates (batch, c1..cD) into 64-bit keys, and the hash table slot layout.
 // Must match cupysparse/coords.py: batch in the high bits, each coordinate biased by
 // 2^(bits-1) into a `bits`-wide field, the first spatial axis most significant.
 #pragma once
 
 typedef unsigned long long key_t64;
 
-#define CUPYSPARSE_EMPTY_KEY 0xFFFFFFFFFFFFFFFFull
+// A slot holds {key, value} so one 16-byte load reads both; both start as all ones.
+#define CUPYSPARSE_EMPTY 0xFFFFFFFFFFFFFFFFull
 
 template <int D> struct KeyBits;
 template <> struct KeyBits<2> { static constexpr int value = 24; };
@@ -28,6 +29,18 @@ __device__ __forceinline__ bool pack_key(int batch, const long long* coord, key_
   return true;
 }
 
+// The key of row `row` of int32 coordinates [N, 1 + D] (validated: always fits).
+template <int D>
+__device__ __forceinline__ key_t64 row_key(const int* __restrict__ coords, long long row) {
+  const int* c = coords + row * (D + 1);
+  long long spatial[D];
+#pragma unroll
+  for (int axis = 0; axis < D; ++axis) spatial[axis] = c[1 + axis];
+  key_t64 key;
+  pack_key<D>(c[0], spatial, &key);
+  return key;
+}
+
 // MurmurHash3's 64-bit finaliser: neighbouring voxels land in unrelated slots.
 __device__ __forceinline__ key_t64 mix_key(key_t64 key) {
   key ^= key >> 33;
@@ -38,14 +51,23 @@ __device__ __forceinline__ key_t64 mix_key(key_t64 key) {
   return key;
 }
 
-// Linear-probing lookup in a table of power-of-two capacity; -1 when the key is absent.
-__device__ __forceinline__ int find_key(const key_t64* __restrict__ keys, const int* __restrict__ values,
-                                        key_t64 capacity_mask, key_t64 key) {
+// Claims the slot of `key` (linear probing, power-of-two capacity) and returns it.
+__device__ __forceinline__ ulonglong2* claim_slot(ulonglong2* slots, key_t64 capacity_mask, key_t64 key) {
   key_t64 slot = mix_key(key) & capacity_mask;
   while (true) {
-    const key_t64 stored = keys[slot];
-    if (stored == key) return values[slot];
-    if (stored == CUPYSPARSE_EMPTY_KEY) return -1;
+    const key_t64 previous = atomicCAS(&slots[slot].x, CUPYSPARSE_EMPTY, key);
+    if (previous == CUPYSPARSE_EMPTY || previous == key) return slots + slot;
+    slot = (slot + 1) & capacity_mask;
+  }
+}
+
+// The value stored with `key`, or -1 when the key is absent.
+__device__ __forceinline__ int find_key(const ulonglong2* __restrict__ slots, key_t64 capacity_mask, key_t64 key) {
+  key_t64 slot = mix_key(key) & capacity_mask;
+  while (true) {
+    const ulonglong2 stored = slots[slot];
+    if (stored.x == key) return (int)stored.y;
+    if (stored.x == CUPYSPARSE_EMPTY) return -1;
     slot = (slot + 1) & capacity_mask;
   }
 }

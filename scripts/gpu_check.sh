@@ -3,8 +3,8 @@
 # Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
 # there (see the peer-wheels tool), so the benchmark compares against it.
 set -uo pipefail
-out=${OUT:-gpu-check-results}
-mkdir -p "$out"
+out=$(mkdir -p "${OUT:-gpu-check-results}" && cd "${OUT:-gpu-check-results}" && pwd)
+repo=$(pwd)
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 if [ -s .peer/peer.tar.xz ]; then
@@ -13,11 +13,14 @@ if [ -s .peer/peer.tar.xz ]; then
     export PYTHONPATH=/tmp/peer${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+# Everything runs outside the checkout, so the installed package (with its mapped folders) is the
+# one imported, not the source folder in the current directory.
+cd /tmp
 python3 -m cupysparse info | tee "$out/info.txt"
-# Test from outside the checkout so the installed package (with its kernel folder) is imported.
-(cd tests && python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir=. -c ../pyproject.toml . 2>&1) | tee "$out/pytest_gpu.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir="$repo" -c "$repo/pyproject.toml" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
 python3 -m cupysparse.scripts.benchmark_kernel_map --csv "$out/benchmark_kernel_map.csv" "$@" 2>&1 | tee "$out/benchmark_kernel_map.txt"
 bench_status=${PIPESTATUS[0]}
+python3 -m cupysparse.demo 2>&1 | tee "$out/demo.txt"
 echo "gpu tests exit $tests_status, benchmark exit $bench_status"
 exit $(( tests_status || bench_status ))

@@ -17,6 +17,7 @@ import pytest
 
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.coords import kernel_offsets, key_layout, offset_range
+from cupysparse.coordinate_index import unique_coordinates
 from cupysparse.kernel_map import KernelMap, generative_map, offset_mask, strided_map, submanifold_map, transposed_map
 
 # The offsets of one kernel axis, written out: odd sizes centred, even sizes lean positive.
@@ -238,9 +239,14 @@ def backward_table(in_coords, out_coords, geometry, coord_bits=None):
     return table
 
 
+def first_occurrences(coordinates):
+    return list(dict.fromkeys(coordinates))  # dicts keep insertion order
+
+
 def reference_map(case, coord_bits=None):
     """(input coordinates, output coordinates, pair table) of `case` by enumeration; output
-    coordinates of strided/generative maps sorted by (batch, c1, …)."""
+    coordinates of strided/generative maps in order of first occurrence (input rows outer,
+    offsets inner), as documented in `cupysparse.kernel_map`."""
     fine = as_tuples(case.coordinates())
     kernel_size, stride, dilation = geometry = case.geometry()
     if case.kind == "submanifold":
@@ -248,9 +254,9 @@ def reference_map(case, coord_bits=None):
         return fine, fine, forward_table(fine, fine, unit, coord_bits)
     if case.kind == "generative":
         offsets = reference_offsets(kernel_size)
-        generated = sorted({place(coord, offset, stride, dilation) for coord in fine for offset in offsets})
+        generated = first_occurrences(place(coord, offset, stride, dilation) for coord in fine for offset in offsets)
         return fine, generated, backward_table(fine, generated, geometry, coord_bits)
-    coarse = sorted({(coord[0], *(c // s for c, s in zip(coord[1:], stride))) for coord in fine})
+    coarse = first_occurrences((coord[0], *(c // s for c, s in zip(coord[1:], stride))) for coord in fine)
     if case.kind == "strided":
         return fine, coarse, forward_table(fine, coarse, geometry, coord_bits)
     return coarse, fine, backward_table(coarse, fine, geometry, coord_bits)
@@ -511,3 +517,12 @@ def test_generative_map_refuses_coordinates_outside_the_key_range(stride):
     coords = np.array([[0, top // stride + stride - 1, 0, 0]], np.int32)  # the +1 offset steps past the top
     with pytest.raises(ValueError, match="outside"):
         generative_map(coords, 3, stride)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+def test_unique_coordinates_keep_first_occurrence_order(device):
+    rng = np.random.default_rng(7)
+    coords = np.concatenate([rng.integers(0, 2, (5000, 1)), rng.integers(-4, 4, (5000, 3))], axis=1).astype(np.int32)
+    unique = unique_coordinates(coords if device == "cpu" else cupy_module().asarray(coords))
+    unique = unique if device == "cpu" else unique.get()
+    assert as_tuples(unique) == first_occurrences(as_tuples(coords))
