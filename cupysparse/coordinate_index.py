@@ -2,7 +2,8 @@
 
 `build_index(coords)` returns an index over the rows of `coords`; `index.pair_table(...)` answers,
 for every output row and every kernel offset at once, which input row sits at
-`(out * out_scale + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`.
+`(out * out_scale + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`,
+together with the offset bitmask when it comes for free (the GPU query writes it; else None).
 Submanifold and strided maps use divisor 1 and sign +1; generative transposed maps ask with
 sign -1 and the stride as divisor.
 """
@@ -80,7 +81,7 @@ class SortedKeyIndex:
         self._order = np.argsort(keys, kind="stable").astype(np.int32)
         self._sorted_keys = keys[self._order]
 
-    def pair_table(self, out_coords: np.ndarray, query: Query) -> np.ndarray:
+    def pair_table(self, out_coords: np.ndarray, query: Query, same_coordinates: bool = False):
         offsets = kernel_offsets(query.kernel_size).astype(np.int64)
         table = np.full((offsets.shape[0], out_coords.shape[0]), -1, dtype=np.int32)
         shift = query.sign * offsets * np.asarray(query.dilation, dtype=np.int64)  # [K, D]
@@ -101,7 +102,7 @@ class SortedKeyIndex:
             position = np.minimum(np.searchsorted(self._sorted_keys, keys), self.num_coords - 1)
             hit = self._sorted_keys[position] == keys
             table[ks[hit], start + rows[hit]] = self._order[position[hit]]
-        return table
+        return table, None
 
 
 class GpuHashTable:
@@ -134,14 +135,17 @@ class GpuHashTable:
             self._launch("mark_first_occurrence", coords, is_first)
         return is_first
 
-    def pair_table(self, out_coords, query: Query):
+    def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
+        """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
+        is the row itself)."""
         import cupy
 
         kernel_volume = int(np.prod(query.kernel_size))
         num_out = out_coords.shape[0]
         table = cupy.empty((kernel_volume, num_out), dtype=np.int32)
+        mask = cupy.empty((num_out, -(-kernel_volume // 32)), dtype=np.uint32)
         if num_out == 0:
-            return table
+            return table, mask
         grid, block = launch_config(num_out)
         _KERNELS.get(f"query_pair_table<{self.spatial_dims}>")(
             grid,
@@ -153,10 +157,12 @@ class GpuHashTable:
                 query.as_struct(),
                 self._slots,
                 self._capacity_mask,
+                np.bool_(same_coordinates),
                 table,
+                mask,
             ),
         )
-        return table
+        return table, mask
 
 
 

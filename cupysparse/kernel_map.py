@@ -42,8 +42,13 @@ class CsrPairs:
 class KernelMap:
     """The pair table of one convolution and the formats derived from it."""
 
-    def __init__(self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False):
+    def __init__(
+        self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
+        offset_mask=None,
+    ):
         self.pair_table = pair_table
+        if offset_mask is not None:  # already computed by the query: skip the derivation
+            self._offset_mask = offset_mask
         self.num_in = num_in
         self.kernel_size = tuple(kernel_size)
         self.stride = tuple(stride)
@@ -186,8 +191,9 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
     """Output = input coordinates. `index` reuses a `coordinate_index.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
     index = index or build_index(in_coords)
-    table = index.pair_table(in_coords, Query(kernel_size, dilation, out_scale=stride, divisor=stride))
-    return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
+    query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
+    table, mask = index.pair_table(in_coords, query, same_coordinates=True)
+    return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
 
 
 def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coords=None):
@@ -197,8 +203,8 @@ def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coor
         out_coords = downsample_coordinates(in_coords, stride)
     index = index or build_index(in_coords)
     ones = (1,) * len(stride)
-    table = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=ones))
-    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
+    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=ones))
+    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
 
 
 def transposed_map(strided: KernelMap) -> KernelMap:
@@ -237,8 +243,11 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
     out_coords = generative_coordinates(in_coords, kernel_size, stride, dilation)
     index = index or build_index(in_coords)
     ones = (1,) * len(stride)
-    table = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1))
-    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True)
+    query = Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1)
+    table, mask = index.pair_table(out_coords, query)
+    return out_coords, KernelMap(
+        table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True, offset_mask=mask
+    )
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,15 @@ __global__ void mark_first_occurrence(const int* __restrict__ coords, int num_co
 }
 
 // One thread per output row, looping over the offsets: the row's coordinates are read once and
-// each offset's writes are coalesced across the warp.
+// each offset's writes are coalesced across the warp. The row's offset bitmask (bit k % 32 of
+// word k / 32 set when offset k has an input) costs nothing extra here, so it is written too.
+// When the output coordinates are the indexed ones (`same_coordinates`), the zero offset is the
+// row itself and needs no probe.
 template <int D>
 __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out, int kernel_volume,
                                  QueryGeometry geometry, const ulonglong2* __restrict__ slots,
-                                 key_t64 capacity_mask, int* __restrict__ pair_table) {
+                                 key_t64 capacity_mask, bool same_coordinates, int* __restrict__ pair_table,
+                                 unsigned int* __restrict__ offset_mask) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= num_out) return;
   const int* c = out_coords + (long long)row * (D + 1);
@@ -55,12 +59,16 @@ __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out
     base[axis] = (long long)c[1 + axis] * geometry.out_scale[axis];
     index[axis] = 0;
   }
+  const int num_words = (kernel_volume + 31) / 32;
+  unsigned int mask_word = 0;
   for (int k = 0; k < kernel_volume; ++k) {
     long long candidate[D];
     bool valid = true;
+    bool zero_offset = true;
 #pragma unroll
     for (int axis = 0; axis < D; ++axis) {
       const int offset = index[axis] - (geometry.kernel_size[axis] - 1) / 2;
+      zero_offset = zero_offset && offset == 0;
       const long long shifted = base[axis] + geometry.sign * geometry.dilation[axis] * offset;
       const int divisor = geometry.divisor[axis];
       candidate[axis] = shifted;
@@ -73,8 +81,17 @@ __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out
     }
     key_t64 key;
     int found = -1;
-    if (valid && pack_key<D>(batch, candidate, &key)) found = find_key(slots, capacity_mask, key);
+    if (same_coordinates && zero_offset) {
+      found = row;
+    } else if (valid && pack_key<D>(batch, candidate, &key)) {
+      found = find_key(slots, capacity_mask, key);
+    }
     pair_table[(long long)k * num_out + row] = found;
+    mask_word |= (unsigned int)(found >= 0) << (k % 32);
+    if (k % 32 == 31 || k == kernel_volume - 1) {
+      offset_mask[(long long)row * num_words + k / 32] = mask_word;
+      mask_word = 0;
+    }
 #pragma unroll
     for (int axis = D - 1; axis >= 0; --axis) {
       if (++index[axis] < geometry.kernel_size[axis]) break;

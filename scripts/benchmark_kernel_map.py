@@ -1,8 +1,9 @@
 """Kernel-map build time: cupysparse against spconv 2.x in the same run, on the indoor scene.
 
 For each voxel count it times, with CUDA events (median of --repeats after --warmup runs):
-  submanifold 3³: hash build, pair-table query, then each derived format (CSR lists, offset
-  bitmask, mask-sorted order); strided 2³ stride 2: downsampling (unique), hash build, query.
+  submanifold 3³: hash build, pair-table query (which also writes the offset bitmask), then each
+  derived format (CSR lists, the bitmask derived from a table as transposed maps need it,
+  mask-sorted order); strided 2³ stride 2: downsampling (unique), query, the whole map.
 When spconv is importable the same maps are built by spconv's implicit-GEMM pair generation
 (pair table + masks + mask argsort, inference mode) and the ratio spconv / cupysparse is printed.
 Without a GPU it times the NumPy reference path with the host clock.
@@ -22,7 +23,14 @@ import numpy as np
 
 from cupysparse import backend
 from cupysparse.coordinate_index import Query, build_index
-from cupysparse.kernel_map import csr_pairs, downsample_coordinates, mask_sorted_order, offset_mask
+from cupysparse.kernel_map import (
+    csr_pairs,
+    downsample_coordinates,
+    mask_sorted_order,
+    offset_mask,
+    strided_map,
+    submanifold_map,
+)
 from cupysparse.scenes import make_scene
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
@@ -67,30 +75,24 @@ def cupysparse_stages(coords):
     kernel_size, stride = SUBMANIFOLD
     index = build_index(coords)
     query = Query(kernel_size, (1, 1, 1), out_scale=stride, divisor=stride)
-    table = index.pair_table(coords, query)
-    mask = offset_mask(table)
-
+    built = submanifold_map(coords, kernel_size, index=index)
+    table, mask = built.pair_table, built.offset_mask()
     strided_kernel, strided_stride = STRIDED
     coarse = downsample_coordinates(coords, strided_stride)
     strided_query = Query(strided_kernel, (1, 1, 1), out_scale=strided_stride, divisor=(1, 1, 1))
-
-    def strided_full():
-        out = downsample_coordinates(coords, strided_stride)
-        return mask_sorted_order(offset_mask(build_index(coords).pair_table(out, strided_query)))
-
     return {
         ("subm 3^3", "hash build"): lambda: build_index(coords),
-        ("subm 3^3", "query (pair table)"): lambda: index.pair_table(coords, query),
-        ("subm 3^3", "map = build + query"): lambda: build_index(coords).pair_table(coords, query),
+        ("subm 3^3", "query (table + mask)"): lambda: index.pair_table(coords, query, same_coordinates=True),
+        ("subm 3^3", "map = build + query"): lambda: submanifold_map(coords, kernel_size),
         ("subm 3^3", "csr lists"): lambda: csr_pairs(table),
-        ("subm 3^3", "offset mask"): lambda: offset_mask(table),
+        ("subm 3^3", "mask from a table"): lambda: offset_mask(table),
         ("subm 3^3", "mask-sorted order"): lambda: mask_sorted_order(mask),
-        ("subm 3^3", "map + mask + order"): lambda: mask_sorted_order(
-            offset_mask(build_index(coords).pair_table(coords, query))
-        ),
+        ("subm 3^3", "map + mask + order"): lambda: submanifold_map(coords, kernel_size).mask_sorted_order(),
         ("strided 2^3/2", "downsample (unique)"): lambda: downsample_coordinates(coords, strided_stride),
-        ("strided 2^3/2", "query (pair table)"): lambda: index.pair_table(coarse, strided_query),
-        ("strided 2^3/2", "map + mask + order"): strided_full,
+        ("strided 2^3/2", "query (table + mask)"): lambda: index.pair_table(coarse, strided_query),
+        ("strided 2^3/2", "map + mask + order"): lambda: strided_map(coords, strided_kernel, strided_stride)[
+            1
+        ].mask_sorted_order(),
     }
 
 
