@@ -22,7 +22,13 @@ _KERNELS = KernelSource(
     "coordinate_hash.cu",
     tuple(
         f"{name}<{d}>"
-        for name in ("insert_coordinates", "insert_smallest_row", "mark_first_occurrence", "query_pair_table")
+        for name in (
+            "insert_coordinates",
+            "insert_smallest_row",
+            "mark_first_occurrence",
+            "gather_divided_rows",
+            "query_pair_table",
+        )
         for d in (2, 3, 4)
     ),
 )
@@ -108,32 +114,15 @@ class SortedKeyIndex:
 class GpuHashTable:
     """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
 
-    def __init__(self, coords, insert_kernel="insert_coordinates"):
-        import cupy
-
+    def __init__(self, coords):
         self.num_coords = coords.shape[0]
         self.spatial_dims = coords.shape[1] - 1
-        capacity = 1 << max(4, (2 * self.num_coords - 1).bit_length())
-        self._capacity_mask = np.uint64(capacity - 1)
-        self._slots = cupy.full((capacity, 2), EMPTY_SLOT, dtype=np.uint64)
+        self._slots, self._capacity_mask = _empty_slots(self.num_coords)
         if self.num_coords:
-            self._launch(insert_kernel, coords)
-
-    def _launch(self, kernel, coords, *outputs):
-        grid, block = launch_config(coords.shape[0])
-        _KERNELS.get(f"{kernel}<{self.spatial_dims}>")(
-            grid, block, (coords, np.int32(coords.shape[0]), self._slots, self._capacity_mask, *outputs)
-        )
-
-    def first_occurrences(self, coords):
-        """bool `[N]`: whether each row is the first one with its coordinate (table built from them
-        with `insert_kernel="insert_smallest_row"`)."""
-        import cupy
-
-        is_first = cupy.empty(coords.shape[0], dtype=bool)
-        if coords.shape[0]:
-            self._launch("mark_first_occurrence", coords, is_first)
-        return is_first
+            grid, block = launch_config(self.num_coords)
+            _KERNELS.get(f"insert_coordinates<{self.spatial_dims}>")(
+                grid, block, (coords, np.int32(self.num_coords), self._slots, self._capacity_mask)
+            )
 
     def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
         """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
@@ -166,20 +155,53 @@ class GpuHashTable:
 
 
 
-def unique_coordinates(coords):
-    """The distinct rows of int32 coordinates `[N, 1 + D]`, in order of first occurrence.
+def _empty_slots(num_keys: int):
+    import cupy
 
-    On the GPU a hash table keeps the smallest row of each coordinate, so no sort is needed; the
-    CPU gives the same rows in the same order. Synchronises once on the GPU (for the count).
+    capacity = 1 << max(4, (2 * num_keys - 1).bit_length())
+    return cupy.full((capacity, 2), EMPTY_SLOT, dtype=np.uint64), np.uint64(capacity - 1)
+
+
+_DIVISOR_DTYPE = np.dtype([("value", np.int32, (4,))])  # mirrors `struct Divisor`
+
+
+def unique_coordinates(coords, divisor=None):
+    """The distinct rows of `floor(coords / divisor)` (batch column untouched; default divisor 1),
+    int32 `[M, 1 + D]`, in order of first occurrence.
+
+    On the GPU a hash table keeps the smallest row of each coordinate, so nothing is sorted; the
+    CPU gives the same rows in the same order. Synchronises once on the GPU, for the count.
     """
+    spatial_dims = coords.shape[1] - 1
+    divisor = tuple(divisor or (1,) * spatial_dims)
     if not is_cupy_array(coords):
-        keys = pack_keys(coords)
+        divided = coords.copy()
+        divided[:, 1:] = np.floor_divide(coords[:, 1:], np.asarray(divisor, dtype=np.int32))
+        keys = pack_keys(divided)
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
         starts = np.ones(len(keys), dtype=bool)
         starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        return coords[np.sort(order[starts])]
+        return divided[np.sort(order[starts])]
     import cupy
 
-    table = GpuHashTable(coords, insert_kernel="insert_smallest_row")
-    return coords[cupy.flatnonzero(table.first_occurrences(coords))]
+    num_coords = coords.shape[0]
+    if num_coords == 0:
+        return coords.copy()
+    record = np.zeros((), dtype=_DIVISOR_DTYPE)
+    record["value"] = divisor + (1,) * (4 - spatial_dims)
+    by = record[()]
+    slots, capacity_mask = _empty_slots(num_coords)
+    grid, block = launch_config(num_coords)
+    _KERNELS.get(f"insert_smallest_row<{spatial_dims}>")(grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask))
+    is_first = cupy.empty(num_coords, dtype=bool)
+    _KERNELS.get(f"mark_first_occurrence<{spatial_dims}>")(
+        grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask, is_first)
+    )
+    first_rows = cupy.flatnonzero(is_first)
+    unique = cupy.empty((first_rows.shape[0], 1 + spatial_dims), dtype=np.int32)
+    grid, block = launch_config(first_rows.shape[0])
+    _KERNELS.get(f"gather_divided_rows<{spatial_dims}>")(
+        grid, block, (coords, first_rows, np.int32(first_rows.shape[0]), by, unique)
+    )
+    return unique

@@ -66,7 +66,9 @@ def _warm_up_kernels(device: str, timed) -> float:
     def run_once():
         tiny = SparseTensor.from_points(points, 1.0)
         tiny.kernel_map(3).kernel_map.mask_sorted_order()
-        tiny.kernel_map(2, stride=2).kernel_map.csr()
+        down = tiny.kernel_map(2, stride=2)
+        down.kernel_map.csr()
+        _features_of_ones(down).kernel_map(2, stride=2, transposed=True).kernel_map.mask_sorted_order()
 
     return timed(run_once)[1]
 

@@ -148,12 +148,7 @@ def mask_sorted_order(mask):
 
 def downsample_coordinates(coords, stride):
     """unique(floor(coords / stride)) per batch, in order of first occurrence in `coords`."""
-    spatial_dims = coords.shape[1] - 1
-    stride = as_tuple(stride, spatial_dims, "stride")
-    xp = array_module(coords)
-    scaled = coords.copy()
-    scaled[:, 1:] = xp.floor_divide(coords[:, 1:], xp.asarray(stride, dtype=np.int32))
-    return unique_coordinates(scaled)
+    return unique_coordinates(coords, as_tuple(stride, coords.shape[1] - 1, "stride"))
 
 
 def generative_coordinates(coords, kernel_size, stride, dilation):

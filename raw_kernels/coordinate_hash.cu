@@ -20,22 +20,59 @@ __global__ void insert_coordinates(const int* __restrict__ coords, int num_coord
   claim_slot(slots, capacity_mask, row_key<D>(coords, row))->y = row;
 }
 
+// Per-axis divisor of `unique_coordinates`: rows are floor(coordinate / divisor) (1: unchanged).
+struct Divisor {
+  int value[4];
+};
+
+// Row `row` of coordinates [N, 1 + D] divided (floor) by `divisor`, and its key.
+template <int D>
+__device__ __forceinline__ key_t64 divided_row(const int* __restrict__ coords, long long row, const Divisor& divisor,
+                                               int* divided) {
+  const int* c = coords + row * (D + 1);
+  divided[0] = c[0];
+  long long spatial[D];
+#pragma unroll
+  for (int axis = 0; axis < D; ++axis) {
+    const int value = c[1 + axis], by = divisor.value[axis];
+    divided[1 + axis] = value >= 0 ? value / by : -((-value + by - 1) / by);
+    spatial[axis] = divided[1 + axis];
+  }
+  key_t64 key;
+  pack_key<D>(divided[0], spatial, &key);  // dividing never leaves the key range
+  return key;
+}
+
 // Rows may repeat: each key keeps the smallest row that has it, so the result is deterministic.
 template <int D>
-__global__ void insert_smallest_row(const int* __restrict__ coords, int num_coords, ulonglong2* __restrict__ slots,
-                                    key_t64 capacity_mask) {
+__global__ void insert_smallest_row(const int* __restrict__ coords, int num_coords, Divisor divisor,
+                                    ulonglong2* __restrict__ slots, key_t64 capacity_mask) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= num_coords) return;
-  atomicMin(&claim_slot(slots, capacity_mask, row_key<D>(coords, row))->y, (key_t64)row);
+  int divided[D + 1];
+  const key_t64 key = divided_row<D>(coords, row, divisor, divided);
+  atomicMin(&claim_slot(slots, capacity_mask, key)->y, (key_t64)row);
 }
 
 template <int D>
-__global__ void mark_first_occurrence(const int* __restrict__ coords, int num_coords,
+__global__ void mark_first_occurrence(const int* __restrict__ coords, int num_coords, Divisor divisor,
                                       const ulonglong2* __restrict__ slots, key_t64 capacity_mask,
                                       bool* __restrict__ is_first) {
   const int row = blockIdx.x * blockDim.x + threadIdx.x;
   if (row >= num_coords) return;
-  is_first[row] = find_key(slots, capacity_mask, row_key<D>(coords, row)) == row;
+  int divided[D + 1];
+  is_first[row] = find_key(slots, capacity_mask, divided_row<D>(coords, row, divisor, divided)) == row;
+}
+
+template <int D>
+__global__ void gather_divided_rows(const int* __restrict__ coords, const long long* __restrict__ rows, int num_rows,
+                                    Divisor divisor, int* __restrict__ out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= num_rows) return;
+  int divided[D + 1];
+  divided_row<D>(coords, rows[i], divisor, divided);
+#pragma unroll
+  for (int column = 0; column <= D; ++column) out[(long long)i * (D + 1) + column] = divided[column];
 }
 
 // One thread per output row, looping over the offsets: the row's coordinates are read once and
