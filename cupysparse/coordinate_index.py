@@ -115,6 +115,9 @@ class GpuHashTable:
     """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
 
     def __init__(self, coords):
+        import cupy
+
+        coords = cupy.ascontiguousarray(coords)  # the kernels read rows of 1 + D packed ints
         self.num_coords = coords.shape[0]
         self.spatial_dims = coords.shape[1] - 1
         self._slots, self._capacity_mask = _empty_slots(self.num_coords)
@@ -129,6 +132,7 @@ class GpuHashTable:
         is the row itself)."""
         import cupy
 
+        out_coords = cupy.ascontiguousarray(out_coords)
         kernel_volume = int(np.prod(query.kernel_size))
         num_out = out_coords.shape[0]
         table = cupy.empty((kernel_volume, num_out), dtype=np.int32)
@@ -152,7 +156,6 @@ class GpuHashTable:
             ),
         )
         return table, mask
-
 
 
 def _empty_slots(num_keys: int):
@@ -185,6 +188,7 @@ def unique_coordinates(coords, divisor=None):
         return divided[np.sort(order[starts])]
     import cupy
 
+    coords = cupy.ascontiguousarray(coords)
     num_coords = coords.shape[0]
     if num_coords == 0:
         return coords.copy()
