@@ -101,5 +101,14 @@ def to_device(array, device: str):
     raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
+def describe_device(device: str) -> str:
+    """A human-readable name of 'cpu' or the current CUDA device, for reports."""
+    if device == "cpu":
+        return "CPU (NumPy)"
+    cupy = cupy_module()
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return f"{props['name'].decode()} (sm_{props['major']}{props['minor']}, CuPy)"
+
+
 def to_numpy(array) -> np.ndarray:
     return to_device(array, "cpu")

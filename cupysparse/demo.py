@@ -49,14 +49,6 @@ def parse_args(argv=None):
     return args
 
 
-def _device_name(device: str) -> str:
-    if device == "cpu":
-        return "CPU (NumPy)"
-    cupy = backend.cupy_module()
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    return f"{props['name'].decode()} (sm_{props['major']}{props['minor']}, CuPy)"
-
-
 def _warm_up_kernels(device: str, timed) -> float:
     """Compile (or load from the kernel caches) the kernels used below, on a tiny scene."""
     import numpy as np
@@ -76,7 +68,7 @@ def _warm_up_kernels(device: str, timed) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     timed = _Stopwatch(args.device)
-    print(f"cupysparse demo on {_device_name(args.device)}")
+    print(f"cupysparse demo on {backend.describe_device(args.device)}")
 
     scene, scene_ms = timed(lambda: make_scene(args.scene, args.num_voxels, seed=args.seed))
     print(f"scene     {scene.name}: {len(scene.points):,} points, {len(scene.class_names)} classes "

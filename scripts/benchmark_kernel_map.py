@@ -147,19 +147,10 @@ def parse_args(argv=None):
     return args
 
 
-def describe_device(device: str) -> str:
-    if device == "cpu":
-        return "CPU (NumPy reference path)"
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    return f"{props['name'].decode()} (sm_{props['major']}{props['minor']})"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     measure = _timer(args.device)
-    print(f"kernel-map build, {args.scene} scene, on {describe_device(args.device)}; "
+    print(f"kernel-map build, {args.scene} scene, on {backend.describe_device(args.device)}; "
           f"median of {args.repeats} after {args.warmup} warm-up runs")
     rows = []
     for num_voxels in args.num_voxels:
