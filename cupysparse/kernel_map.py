@@ -85,7 +85,8 @@ class KernelMap:
 
     @property
     def num_pairs(self) -> int:
-        return int(self._csr.offsets[-1])
+        """Number of (input, output, offset) pairs; a count, without building the CSR lists."""
+        return int(array_module(self.pair_table).count_nonzero(self.pair_table >= 0))
 
     @functools.cached_property
     def _offset_mask(self):
