@@ -104,6 +104,27 @@ class KernelMap:
         """Output rows ordered by their offset bitmask (as a little-endian big integer), stable."""
         return self._mask_sorted_order
 
+    @functools.cached_property
+    def _reversed(self) -> KernelMap:
+        reverse = KernelMap(
+            invert_pair_table(self.pair_table, self.num_in),
+            self.num_out,
+            self.kernel_size,
+            self.stride,
+            self.dilation,
+            transposed=not self.transposed,
+            generative=self.generative,
+        )
+        reverse._reversed = self
+        return reverse
+
+    def reversed(self) -> KernelMap:
+        """The same pairs indexed by input row (`[K, N_in]` → output row), computed once.
+
+        The input gradient is a forward pass over this map with the weights transposed.
+        """
+        return self._reversed
+
 
 def csr_pairs(pair_table) -> CsrPairs:
     """The per-offset pair lists of a pair table; see `KernelMap.csr`."""
@@ -203,6 +224,25 @@ def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coor
     return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
 
 
+def invert_pair_table(pair_table, num_in: int):
+    """The pair table seen from the input side: `[K, num_in]`, the output row each input feeds
+    through offset k, or -1.
+
+    Well defined because, for every kind of map, an input row and an offset determine at most one
+    output row. Invalid entries all write -1 into one spare slot past the end, so no compaction
+    (and no device synchronisation) is needed.
+    """
+    xp = array_module(pair_table)
+    kernel_volume, num_out = pair_table.shape
+    valid = pair_table >= 0
+    spare = kernel_volume * num_in
+    target = xp.where(valid, xp.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
+    out_rows = xp.broadcast_to(xp.arange(num_out, dtype=np.int32), pair_table.shape)
+    inverse = xp.full(spare + 1, -1, dtype=np.int32)
+    inverse[target.ravel()] = xp.where(valid, out_rows, -1).ravel()
+    return inverse[:spare].reshape(kernel_volume, num_in)
+
+
 def transposed_map(strided: KernelMap) -> KernelMap:
     """The map of the transposed convolution matching `strided`: coarse input, fine output.
 
@@ -211,21 +251,9 @@ def transposed_map(strided: KernelMap) -> KernelMap:
     """
     if strided.transposed:
         raise ValueError("transposed_map expects the forward (strided) map")
-    xp = array_module(strided.pair_table)
-    kernel_volume, num_coarse = strided.pair_table.shape
-    num_fine = strided.num_in
-    fine = strided.pair_table
-    valid = fine >= 0
-    # Invalid entries all write -1 into one spare slot past the end, so no compaction (and no
-    # device synchronisation) is needed.
-    spare = kernel_volume * num_fine
-    target = xp.where(valid, xp.arange(kernel_volume, dtype=np.int64)[:, None] * num_fine + fine, spare)
-    coarse = xp.broadcast_to(xp.arange(num_coarse, dtype=np.int32), fine.shape)
-    table = xp.full(spare + 1, -1, dtype=np.int32)
-    table[target.ravel()] = xp.where(valid, coarse, -1).ravel()
     return KernelMap(
-        table[:spare].reshape(kernel_volume, num_fine),
-        num_coarse,
+        invert_pair_table(strided.pair_table, strided.num_in),
+        strided.num_out,
         strided.kernel_size,
         strided.stride,
         strided.dilation,

@@ -1,0 +1,150 @@
+"""What every convolution algorithm is: a registered object with a parameter space, a `supports`
+predicate and forward / dgrad / wgrad entry points over a `KernelMap`.
+
+The registry is the only list of algorithms. Two kinds exist: `"conv"` (weights `[K, C_in, C_out]`)
+and `"depthwise"` (weights `[K, C]`). Every entry point takes and returns NumPy arrays on the CPU
+and CuPy arrays on the GPU, in the dtype of its inputs; accumulation is at least fp32.
+
+Phases, for a map whose pair table `[K, N_out]` holds the input row feeding output row i
+through offset k (or -1):
+- forward: `out[i] = Σ_k W_k^T · x[table[k, i]]`                 → `[N_out, C_out]`
+- dgrad:   `dx[j]  = Σ_k W_k · dy[i]` over pairs (k, j, i)        → `[N_in, C_in]`
+- wgrad:   `dW_k   = Σ_i x[table[k, i]]^T · dy[i]` (outer product) → `[K, C_in, C_out]`
+forward and dgrad receive the weight as returned by `prepare_weight`; wgrad returns a plain array.
+Depthwise replaces the matrix products by per-channel ones (`W_k` is a vector `[C]`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..backend import cupy_module, is_cupy_array
+
+CONV = "conv"
+DEPTHWISE = "depthwise"
+KINDS = (CONV, DEPTHWISE)
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """What an algorithm needs to know to say whether it can run a convolution.
+
+    `compute_capability` is e.g. 90 for sm_90, None on the CPU. For depthwise problems
+    `in_channels == out_channels`.
+    """
+
+    num_in: int
+    num_out: int
+    in_channels: int
+    out_channels: int
+    kernel_volume: int
+    dtype: np.dtype
+    device: str
+    compute_capability: int | None
+    stride: tuple[int, ...] = ()
+    transposed: bool = False
+    generative: bool = False
+
+    @classmethod
+    def of(cls, features, kernel_map, out_channels: int) -> ConvProblem:
+        """The problem of applying a convolution with `out_channels` outputs over `kernel_map` to `features`."""
+        on_gpu = is_cupy_array(features)
+        capability = None
+        if on_gpu:
+            capability = int(cupy_module().cuda.Device().compute_capability)
+        return cls(
+            num_in=kernel_map.num_in,
+            num_out=kernel_map.num_out,
+            in_channels=int(features.shape[1]),
+            out_channels=int(out_channels),
+            kernel_volume=kernel_map.kernel_volume,
+            dtype=np.dtype(features.dtype),
+            device="cuda" if on_gpu else "cpu",
+            compute_capability=capability,
+            stride=tuple(kernel_map.stride),
+            transposed=kernel_map.transposed,
+            generative=kernel_map.generative,
+        )
+
+
+class Algorithm:
+    """Base of every algorithm. Subclasses set the class attributes and the three phases.
+
+    `forward_params` / `backward_params` map each tunable parameter to its candidate values; the
+    first value of each is the default. `backward_params` apply to dgrad and wgrad alike.
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = CONV
+    forward_params: ClassVar[dict[str, tuple]] = {}
+    backward_params: ClassVar[dict[str, tuple]] = {}
+
+    def unsupported_reason(self, problem: ConvProblem) -> str | None:
+        """Why this algorithm cannot run `problem`, or None when it can."""
+        return None
+
+    def supports(self, problem: ConvProblem) -> bool:
+        return self.unsupported_reason(problem) is None
+
+    def prepare_weight(self, weight):
+        """The weight in the form forward and dgrad take (e.g. padded); called once per call, not
+        per launch, and reusable for as long as the weight does not change. Default: as is."""
+        return weight
+
+    def forward(self, features, weight, kernel_map, **params):
+        raise NotImplementedError
+
+    def dgrad(self, grad_output, weight, kernel_map, **params):
+        raise NotImplementedError
+
+    def wgrad(self, features, grad_output, kernel_map, **params):
+        raise NotImplementedError
+
+    def default_params(self, phase: str) -> dict:
+        """The default parameters of `phase` ("forward" or "backward")."""
+        space = self.forward_params if phase == "forward" else self.backward_params
+        return {name: values[0] for name, values in space.items()}
+
+    def param_grid(self, phase: str) -> list[dict]:
+        """Every parameter combination of `phase`, the default first."""
+        space = self.forward_params if phase == "forward" else self.backward_params
+        names = list(space)
+        return [dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names))]
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} algorithm {self.name!r}>"
+
+
+_REGISTRY: dict[str, dict[str, Algorithm]] = {kind: {} for kind in KINDS}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: instantiate the algorithm and add it to the registry of its kind."""
+    if cls.kind not in _REGISTRY:
+        raise ValueError(f"unknown algorithm kind {cls.kind!r}; kinds are {KINDS}")
+    if cls.name in _REGISTRY[cls.kind]:
+        raise ValueError(f"a {cls.kind} algorithm named {cls.name!r} is already registered")
+    _REGISTRY[cls.kind][cls.name] = cls()
+    return cls
+
+
+def registered(kind: str = CONV) -> dict[str, Algorithm]:
+    """The algorithms of `kind`, by name, in registration order."""
+    return dict(_REGISTRY[kind])
+
+
+def get_algorithm(name: str, kind: str = CONV) -> Algorithm:
+    """The algorithm `name` of `kind`; ValueError listing the valid names otherwise."""
+    try:
+        return _REGISTRY[kind][name]
+    except KeyError:
+        valid = ", ".join(_REGISTRY[kind]) or "(none)"
+        raise ValueError(f"{name!r} is not a {kind} algorithm; valid names: {valid}") from None
+
+
+def gpu_only_reason(problem: ConvProblem) -> str | None:
+    return "runs on CUDA GPUs only (the input is a NumPy array)" if problem.device != "cuda" else None
