@@ -123,13 +123,17 @@ def find_mma_header() -> str | None:
 
 
 def compile_options(filename: str) -> tuple[str, ...]:
-    """NVRTC options for `filename`: C++17, the kernel folder, and the mma.h directory if needed."""
+    """NVRTC options for `filename`: C++17, the kernel folder, and one CUDA header directory (for
+    cuda_fp16.h / cuda_bf16.h): the one with crt/mma.h when the file needs it, so all headers of a
+    compilation come from the same toolkit."""
     options = ["-std=c++17", f"-I{KERNEL_DIR}"]
     if needs_mma_header(filename):
         mma_dir = find_mma_header()
         if mma_dir is None:
             raise RuntimeError(f"{filename} includes <mma.h> but crt/mma.h was not found: {MMA_PACKAGE_HINT}")
         options.append(f"-I{mma_dir}")
+    elif cuda_include_dirs():
+        options.append(f"-I{cuda_include_dirs()[0]}")
     return tuple(options)
 
 
