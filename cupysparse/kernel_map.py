@@ -68,6 +68,14 @@ class KernelMap:
     def offsets(self) -> np.ndarray:
         return kernel_offsets(self.kernel_size)
 
+    @property
+    def identity_offset(self) -> int | None:
+        """The offset whose pairs join every row to itself (the zero offset of a map between the
+        same coordinates, stride 1), which needs no gather; None for other maps."""
+        if self.generative or any(s != 1 for s in self.stride) or self.num_in != self.num_out:
+            return None
+        return int(np.flatnonzero((self.offsets == 0).all(axis=1))[0])
+
     def __repr__(self) -> str:
         kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
         return (
@@ -82,6 +90,15 @@ class KernelMap:
     def csr(self) -> CsrPairs:
         """Per-offset pair lists (computed once; on the GPU this synchronises for the pair count)."""
         return self._csr
+
+    @functools.cached_property
+    def _host_pair_offsets(self) -> np.ndarray:
+        offsets = self.csr().offsets
+        return offsets.get() if is_cupy_array(offsets) else offsets
+
+    def host_pair_offsets(self) -> np.ndarray:
+        """`csr().offsets` as a NumPy array (one device synchronisation per map)."""
+        return self._host_pair_offsets
 
     @property
     def num_pairs(self) -> int:

@@ -80,6 +80,8 @@ class Algorithm:
 
     name: ClassVar[str]
     kind: ClassVar[str] = CONV
+    # Until the tuner measures, `auto` takes the supported algorithm with the highest priority.
+    auto_priority: ClassVar[int] = 0
     forward_params: ClassVar[dict[str, tuple]] = {}
     backward_params: ClassVar[dict[str, tuple]] = {}
 

@@ -1,0 +1,74 @@
+"""`explicit_gemm`: per offset, gather the input rows of its pairs, one GEMM, add into the outputs.
+
+The reference algorithm: every device and dtype (GEMMs through cuBLAS via CuPy on the GPU, NumPy
+on the CPU). Output rows are unique within one offset, so the add needs no atomics and the result
+is deterministic. The identity offset of a submanifold map multiplies the whole input, no gather.
+Accumulates in `accumulation_dtype`; half-precision GEMMs run in their own dtype on the GPU (cuBLAS
+accumulates in fp32) and in fp32 on the CPU; bfloat16 runs in fp32 everywhere.
+"""
+
+from __future__ import annotations
+
+from ..backend import array_module, is_cupy_array
+from ..dtypes import BFLOAT16, FEATURE_DTYPES, accumulation_dtype
+from .base import Algorithm, ConvProblem, register
+
+
+def _gemm_dtype(features):
+    """The dtype the GEMMs run in: the input's on the GPU, except bfloat16; fp32 for halves on the CPU."""
+    if features.dtype == BFLOAT16 or not is_cupy_array(features):
+        return accumulation_dtype(features.dtype)
+    return features.dtype
+
+
+def _offset_pairs(kernel_map):
+    """(k, input rows, output rows) for every offset with pairs, except the identity offset."""
+    csr = kernel_map.csr()
+    bounds = kernel_map.host_pair_offsets()
+    for k in range(kernel_map.kernel_volume):
+        start, end = int(bounds[k]), int(bounds[k + 1])
+        if end > start and k != kernel_map.identity_offset:
+            yield k, csr.in_idx[start:end], csr.out_idx[start:end]
+
+
+def gather_gemm_scatter(features, weight, kernel_map):
+    """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` with weight `[K, C_a, C_b]`."""
+    xp = array_module(features)
+    gemm_dtype = _gemm_dtype(features)
+    x = features.astype(gemm_dtype, copy=False)
+    w = weight.astype(gemm_dtype, copy=False)
+    out = xp.zeros((kernel_map.num_out, weight.shape[2]), dtype=accumulation_dtype(features.dtype))
+    if kernel_map.identity_offset is not None:
+        out += x @ w[kernel_map.identity_offset]
+    for k, in_rows, out_rows in _offset_pairs(kernel_map):
+        out[out_rows] += x[in_rows] @ w[k]
+    return out.astype(features.dtype, copy=False)
+
+
+@register
+class ExplicitGemm(Algorithm):
+    name = "explicit_gemm"
+    auto_priority = 0
+
+    def unsupported_reason(self, problem: ConvProblem) -> str | None:
+        if problem.dtype not in FEATURE_DTYPES:
+            return f"{self.name} supports fp64, fp32, fp16 and bf16, not {problem.dtype}"
+        return None
+
+    def forward(self, features, weight, kernel_map):
+        return gather_gemm_scatter(features, weight, kernel_map)
+
+    def dgrad(self, grad_output, weight, kernel_map):
+        return gather_gemm_scatter(grad_output, weight.transpose(0, 2, 1), kernel_map.reversed())
+
+    def wgrad(self, features, grad_output, kernel_map):
+        xp = array_module(features)
+        gemm_dtype = _gemm_dtype(features)
+        x = features.astype(gemm_dtype, copy=False)
+        dy = grad_output.astype(gemm_dtype, copy=False)
+        grad = xp.zeros((kernel_map.kernel_volume, x.shape[1], dy.shape[1]), dtype=accumulation_dtype(features.dtype))
+        if kernel_map.identity_offset is not None:
+            grad[kernel_map.identity_offset] = x.T @ dy
+        for k, in_rows, out_rows in _offset_pairs(kernel_map):
+            grad[k] = x[in_rows].T @ dy[out_rows]
+        return grad.astype(features.dtype, copy=False)

@@ -1,0 +1,300 @@
+"""`wmma_implicit_gemm`: implicit GEMM on tensor cores through `nvcuda::wmma` (fp16 and bf16
+features, fp32 accumulation), kernels in raw_kernels/wmma_implicit_gemm.cu.
+
+Forward is output-stationary: a block owns a tile of output rows by output channels, loops over the
+offsets (skipping an offset no row of the tile has) and the input channels, gathers the input rows
+through the pair table into shared memory and writes each output once, so results are
+deterministic. Forward may visit the output rows in offset-mask order (`sort_rows`) so that a tile's
+rows share offsets and more offsets are skipped. dgrad is the same kernel over the reversed map with
+the transposed weight. wgrad splits the output rows into `split_k_factor` shares whose fp32 partial
+weight gradients are summed here in a fixed order.
+
+`prepare_weight` pads the weight once to multiples of 16 channels on both sides (the fragment size)
+and makes the transposed copy dgrad reads on first use; features stay unpadded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import numpy as np
+
+from ..backend import array_module, cupy_module, is_cupy_array
+from ..compile import KernelSource
+from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from .base import Algorithm, ConvProblem, gpu_only_reason, register
+
+FRAGMENT = 16  # the m, n and k of a WMMA fragment
+WARP_SIZE = 32
+WARP_TILE = 32  # every warp computes 32 x 32 of its block's tile (raw_kernels/wmma_implicit_gemm.cu)
+WGRAD_ROWS = 32  # output rows per wgrad stage; the row shares are multiples of it
+VECTOR_BYTES = 16  # vector loads move 8 fp16/bf16 values
+MAX_GRID_Z = 65535
+
+# (rows, channels) of a forward / dgrad block's output tile; (C_in, C_out) of a wgrad block's dW_k tile.
+FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
+BACKWARD_TILES = ((64, 64), (128, 64), (64, 128))
+SPLIT_K_FACTORS = (4, 2, 8, 16)
+BLOCK_KS = (16, 32)  # input channels per forward stage: 32 when the padded count allows it
+
+MIN_COMPUTE_CAPABILITY = {FLOAT16: 70, BFLOAT16: 80}
+
+# A kernel pointer argument of nullptr: CuPy passes None as -1, a NumPy scalar as its bytes.
+_NULL_POINTER = np.uint64(0)
+
+
+def padded_channels(channels: int) -> int:
+    """`channels` rounded up to a multiple of the fragment size."""
+    return -(-channels // FRAGMENT) * FRAGMENT
+
+
+def _cpp_bool(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+def _forward_kernel_name(type_name: str, tile: tuple[int, int], block_k: int, vector_loads: bool) -> str:
+    return f"wmma_conv_forward<{type_name}, {tile[0]}, {tile[1]}, {block_k}, {_cpp_bool(vector_loads)}>"
+
+
+def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], vector_loads: bool) -> str:
+    return f"wmma_conv_wgrad<{type_name}, {tile[0]}, {tile[1]}, {_cpp_bool(vector_loads)}>"
+
+
+def _kernel_source(dtype) -> KernelSource:
+    type_name = cuda_type_name(dtype)
+    vector_choices = (True, False)
+    forward = tuple(
+        _forward_kernel_name(type_name, tile, block_k, vector)
+        for tile in FORWARD_TILES
+        for block_k in BLOCK_KS
+        for vector in vector_choices
+    )
+    wgrad = tuple(_wgrad_kernel_name(type_name, tile, vector) for tile in BACKWARD_TILES for vector in vector_choices)
+    return KernelSource("wmma_implicit_gemm.cu", forward + wgrad)
+
+
+# One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
+# an sm_7x GPU running fp16.
+_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16)}
+
+
+class PaddedWeight:
+    """A weight `[K, C_in, C_out]` zero-padded to `[K, C_in_pad, C_out_pad]` (multiples of 16), the
+    form the forward kernel reads; `transposed` (`[K, C_out_pad, C_in_pad]`, for dgrad) is made on
+    first use. Build it with `WmmaImplicitGemm.prepare_weight`."""
+
+    def __init__(self, weight):
+        if weight.ndim != 3:
+            raise ValueError(f"weight must have shape [K, C_in, C_out], got {weight.shape}")
+        self.kernel_volume, self.in_channels, self.out_channels = (int(size) for size in weight.shape)
+        self.dtype = np.dtype(weight.dtype)
+        padded_shape = (self.kernel_volume, padded_channels(self.in_channels), padded_channels(self.out_channels))
+        self.padded = array_module(weight).zeros(padded_shape, dtype=weight.dtype)
+        self.padded[:, : self.in_channels, : self.out_channels] = weight
+
+    @functools.cached_property
+    def transposed(self):
+        return array_module(self.padded).ascontiguousarray(self.padded.transpose(0, 2, 1))
+
+    def __repr__(self) -> str:
+        return (
+            f"PaddedWeight(K={self.kernel_volume}, C_in={self.in_channels}, C_out={self.out_channels}, "
+            f"{short_name(self.dtype)})"
+        )
+
+
+def _check_tile(tile, tiles, phase: str) -> tuple[int, int]:
+    tile = tuple(tile)
+    if tile not in tiles:
+        raise ValueError(f"wmma_implicit_gemm {phase} tile must be one of {tiles}, got {tile}")
+    return tile
+
+
+def _check_operand(name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
+    """The kernels read `array` as `[rows, channels]` of `dtype` (the dtype of `like`) on the GPU:
+    refuse anything else."""
+    if not is_cupy_array(array):
+        raise TypeError(f"{name} must be a CuPy array: wmma_implicit_gemm runs on CUDA GPUs only")
+    if np.dtype(array.dtype) not in _SOURCES:
+        raise TypeError(f"{name} must be fp16 or bf16 for wmma_implicit_gemm, got {array.dtype}")
+    if np.dtype(array.dtype) != dtype:
+        raise TypeError(f"{name} must have the dtype of {like}, {short_name(dtype)}, got {short_name(array.dtype)}")
+    if array.ndim != 2 or array.shape[0] != rows or (channels is not None and array.shape[1] != channels):
+        wanted = f"({rows}, {channels})" if channels is not None else f"({rows}, C)"
+        raise ValueError(f"{name} must have shape {wanted} for this kernel map and weight, got {array.shape}")
+
+
+def _check_kernel_map(kernel_map) -> None:
+    if not is_cupy_array(kernel_map.pair_table):
+        raise TypeError("the kernel map must be built on the GPU (its pair table is a NumPy array)")
+
+
+def _check_weight(weight: PaddedWeight, kernel_map) -> None:
+    _check_kernel_map(kernel_map)
+    if not is_cupy_array(weight.padded):
+        raise TypeError("weight must be a CuPy array: wmma_implicit_gemm runs on CUDA GPUs only")
+    if weight.kernel_volume != kernel_map.kernel_volume:
+        raise ValueError(
+            f"the weight has {weight.kernel_volume} kernel offsets but the kernel map {kernel_map.kernel_volume}"
+        )
+
+
+def _vector_loads(*arrays) -> bool:
+    """Whether every row of every (C-contiguous) array starts on a 16-byte boundary."""
+    return all(a.shape[1] * a.itemsize % VECTOR_BYTES == 0 and a.data.ptr % VECTOR_BYTES == 0 for a in arrays)
+
+
+def _threads(tile: tuple[int, int]) -> int:
+    return (tile[0] // WARP_TILE) * (tile[1] // WARP_TILE) * WARP_SIZE
+
+
+def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: int, out_channels: int, tile):
+    """`out[i] = Σ_k padded_weight[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]`, with
+    the output rows visited in `row_order` (None: in order)."""
+    cupy = cupy_module()
+    kernel_volume, num_out = pair_table.shape
+    num_in = features.shape[0]
+    if num_out == 0 or out_channels == 0 or num_in == 0 or kernel_volume == 0 or in_channels == 0:
+        return cupy.zeros((num_out, out_channels), dtype=features.dtype)
+    features = cupy.ascontiguousarray(features)
+    pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
+    row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
+    in_padded, out_padded = padded_weight.shape[1:]
+    block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
+    name = _forward_kernel_name(cuda_type_name(features.dtype), tile, block_k, _vector_loads(features))
+    kernel = _SOURCES[np.dtype(features.dtype)].get(name)
+    out = cupy.empty((num_out, out_channels), dtype=features.dtype)  # every element is written once
+    tiles = -(-num_out // tile[0]) * -(-out_padded // tile[1])
+    kernel(
+        (tiles,),
+        (_threads(tile),),
+        (
+            features,
+            pair_table,
+            row_order,
+            padded_weight,
+            out,
+            np.int32(num_out),
+            np.int32(kernel_volume),
+            np.int32(in_channels),
+            np.int32(in_padded),
+            np.int32(out_channels),
+            np.int32(out_padded),
+        ),
+    )
+    return out
+
+
+@register
+class WmmaImplicitGemm(Algorithm):
+    name = "wmma_implicit_gemm"
+    auto_priority = 2  # tensor cores first
+    forward_params: ClassVar[dict[str, tuple]] = {"tile": FORWARD_TILES, "sort_rows": (True, False)}
+    backward_params: ClassVar[dict[str, tuple]] = {"tile": BACKWARD_TILES, "split_k_factor": SPLIT_K_FACTORS}
+
+    def unsupported_reason(self, problem: ConvProblem) -> str | None:
+        reason = gpu_only_reason(problem)
+        if reason:
+            return reason
+        needed = MIN_COMPUTE_CAPABILITY.get(problem.dtype)
+        if needed is None:
+            return (
+                f"{self.name} runs fp16 and bf16 on tensor cores, not {problem.dtype} "
+                "(tf32 for fp32 is not implemented yet)"
+            )
+        if (problem.compute_capability or 0) < needed:
+            return (
+                f"{self.name} needs compute capability {needed // 10}.{needed % 10} or newer for "
+                f"{short_name(problem.dtype)}; this GPU is sm_{problem.compute_capability}"
+            )
+        return None
+
+    def prepare_weight(self, weight) -> PaddedWeight:
+        return weight if isinstance(weight, PaddedWeight) else PaddedWeight(weight)
+
+    def forward(self, features, weight, kernel_map, tile=FORWARD_TILES[0], sort_rows: bool = True):
+        weight = self.prepare_weight(weight)
+        tile = _check_tile(tile, FORWARD_TILES, "forward")
+        _check_weight(weight, kernel_map)
+        _check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        sizes = (kernel_map.num_out, kernel_map.num_in, weight.kernel_volume, weight.in_channels, weight.out_channels)
+        row_order = kernel_map.mask_sorted_order() if sort_rows and 0 not in sizes else None
+        return _implicit_gemm(
+            features, kernel_map.pair_table, row_order, weight.padded, weight.in_channels, weight.out_channels, tile
+        )
+
+    def dgrad(
+        self,
+        grad_output,
+        weight,
+        kernel_map,
+        tile=BACKWARD_TILES[0],
+        split_k_factor: int = SPLIT_K_FACTORS[0],
+    ):
+        """The forward kernel over the map indexed by input row with the transposed weight;
+        `split_k_factor` only tunes wgrad (one parameter space serves both backward phases)."""
+        weight = self.prepare_weight(weight)
+        tile = _check_tile(tile, BACKWARD_TILES, "dgrad")
+        _check_weight(weight, kernel_map)
+        _check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        return _implicit_gemm(
+            grad_output,
+            kernel_map.reversed().pair_table,
+            None,
+            weight.transposed,
+            weight.out_channels,
+            weight.in_channels,
+            tile,
+        )
+
+    def wgrad(
+        self,
+        features,
+        grad_output,
+        kernel_map,
+        tile=BACKWARD_TILES[0],
+        split_k_factor: int = SPLIT_K_FACTORS[0],
+    ):
+        cupy = cupy_module()
+        tile = _check_tile(tile, BACKWARD_TILES, "wgrad")
+        kernel_volume = kernel_map.kernel_volume
+        _check_kernel_map(kernel_map)
+        _check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
+        _check_operand("grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
+        num_in, in_channels = features.shape
+        num_out, out_channels = grad_output.shape
+        if num_out == 0 or num_in == 0 or kernel_volume == 0 or in_channels == 0 or out_channels == 0:
+            return cupy.zeros((kernel_volume, in_channels, out_channels), dtype=features.dtype)
+        features = cupy.ascontiguousarray(features)
+        grad_output = cupy.ascontiguousarray(grad_output)
+        pair_table = cupy.ascontiguousarray(kernel_map.pair_table, dtype=np.int32)
+        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+        # Shares of whole stages; fewer shares when there are fewer stages, and grid z stays in range.
+        shares = max(1, min(int(split_k_factor), MAX_GRID_Z // kernel_volume))
+        rows_per_split = -(-num_out // (shares * WGRAD_ROWS)) * WGRAD_ROWS
+        shares = -(-num_out // rows_per_split)
+        # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
+        partials = cupy.empty((shares, kernel_volume, in_padded, out_padded), dtype=np.float32)
+        name = _wgrad_kernel_name(cuda_type_name(features.dtype), tile, _vector_loads(features, grad_output))
+        kernel = _SOURCES[np.dtype(features.dtype)].get(name)
+        grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
+        kernel(
+            grid,
+            (_threads(tile),),
+            (
+                features,
+                grad_output,
+                pair_table,
+                np.int32(num_out),
+                np.int32(kernel_volume),
+                np.int32(in_channels),
+                np.int32(in_padded),
+                np.int32(out_channels),
+                np.int32(out_padded),
+                np.int32(rows_per_split),
+                np.int32(shares),
+                partials,
+            ),
+        )
+        return partials.sum(axis=0)[:, :in_channels, :out_channels].astype(features.dtype, order="C")

@@ -1,0 +1,219 @@
+"""The functional API: sparse convolutions of `SparseTensor`s, and their gradients.
+
+`spatially_sparse_conv` builds (or reuses) the kernel map, selects an algorithm through
+`selection.select_algorithm` and returns the output tensor. The gradients come from
+`spatially_sparse_conv_backward` (same arguments plus the output gradient); the lower-level
+`conv_forward` / `conv_backward` work on features and a `KernelMap` and are what the framework
+adapters wrap. Depthwise convolutions work on features and a map directly, as in WarpConvNet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .algorithm_modes import parse_algorithm_filter
+from .algorithms import CONV, DEPTHWISE, ConvProblem
+from .backend import is_cupy_array
+from .dtypes import FEATURE_DTYPES, accumulation_dtype
+from .selection import select_algorithm
+from .sparse_tensor import SparseTensor
+
+
+@dataclass(frozen=True)
+class ConvGradients:
+    """Gradients of a convolution; None for those not asked for."""
+
+    input: object
+    weight: object
+    bias: object = None
+
+
+def _require_like(array, name: str, reference, reference_name: str) -> None:
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(array).__name__}")
+    if is_cupy_array(array) != is_cupy_array(reference):
+        where = "CuPy (GPU)" if is_cupy_array(reference) else "NumPy (CPU)"
+        raise TypeError(f"{name} must be a {where} array like {reference_name}")
+    if is_cupy_array(array) and array.device != reference.device:
+        raise ValueError(f"{name} is on GPU {array.device.id} but {reference_name} on GPU {reference.device.id}")
+    if array.dtype != reference.dtype:
+        raise TypeError(f"{name} has dtype {array.dtype} but {reference_name} has {reference.dtype}; cast one of them")
+
+
+def _check_features(features, name: str, num_rows: int, num_channels: int | None = None) -> None:
+    if not hasattr(features, "shape") or not hasattr(features, "dtype"):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(features).__name__}")
+    if features.dtype not in FEATURE_DTYPES:
+        raise TypeError(f"{name} must be fp64, fp32, fp16 or bf16, got {features.dtype}")
+    if features.ndim != 2 or features.shape[0] != num_rows:
+        raise ValueError(f"{name} must have shape [{num_rows}, C], got {tuple(features.shape)}")
+    if num_channels is not None and features.shape[1] != num_channels:
+        raise ValueError(f"{name} must have {num_channels} channels, got {features.shape[1]}")
+
+
+def _check_weight(weight, features, kernel_map) -> None:
+    _require_like(weight, "weight", features, "the input features")
+    if weight.ndim != 3:
+        raise ValueError(f"weight must have shape [K, C_in, C_out], got {tuple(weight.shape)}")
+    if weight.shape[0] != kernel_map.kernel_volume:
+        raise ValueError(
+            f"weight has {weight.shape[0]} kernel offsets but kernel size {kernel_map.kernel_size} has "
+            f"{kernel_map.kernel_volume}"
+        )
+    if weight.shape[1] != features.shape[1]:
+        raise ValueError(f"weight expects {weight.shape[1]} input channels, the input has {features.shape[1]}")
+
+
+def conv_forward(features, weight, kernel_map, algo=None):
+    """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`)."""
+    _check_features(features, "features", kernel_map.num_in)
+    _check_weight(weight, features, kernel_map)
+    problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem)
+    prepared = selection.algorithm.prepare_weight(weight)
+    return selection.algorithm.forward(features, prepared, kernel_map, **selection.params)
+
+
+def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
+    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed."""
+    _check_features(features, "features", kernel_map.num_in)
+    _check_weight(weight, features, kernel_map)
+    _require_like(grad_output, "grad_output", features, "the input features")
+    _check_features(grad_output, "grad_output", kernel_map.num_out, weight.shape[2])
+    problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem)
+    algorithm, params = selection.algorithm, selection.params
+    grad_input = grad_weight = None
+    if needs_input_grad:
+        grad_input = algorithm.dgrad(grad_output, algorithm.prepare_weight(weight), kernel_map, **params)
+    if needs_weight_grad:
+        grad_weight = algorithm.wgrad(features, grad_output, kernel_map, **params)
+    return grad_input, grad_weight
+
+
+def _check_input(input) -> None:
+    if not isinstance(input, SparseTensor):
+        raise TypeError(f"input must be a cupysparse.SparseTensor, got {type(input).__name__}")
+
+
+def _check_bias(bias, features, out_channels: int) -> None:
+    if bias is None:
+        return
+    _require_like(bias, "bias", features, "the input features")
+    if tuple(bias.shape) != (out_channels,):
+        raise ValueError(f"bias must have shape [{out_channels}], got {tuple(bias.shape)}")
+
+
+def spatially_sparse_conv(
+    input: SparseTensor,
+    weight,
+    kernel_size,
+    stride=1,
+    dilation=1,
+    transposed=False,
+    generative=False,
+    bias=None,
+    fwd_algo=None,
+    bwd_algo=None,
+) -> SparseTensor:
+    """A sparse convolution of `input` with weight `[K, C_in, C_out]`: submanifold (stride 1),
+    strided, transposed (back to the coordinates `input` was downsampled from) or generative
+    transposed (every reachable coordinate). See `cupysparse.kernel_map` for the exact semantics.
+
+    `fwd_algo` / `bwd_algo`: an enum member, a name, a list of either, `auto`, `all`, or None for
+    the environment variables; `bwd_algo` is only checked here and used by
+    `spatially_sparse_conv_backward`.
+    """
+    _check_input(input)
+    parse_algorithm_filter(bwd_algo, CONV, "backward")
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    features = input.features
+    _check_weight(weight, features, result.kernel_map)
+    _check_bias(bias, features, weight.shape[2])
+    out = conv_forward(features, weight, result.kernel_map, fwd_algo)
+    if bias is not None:
+        out += bias
+    return SparseTensor(
+        result.out_coordinates, out, result.out_tensor_stride, validate=False, map_cache=result.out_map_cache
+    )
+
+
+def spatially_sparse_conv_backward(
+    grad_output,
+    input: SparseTensor,
+    weight,
+    kernel_size,
+    stride=1,
+    dilation=1,
+    transposed=False,
+    generative=False,
+    bias=None,
+    bwd_algo=None,
+    needs_input_grad=True,
+    needs_weight_grad=True,
+) -> ConvGradients:
+    """Gradients of `spatially_sparse_conv` (same arguments) given `grad_output` `[N_out, C_out]`."""
+    _check_input(input)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    grad_input, grad_weight = conv_backward(
+        grad_output, input.features, weight, result.kernel_map, bwd_algo, needs_input_grad, needs_weight_grad
+    )
+    _check_bias(bias, input.features, weight.shape[2])
+    grad_bias = None
+    if bias is not None:
+        grad_bias = grad_output.sum(axis=0, dtype=accumulation_dtype(grad_output.dtype)).astype(bias.dtype)
+    return ConvGradients(grad_input, grad_weight, grad_bias)
+
+
+def _check_depthwise(features, weight, kernel_map, num_out_coords=None) -> None:
+    _check_features(features, "input_features", kernel_map.num_in)
+    _require_like(weight, "depthwise_weight", features, "input_features")
+    if weight.ndim != 2 or tuple(weight.shape) != (kernel_map.kernel_volume, features.shape[1]):
+        raise ValueError(
+            f"depthwise_weight must have shape [K={kernel_map.kernel_volume}, C={features.shape[1]}], "
+            f"got {tuple(weight.shape)}"
+        )
+    if num_out_coords is not None and num_out_coords != kernel_map.num_out:
+        raise ValueError(f"num_out_coords is {num_out_coords} but the kernel map has {kernel_map.num_out} outputs")
+
+
+def spatially_sparse_depthwise_conv(
+    input_features, depthwise_weight, kernel_map, num_out_coords, fwd_algo=None, bwd_algo=None
+):
+    """Depthwise convolution `out[i, c] = Σ_k w[k, c] · x[table[k, i], c]` → `[num_out_coords, C]`."""
+    _check_depthwise(input_features, depthwise_weight, kernel_map, num_out_coords)
+    parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward")
+    problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
+    selection = select_algorithm(parse_algorithm_filter(fwd_algo, DEPTHWISE, "forward"), problem)
+    prepared = selection.algorithm.prepare_weight(depthwise_weight)
+    return selection.algorithm.forward(input_features, prepared, kernel_map, **selection.params)
+
+
+def spatially_sparse_depthwise_conv_backward(
+    grad_output, input_features, depthwise_weight, kernel_map, bwd_algo=None, needs_input_grad=True,
+    needs_weight_grad=True,
+):
+    """(input gradient `[N_in, C]`, weight gradient `[K, C]`) of a depthwise convolution."""
+    _check_depthwise(input_features, depthwise_weight, kernel_map)
+    _require_like(grad_output, "grad_output", input_features, "input_features")
+    _check_features(grad_output, "grad_output", kernel_map.num_out, input_features.shape[1])
+    problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
+    selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem)
+    algorithm, params = selection.algorithm, selection.params
+    grad_input = grad_weight = None
+    if needs_input_grad:
+        grad_input = algorithm.dgrad(grad_output, algorithm.prepare_weight(depthwise_weight), kernel_map, **params)
+    if needs_weight_grad:
+        grad_weight = algorithm.wgrad(input_features, grad_output, kernel_map, **params)
+    return grad_input, grad_weight
+
+
+__all__ = [
+    "ConvGradients",
+    "conv_backward",
+    "conv_forward",
+    "spatially_sparse_conv",
+    "spatially_sparse_conv_backward",
+    "spatially_sparse_depthwise_conv",
+    "spatially_sparse_depthwise_conv_backward",
+]
