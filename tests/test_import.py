@@ -1,4 +1,4 @@
-"""`import cupysparse` works without CuPy and with an unusable CuPy cache directory."""
+"""`import cupysparse` works, and convolves on the CPU, without CuPy; and with an unusable CuPy cache directory."""
 
 from __future__ import annotations
 
@@ -28,11 +28,16 @@ def test_import_and_info_without_cupy():
     result = run_python(
         BLOCK_CUPY
         + """
+import numpy as np
+
 import cupysparse
 import cupysparse.backend
 import cupysparse.info
 
 assert not cupysparse.backend.gpu_available()
+tensor = cupysparse.SparseTensor(np.array([[0, 0, 0, 0], [0, 0, 0, 1]], np.int32), np.ones((2, 2)))
+out = cupysparse.spatially_sparse_conv(tensor, np.ones((27, 2, 3)), 3)
+assert out.features.tolist() == [[4.0] * 3, [4.0] * 3]
 assert cupysparse.backend.cupy_module() is None
 cupysparse.info.main()
 """

@@ -1,0 +1,214 @@
+"""Every registered algorithm on the GPU against the fp64 CPU reference (`pytest -m gpu`).
+
+The reference is `explicit_gemm` in fp64 on the CPU (itself checked against a dense convolution in
+test_convolution.py), run over the same pair table with the inputs already rounded to the tested
+dtype. Each algorithm × dtype × phase (forward, dgrad, wgrad) runs on several map kinds and on
+channel counts that are and are not multiples of 8 / 16; implicit algorithms must also be
+bitwise identical across two runs, and every parameter combination of the tuner's search space is
+checked once.
+"""
+
+import numpy as np
+import pytest
+
+from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, get_algorithm, registered
+from cupysparse.backend import cupy_module, gpu_available
+from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from cupysparse.kernel_map import KernelMap
+from cupysparse.sparse_tensor import SparseTensor
+from tolerances import assert_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
+
+DTYPES = (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)
+MAP_KINDS = ("submanifold", "strided", "transposed")
+CHANNELS = ((3, 17), (17, 33), (33, 3), (32, 64))
+
+
+def _coordinates(seed: int, side: int = 16, density: float = 0.25) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    batches = []
+    for batch in range(2):
+        cells = np.argwhere(rng.random((side,) * 3) < density) - side // 2
+        batches.append(np.concatenate([np.full((len(cells), 1), batch), cells], axis=1))
+    return np.concatenate(batches).astype(np.int32)
+
+
+def _gpu_map(kind: str, coords: np.ndarray) -> KernelMap:
+    tensor = SparseTensor(cupy_module().asarray(coords), cupy_module().zeros((len(coords), 1), np.float32))
+    if kind == "submanifold":
+        return tensor.kernel_map(3).kernel_map
+    strided = tensor.kernel_map(3, 2).kernel_map
+    return strided if kind == "strided" else tensor.map_cache.kernel_map((2, 2, 2), 3, 2, transposed=True).kernel_map
+
+
+_MAPS = {}
+
+
+def gpu_map(kind: str) -> KernelMap:
+    if kind not in _MAPS:
+        _MAPS[kind] = _gpu_map(kind, _coordinates(seed=len(kind)))
+    return _MAPS[kind]
+
+
+def cpu_copy(kernel_map: KernelMap) -> KernelMap:
+    return KernelMap(
+        kernel_map.pair_table.get(), kernel_map.num_in, kernel_map.kernel_size, kernel_map.stride,
+        kernel_map.dilation, kernel_map.transposed, kernel_map.generative,
+    )
+
+
+def supported(algorithm_kind=CONV, skip=()):
+    """(algorithm, dtype) pairs the current GPU runs, for parametrisation; `skip` names to leave out."""
+    cases = []
+    for name, algorithm in registered(algorithm_kind).items():
+        if name in skip:
+            continue
+        for dt in DTYPES:
+            problem = ConvProblem(100, 100, 16, 16, 27, dt, "cuda", _capability())
+            if algorithm.supports(problem):
+                cases.append(pytest.param(name, dt, id=f"{name}-{dt}"))
+    return cases
+
+
+def _capability() -> int:
+    return int(cupy_module().cuda.Device().compute_capability) if gpu_available() else 0
+
+
+def _inputs(kernel_map, c_in, c_out, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((kernel_map.num_in, c_in)).astype(dtype)
+    w = (rng.standard_normal((kernel_map.kernel_volume, c_in, c_out)) / np.sqrt(c_in)).astype(dtype)
+    dy = rng.standard_normal((kernel_map.num_out, c_out)).astype(dtype)
+    return x, w, dy
+
+
+def run_phase(algorithm, phase, kernel_map, x, w, dy, params):
+    cupy = cupy_module()
+    x_gpu, w_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(w), cupy.asarray(dy)
+    if phase == "forward":
+        result = algorithm.forward(x_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **params)
+    elif phase == "dgrad":
+        result = algorithm.dgrad(dy_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **params)
+    else:
+        result = algorithm.wgrad(x_gpu, dy_gpu, kernel_map, **params)
+    assert result.dtype == x.dtype
+    return result.get()
+
+
+def reference_phase(phase, kernel_map, x, w, dy, kind=CONV):
+    reference = get_algorithm("explicit_gemm" if kind == CONV else "explicit", kind)
+    cpu_map = cpu_copy(kernel_map)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
+    if phase == "forward":
+        return reference.forward(x64, w64, cpu_map), (kernel_map.kernel_volume * x.shape[1], x, w)
+    if phase == "dgrad":
+        return reference.dgrad(dy64, w64, cpu_map), (kernel_map.kernel_volume * dy.shape[1], dy, w)
+    return reference.wgrad(x64, dy64, cpu_map), (kernel_map.num_out, x, dy)
+
+
+PHASES = ("forward", "dgrad", "wgrad")
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("channels", CHANNELS, ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize("map_kind", MAP_KINDS)
+@pytest.mark.parametrize(("name", "dtype"), supported(CONV))
+def test_algorithm_matches_fp64_reference(name, dtype, map_kind, channels, phase):
+    algorithm = get_algorithm(name)
+    kernel_map = gpu_map(map_kind)
+    x, w, dy = _inputs(kernel_map, *channels, dtype, seed=sum(channels))
+    params = algorithm.default_params("forward" if phase == "forward" else "backward")
+    actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+    expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+    assert np.abs(expected).max() > 0
+    assert_close(actual, expected, dtype, terms, a, b, f"{name} {phase}")
+
+
+def _param_cases():
+    cases = []
+    for name, dtype in ((p.values[0], p.values[1]) for p in supported(CONV, skip=("explicit_gemm",))):
+        if dtype not in (FLOAT16, FLOAT32):
+            continue
+        algorithm = get_algorithm(name)
+        for phase in PHASES:
+            for params in algorithm.param_grid("forward" if phase == "forward" else "backward"):
+                label = "-".join(f"{k}={v}" for k, v in params.items())
+                cases.append(pytest.param(name, dtype, phase, params, id=f"{name}-{dtype}-{phase}-{label}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "dtype", "phase", "params"), _param_cases() if gpu_available() else [])
+def test_every_parameter_combination_is_correct(name, dtype, phase, params):
+    kernel_map = gpu_map("submanifold")
+    x, w, dy = _inputs(kernel_map, 40, 24, dtype, seed=5)
+    actual = run_phase(get_algorithm(name), phase, kernel_map, x, w, dy, params)
+    expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+    assert_close(actual, expected, dtype, terms, a, b, f"{name} {phase} {params}")
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(("name", "dtype"), supported(CONV, skip=("explicit_gemm",)))
+def test_implicit_algorithms_are_bitwise_deterministic(name, dtype, phase):
+    algorithm = get_algorithm(name)
+    kernel_map = gpu_map("submanifold")
+    x, w, dy = _inputs(kernel_map, 33, 40, dtype, seed=1)
+    params = algorithm.default_params("forward" if phase == "forward" else "backward")
+    first = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+    second = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+    np.testing.assert_array_equal(first.view(np.uint8), second.view(np.uint8))
+
+
+@pytest.mark.parametrize("num_points", [0, 1])
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(("name", "dtype"), supported(CONV))
+def test_empty_and_one_voxel_inputs(name, dtype, phase, num_points):
+    coords = np.array([[0, 3, -2, 1]], np.int32)[:num_points]
+    kernel_map = _gpu_map("submanifold", coords)
+    algorithm = get_algorithm(name)
+    x, w, dy = _inputs(kernel_map, 17, 8, dtype, seed=2)
+    params = algorithm.default_params("forward" if phase == "forward" else "backward")
+    actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+    expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+    assert actual.shape == expected.shape
+    assert_close(actual, expected, dtype, terms, a, b, f"{name} {phase}")
+
+
+DEPTHWISE_CHANNELS = (3, 17, 64)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("channels", DEPTHWISE_CHANNELS)
+@pytest.mark.parametrize("map_kind", MAP_KINDS)
+@pytest.mark.parametrize(("name", "dtype"), supported(DEPTHWISE))
+def test_depthwise_algorithm_matches_fp64_reference(name, dtype, map_kind, channels, phase):
+    algorithm = get_algorithm(name, DEPTHWISE)
+    kernel_map = gpu_map(map_kind)
+    rng = np.random.default_rng(channels)
+    x = rng.standard_normal((kernel_map.num_in, channels)).astype(dtype)
+    w = rng.standard_normal((kernel_map.kernel_volume, channels)).astype(dtype)
+    dy = rng.standard_normal((kernel_map.num_out, channels)).astype(dtype)
+    params = algorithm.default_params("forward" if phase == "forward" else "backward")
+    actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+    expected, (_, a, b) = reference_phase(phase, kernel_map, x, w, dy, kind=DEPTHWISE)
+    terms = kernel_map.kernel_volume if phase != "wgrad" else kernel_map.num_out
+    assert_close(actual, expected, dtype, terms, a, b, f"depthwise {name} {phase}")
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(("name", "dtype"), supported(DEPTHWISE))
+def test_depthwise_every_parameter_combination_and_determinism(name, dtype, phase):
+    algorithm = get_algorithm(name, DEPTHWISE)
+    kernel_map = gpu_map("submanifold")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((kernel_map.num_in, 20)).astype(dtype)
+    w = rng.standard_normal((kernel_map.kernel_volume, 20)).astype(dtype)
+    dy = rng.standard_normal((kernel_map.num_out, 20)).astype(dtype)
+    expected, (_, a, b) = reference_phase(phase, kernel_map, x, w, dy, kind=DEPTHWISE)
+    terms = kernel_map.kernel_volume if phase != "wgrad" else kernel_map.num_out
+    for params in algorithm.param_grid("forward" if phase == "forward" else "backward"):
+        first = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+        assert_close(first, expected, dtype, terms, a, b, f"depthwise {name} {phase} {params}")
+        if name != "explicit":
+            second = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+            np.testing.assert_array_equal(first.view(np.uint8), second.view(np.uint8))
