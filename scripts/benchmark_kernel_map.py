@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -32,42 +30,10 @@ from cupysparse.kernel_map import (
     submanifold_map,
 )
 from cupysparse.scenes import make_scene
+from cupysparse.scripts.timing import make_timer
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
 STRIDED = ((2, 2, 2), (2, 2, 2))
-
-
-def _timer(device: str):
-    if device == "cpu":
-
-        def time_cpu(fn, warmup, repeats):
-            for _ in range(warmup):
-                fn()
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(samples)
-
-        return time_cpu
-    import cupy
-
-    def time_gpu(fn, warmup, repeats):
-        for _ in range(warmup):
-            fn()
-        cupy.cuda.Device().synchronize()
-        samples = []
-        for _ in range(repeats):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop))
-        return statistics.median(samples)
-
-    return time_gpu
 
 
 def cupysparse_stages(coords):
@@ -149,7 +115,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    measure = _timer(args.device)
+    measure = make_timer(args.device)
     print(f"kernel-map build, {args.scene} scene, on {backend.describe_device(args.device)}; "
           f"median of {args.repeats} after {args.warmup} warm-up runs")
     rows = []

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's one-call check: install offline, run the GPU tests, then the quick benchmark.
+# The GPU machine's one-call check: install offline, run the GPU tests, then the benchmarks
+# (arguments go to the convolution benchmark, e.g. --channels 32,64).
 # Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
 # there (see the peer-wheels tool), so the benchmark compares against it.
 set -uo pipefail
@@ -19,8 +20,10 @@ cd /tmp
 python3 -m cupysparse info | tee "$out/info.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir="$repo" -c "$repo/pyproject.toml" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
-python3 -m cupysparse.scripts.benchmark_kernel_map --csv "$out/benchmark_kernel_map.csv" "$@" 2>&1 | tee "$out/benchmark_kernel_map.txt"
+python3 -m cupysparse.scripts.benchmark_kernel_map --csv "$out/benchmark_kernel_map.csv" 2>&1 | tee "$out/benchmark_kernel_map.txt"
 bench_status=${PIPESTATUS[0]}
+python3 -m cupysparse.scripts.benchmark_conv --csv "$out/benchmark_conv.csv" "$@" 2>&1 | tee "$out/benchmark_conv.txt"
+bench_status=$(( bench_status || PIPESTATUS[0] ))
 python3 -m cupysparse.demo 2>&1 | tee "$out/demo.txt"
 echo "gpu tests exit $tests_status, benchmark exit $bench_status"
 exit $(( tests_status || bench_status ))

@@ -1,9 +1,9 @@
-"""The demo and the kernel-map benchmark run end to end on the CPU and report what they built."""
+"""The demo and the benchmarks run end to end on the CPU and report what they built."""
 
 import csv
 
 from cupysparse import demo
-from cupysparse.scripts import benchmark_kernel_map
+from cupysparse.scripts import benchmark_conv, benchmark_kernel_map
 
 
 def test_demo_builds_and_reports_every_map(capsys):
@@ -31,3 +31,21 @@ def test_kernel_map_benchmark_writes_its_table(tmp_path, capsys):
     assert ("subm 3^3", "map + mask + order") in stages and ("strided 2^3/2", "downsample (unique)") in stages
     assert all(float(row["cupysparse_ms"]) > 0 and row["spconv_ms"] == "" for row in rows)
     assert "CPU" in capsys.readouterr().out
+
+
+def test_conv_benchmark_times_the_cpu_algorithms(tmp_path, capsys):
+    output = tmp_path / "conv.csv"
+    status = benchmark_conv.main(
+        ["--device", "cpu", "--num-voxels", "3000", "--channels", "8,16", "--dtype", "fp32", "--repeats", "1",
+         "--warmup", "0", "--csv", str(output)]
+    )
+    assert status == 0
+    with open(output) as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(row["channels"], row["phase"], row["algorithm"]) for row in rows} == {
+        (c, phase, "explicit_gemm") for c in ("8", "16") for phase in ("forward", "forward+backward")
+    }
+    assert all(float(row["ms"]) > 0 and int(row["pairs"]) > 3000 for row in rows)
+    forward, both = (float(row["tflops"]) for row in rows[:2])
+    assert forward > 0 and both > 0
+    assert "best explicit_gemm" in capsys.readouterr().out

@@ -1,0 +1,253 @@
+"""Sparse convolution speed: every registered algorithm against spconv 2.x in the same run.
+
+On the indoor scene (default 1M voxels, one batch item), submanifold 3³, for each channel pair it
+times the forward pass and the backward pass (input gradient + weight gradient) of every algorithm
+that supports the problem, each at its best parameters (every combination of its search space is
+timed), with CUDA events, median of --repeats after --warmup runs; forward+backward is the sum of
+the two (spconv's is timed as one autograd step). Kernel maps
+are built once beforehand on both sides (both libraries cache them per network pass).
+When spconv is importable its SubMConv3d runs the same layer, and its output is compared with
+ours. Printed and written as CSV: ms, achieved TFLOP/s (2 · pairs · C_in · C_out per GEMM phase),
+speedup = spconv time / best-of-ours time (> 1: we are faster), and the peak extra GPU memory of
+one forward on each side (both measured by torch's allocator, which CuPy is routed through).
+
+    cupysparse-benchmark-conv --channels 32,64,128,256 --csv conv.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import numpy as np
+
+from cupysparse import backend
+from cupysparse.algorithms import ConvProblem, registered
+from cupysparse.dtypes import as_feature_dtype, short_name
+from cupysparse.scenes import make_scene
+from cupysparse.scripts.timing import make_timer
+from cupysparse.sparse_tensor import SparseTensor
+
+PHASES = ("forward", "forward+backward")
+KERNEL_SIZE = 3
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def route_cupy_through_torch(torch) -> None:
+    """One memory pool: CuPy allocates from torch's caching allocator, so its statistics see both."""
+    import cupy
+
+    allocator = cupy.cuda.PythonFunctionAllocator(
+        lambda size, device: torch.cuda.caching_allocator_alloc(size, device),
+        lambda pointer, device: torch.cuda.caching_allocator_delete(pointer),
+    )
+    cupy.cuda.set_allocator(allocator.malloc)
+
+
+def peak_extra_bytes(torch, fn) -> int | None:
+    if torch is None:
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak
+
+
+class Ours:
+    """Our layer: features, weight, cached map, and the phases of one algorithm."""
+
+    def __init__(self, tensor, weight, grad):
+        self.x, self.w, self.dy = tensor.features, weight, grad
+        self.kernel_map = tensor.kernel_map(KERNEL_SIZE).kernel_map
+
+    def forward(self, algorithm, params):
+        return lambda: algorithm.forward(self.x, algorithm.prepare_weight(self.w), self.kernel_map, **params)
+
+    def backward(self, algorithm, params):
+        def run():
+            algorithm.dgrad(self.dy, algorithm.prepare_weight(self.w), self.kernel_map, **params)
+            algorithm.wgrad(self.x, self.dy, self.kernel_map, **params)
+
+        return run
+
+
+def best_time(measure, candidates, warmup, repeats):
+    """(params, ms) of the fastest candidate; a candidate 10x slower than the best so far after one
+    run is not timed further (SIMT tiles of 4 on wide layers take seconds)."""
+    best = (None, float("inf"))
+    for params, fn in candidates:
+        first = measure(fn, 0, 1)
+        if first > 10 * best[1]:
+            continue
+        ms = measure(fn, warmup, repeats)
+        if ms < best[1]:
+            best = (params, ms)
+    return best
+
+
+def spconv_layer(torch, coords_numpy, features, weight, grad):
+    """(forward fn, forward+backward fn, output features) of spconv's SubMConv3d, or None."""
+    try:
+        import spconv.pytorch as spconv
+    except Exception as error:  # spconv absent or broken: the benchmark still runs without it
+        print(f"spconv not importable ({type(error).__name__}: {error}); cupysparse only", file=sys.stderr)
+        return None
+    shifted = coords_numpy.copy()
+    shifted[:, 1:] -= shifted[:, 1:].min(axis=0)
+    spatial_shape = (shifted[:, 1:].max(axis=0) + 2).tolist()
+    c_in, c_out = weight.shape[1], weight.shape[2]
+    layer = spconv.SubMConv3d(c_in, c_out, KERNEL_SIZE, bias=False, indice_key="subm").cuda().half()
+    with torch.no_grad():
+        # Ours [K, C_in, C_out] with offsets lexicographic over the coordinate columns; spconv's
+        # [C_out, k0, k1, k2, C_in] over the same columns.
+        k = KERNEL_SIZE
+        layer.weight.copy_(torch.as_tensor(backend.to_numpy(weight)).reshape(k, k, k, c_in, c_out).permute(4, 0, 1, 2, 3))
+    x = torch.as_tensor(features, device="cuda").requires_grad_(True)
+    dy = torch.as_tensor(grad, device="cuda")
+    tensor = spconv.SparseConvTensor(x, torch.from_numpy(shifted).cuda(), spatial_shape, 1)
+
+    def forward():
+        return layer(tensor).features
+
+    def forward_backward():
+        out = layer(tensor).features
+        out.backward(dy)
+
+    out = forward()  # builds and caches the indice pairs in the tensor's indice_dict
+    return forward, forward_backward, out.detach()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-voxels", type=int, default=1_000_000)
+    parser.add_argument("--channels", default="32,64,128,256", help="comma-separated C (C → C layers)")
+    parser.add_argument("--dtype", default="fp16", help="fp16, bf16, fp32 (spconv: fp16 and fp32 only)")
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-spconv", action="store_true")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args(argv)
+    try:
+        args.channels = [int(c) for c in args.channels.split(",")]
+        args.dtype = as_feature_dtype(args.dtype)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    if args.device == "auto":
+        args.device = backend.default_device()
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    torch = _torch_cuda() if device == "cuda" else None
+    if torch is not None:
+        route_cupy_through_torch(torch)
+    measure = make_timer(device)
+    scene = make_scene(args.scene, args.num_voxels, seed=0)
+    voxels = scene.voxel_coordinates()
+    coords_numpy = np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
+    coords = backend.to_device(coords_numpy, device)
+    described = backend.describe_device(device)
+    print(f"sparse conv, {args.scene} scene, {len(voxels)} voxels, submanifold {KERNEL_SIZE}^3, "
+          f"{short_name(args.dtype)}, on {described}; median of {args.repeats}")
+    rows = []
+    rng = np.random.default_rng(0)
+    for channels in args.channels:
+        features = rng.standard_normal((len(voxels), channels)).astype(args.dtype)
+        weight = rng.standard_normal((KERNEL_SIZE**3, channels, channels)) / np.sqrt(channels * KERNEL_SIZE**3)
+        weight = backend.to_device(weight.astype(args.dtype), device)
+        grad = rng.standard_normal((len(voxels), channels)).astype(args.dtype)
+        tensor = SparseTensor(coords, backend.to_device(features, device), validate=False)
+        ours = Ours(tensor, weight, backend.to_device(grad, device))
+        pairs = ours.kernel_map.num_pairs
+        flop = 2.0 * pairs * channels * channels
+        problem = ConvProblem.of(ours.x, ours.kernel_map, channels)
+
+        def layer_row(phase, library, algorithm, params, ms, peak, difference):
+            work = flop if phase == "forward" else 3 * flop  # forward; or forward, dgrad and wgrad
+            return {
+                "device": described, "num_voxels": len(voxels), "pairs": pairs, "channels": channels,
+                "dtype": short_name(args.dtype), "phase": phase, "library": library, "algorithm": algorithm,
+                "params": params, "ms": round(ms, 4), "tflops": float(f"{work / ms / 1e9:.4g}"),
+                "forward_peak_mb": None if peak is None else round(peak / 2**20, 1),
+                "max_abs_diff_vs_spconv": difference,
+            }
+
+        theirs = None
+        if not args.no_spconv and torch is not None and args.dtype.name in ("float16", "float32"):
+            theirs = spconv_layer(torch, coords_numpy, features, weight, grad)
+        for name, algorithm in registered().items():
+            if not algorithm.supports(problem):
+                continue
+            forward_params, forward_ms = best_time(
+                measure, [(p, ours.forward(algorithm, p)) for p in algorithm.param_grid("forward")],
+                args.warmup, args.repeats,
+            )
+            backward_params, backward_ms = best_time(
+                measure, [(p, ours.backward(algorithm, p)) for p in algorithm.param_grid("backward")],
+                args.warmup, args.repeats,
+            )
+            peak = peak_extra_bytes(torch, ours.forward(algorithm, forward_params))
+            difference = None
+            if theirs is not None:
+                out = backend.to_numpy(ours.forward(algorithm, forward_params)()).astype(np.float32)
+                difference = float(np.abs(out - theirs[2].float().cpu().numpy()).max())
+            for phase, ms, params in (("forward", forward_ms, forward_params),
+                                      ("forward+backward", forward_ms + backward_ms, backward_params)):
+                rows.append(layer_row(phase, "cupysparse", name, params, ms, peak, difference))
+        if theirs is not None:
+            spconv_forward, spconv_both, _ = theirs
+            peak = peak_extra_bytes(torch, spconv_forward)
+            for phase, fn in (("forward", spconv_forward), ("forward+backward", spconv_both)):
+                ms = measure(fn, args.warmup, args.repeats)
+                rows.append(layer_row(phase, "spconv", "SubMConv3d", {}, ms, peak, None))
+    print_table(rows)
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def print_table(rows) -> None:
+    print(f"{'C':>4} {'phase':<17} {'library':<11} {'algorithm':<20} {'ms':>9} {'TFLOP/s':>8} {'fwd peak MB':>11} "
+          f"{'max|diff|':>9}  params")
+    for row in rows:
+        peak = "" if row["forward_peak_mb"] is None else f"{row['forward_peak_mb']:.1f}"
+        diff = "" if row["max_abs_diff_vs_spconv"] is None else f"{row['max_abs_diff_vs_spconv']:.3g}"
+        print(f"{row['channels']:>4} {row['phase']:<17} {row['library']:<11} {row['algorithm']:<20} {row['ms']:>9.3f} "
+              f"{row['tflops']:>8.1f} {peak:>11} {diff:>9}  {row['params']}")
+    print("\nbest of ours against spconv (speedup = spconv ms / ours ms; > 1: cupysparse is faster)")
+    for channels in sorted({row["channels"] for row in rows}):
+        for phase in PHASES:
+            mine = [r for r in rows if r["channels"] == channels and r["phase"] == phase and r["library"] == "cupysparse"]
+            theirs = [r for r in rows if r["channels"] == channels and r["phase"] == phase and r["library"] == "spconv"]
+            if not mine:
+                continue
+            best = min(mine, key=lambda r: r["ms"])
+            line = f"{channels:>4} {phase:<17} best {best['algorithm']:<20} {best['ms']:>9.3f} ms"
+            if theirs:
+                line += (f"   spconv {theirs[0]['ms']:.3f} ms   speedup {theirs[0]['ms'] / best['ms']:.2f}x"
+                         f"   fwd peak MB ours {best['forward_peak_mb']} / spconv {theirs[0]['forward_peak_mb']}")
+            print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
