@@ -82,6 +82,11 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
     _check_features(grad_output, "grad_output", kernel_map.num_out, weight.shape[2])
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
     selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem)
+    return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
+
+
+def _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):
+    """(dgrad, wgrad) of the selected algorithm, each None unless needed."""
     algorithm, params = selection.algorithm, selection.params
     grad_input = grad_weight = None
     if needs_input_grad:
@@ -199,13 +204,9 @@ def spatially_sparse_depthwise_conv_backward(
     _check_features(grad_output, "grad_output", kernel_map.num_out, input_features.shape[1])
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
     selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem)
-    algorithm, params = selection.algorithm, selection.params
-    grad_input = grad_weight = None
-    if needs_input_grad:
-        grad_input = algorithm.dgrad(grad_output, algorithm.prepare_weight(depthwise_weight), kernel_map, **params)
-    if needs_weight_grad:
-        grad_weight = algorithm.wgrad(input_features, grad_output, kernel_map, **params)
-    return grad_input, grad_weight
+    return _gradients(
+        selection, grad_output, input_features, depthwise_weight, kernel_map, needs_input_grad, needs_weight_grad
+    )
 
 
 __all__ = [

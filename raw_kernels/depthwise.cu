@@ -3,21 +3,7 @@
 // The forward kernel (and dgrad, the same kernel over the reversed map: a depthwise weight is its
 // own transpose) gives each output element to one thread, with no atomics. wgrad writes fp32
 // partial sums per row chunk, reduced in a fixed order; the host sums the chunks. Deterministic.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ float to_float(float value) { return value; }
-__device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float value);
-template <>
-__device__ __forceinline__ float from_float<float>(float value) { return value; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16_rn(value); }
+#include "float_conversion.cuh"
 
 // out[i, c] = sum_k weight[k, c] * features[table[k, i], c].
 // One thread per (output row, group of CHANNELS_PER_THREAD consecutive channels): a group shares

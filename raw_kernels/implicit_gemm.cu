@@ -4,21 +4,7 @@
 // Forward (and dgrad, over the reversed map with the weight read transposed) is
 // output-stationary: each output element is written once by one thread, with no atomics, so the
 // result is deterministic. wgrad writes fp32 partial sums per row split; the host sums them.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ float to_float(float value) { return value; }
-__device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float value);
-template <>
-__device__ __forceinline__ float from_float<float>(float value) { return value; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16_rn(value); }
+#include "float_conversion.cuh"
 
 // out[i, o] = sum_k sum_r features[table[k, i], r] * W_k[r, o], with r over `reduce_channels`.
 // W_k is weight[k] of shape [reduce_channels, out_channels] (forward), or, with

@@ -14,7 +14,6 @@ Without a GPU it times the NumPy reference path with the host clock.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import numpy as np
@@ -30,7 +29,7 @@ from cupysparse.kernel_map import (
     submanifold_map,
 )
 from cupysparse.scenes import make_scene
-from cupysparse.scripts.timing import make_timer
+from cupysparse.scripts.benchmarking import make_timer, write_csv
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
 STRIDED = ((2, 2, 2), (2, 2, 2))
@@ -145,11 +144,7 @@ def main(argv=None) -> int:
         print(f"{row['num_voxels']:>9} {row['case']:<14} {row['stage']:<22} {row['cupysparse_ms']:>14.3f} "
               f"{theirs:>10} {ratio:>12}")
     if args.csv:
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_csv(rows, args.csv)
     return 0
 
 

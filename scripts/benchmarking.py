@@ -1,7 +1,8 @@
-"""Timing for the benchmark scripts: CUDA events on the GPU, the host clock on the CPU."""
+"""What the benchmark scripts share: timing (CUDA events on the GPU, the host clock on the CPU) and CSV output."""
 
 from __future__ import annotations
 
+import csv
 import statistics
 import time
 
@@ -38,3 +39,12 @@ def make_timer(device: str):
         return statistics.median(samples)
 
     return time_gpu
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    """Write `rows` (dicts with the same keys) to `path` and say so."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
