@@ -39,5 +39,5 @@ def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem) -> Sel
     if search_space.mode == "names":
         chosen = supported[0]
     else:
-        chosen = max(supported, key=lambda algorithm: algorithm.auto_priority)
+        chosen = max(supported, key=lambda algorithm: algorithm.auto_priority(problem))
     return Selection(chosen, chosen.default_params(search_space.phase))

@@ -3,8 +3,13 @@
 //
 // Forward (and dgrad, which is the forward over the reversed pair table with the transposed weight):
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
-// element of it once (no atomics, deterministic). Weight gradient: split-K over the output rows, fp32
-// partials into a workspace that the host sums.
+// element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
+// offset's compact pair list, fp32 partials into a workspace that the host sums.
+//
+// STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
+// copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
+// their base addresses 16-byte aligned. STAGES == 1 kernels load element by element, synchronously,
+// and take any channel count.
 //
 // Weights come zero-padded to multiples of 16 in both channel dimensions, so a 16x16 weight or
 // workspace fragment is either wholly inside the padded extent or wholly outside it. Features and
@@ -21,15 +26,21 @@ constexpr int WARP_SIZE = 32;
 constexpr int WARP_TILE = 32;
 constexpr int WARP_FRAGMENTS = WARP_TILE / FRAGMENT;
 // Shared-memory rows of 16-bit values are padded by 8 elements (16 bytes): consecutive rows start in
-// different banks, and every row start stays 16-byte aligned for vector stores. A fragment's base is
-// 16 rows and a multiple of 16 columns away from the buffer start, which keeps it 32-byte aligned.
+// different banks, and every row start stays 16-byte aligned for vector copies. A fragment's base is
+// 16 rows and a multiple of 16 columns away from its buffer's start, which keeps it 32-byte aligned.
 constexpr int HALF_ROW_PAD = 8;
 constexpr int FLOAT_ROW_PAD = 4;
-constexpr int VECTOR = 8;  // 16-bit elements per 16-byte load
-// Output rows the weight gradient consumes per shared-memory stage.
-constexpr int WGRAD_ROWS = 32;
+constexpr int VECTOR = 8;  // 16-bit elements per 16-byte copy
+// Kernels keep to static shared memory, at most 48 KB per block.
+constexpr int STATIC_SHARED_LIMIT = 48 * 1024;
+// A forward tile reads the pair-table entries of up to 32 offsets at once (one bit each in a mask),
+// in at most 16 KB of shared memory.
+constexpr int MAX_OFFSET_BATCH = 32;
+constexpr int ROW_TABLE_LIMIT = 16 * 1024;
 
 using Fragment = wmma::fragment<wmma::accumulator, FRAGMENT, FRAGMENT, FRAGMENT, float>;
+
+__host__ __device__ constexpr int smaller(int a, int b) { return a < b ? a : b; }
 
 template <typename T>
 __device__ __forceinline__ T from_float(float value);
@@ -44,23 +55,53 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) 
   return __float2bfloat16_rn(value);
 }
 
+// Copies 16 bytes from global `src` to shared `dst`, or writes 16 zero bytes when !valid (`src` is then
+// not read). On sm_80+ the copy is asynchronous (cp.async, L2 only): it lands after the wait_async_copies
+// that retires its commit group. Both addresses must be 16-byte aligned.
+__device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void commit_async_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most PENDING of this thread's most recent commit groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void wait_async_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
 // Copies the tile [ROWS x COLS] of a row-major matrix with `num_cols` columns into shared memory
 // (row stride `ld`): tile row r is matrix row `row_of(r)` (-1: zeros), tile column c is matrix column
-// `col0 + c` (zero at or past `num_cols`). VECTOR_LOADS moves 8 elements at once and needs `num_cols`
-// and `col0` to be multiples of 8 and `src` 16-byte aligned.
-template <int ROWS, int COLS, int THREADS, bool VECTOR_LOADS, typename T, typename RowOf>
+// `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 8 elements at once through
+// copy_16_bytes and needs `num_cols` and `col0` to be multiples of 8 and `src` 16-byte aligned.
+template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
 __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
                                           T* __restrict__ dst, int ld) {
-  if constexpr (VECTOR_LOADS) {
+  if constexpr (VECTOR_COPIES) {
     static_assert(COLS % VECTOR == 0, "tile columns must be whole vectors");
     constexpr int VECTORS_PER_ROW = COLS / VECTOR;
-    for (int v = threadIdx.x; v < ROWS * VECTORS_PER_ROW; v += THREADS) {
+    constexpr int VECTORS = ROWS * VECTORS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < (VECTORS + THREADS - 1) / THREADS; ++i) {
+      const int v = threadIdx.x + i * THREADS;
+      if (VECTORS % THREADS != 0 && v >= VECTORS) break;
       const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * VECTOR;
       const long long row = row_of(r);
       const int col = col0 + c;
-      uint4 value = make_uint4(0, 0, 0, 0);
-      if (row >= 0 && col < num_cols) value = *reinterpret_cast<const uint4*>(src + row * num_cols + col);
-      *reinterpret_cast<uint4*>(dst + r * ld + c) = value;
+      const bool valid = row >= 0 && col < num_cols;
+      copy_16_bytes(dst + r * ld + c, valid ? src + row * num_cols + col : src, valid);
     }
   } else {
     const T zero = from_float<T>(0.0f);
@@ -83,32 +124,41 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // Tiles are numbered column tile fastest, so the blocks sharing a set of gathered rows run together.
 // `row_order` (or nullptr for the identity) permutes the output rows, e.g. by offset mask, so that a
 // tile's rows share offsets and more offsets are skipped for the whole tile.
+// The tile first reads its pair-table entries for a batch of offsets into shared memory, with a mask of
+// the offsets any of its rows has; the pipeline then runs over the steps (offset in the mask, chunk of
+// BLOCK_K input channels) of that batch, so skipped offsets cost no step.
 // x [num_in, in_channels]; weight [kernel_volume, in_channels_padded, out_channels_padded];
 // out [num_out, out_channels]. in_channels_padded is a multiple of BLOCK_K.
-template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, bool VECTOR_LOADS>
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
                       int in_channels, int in_channels_padded, int out_channels, int out_channels_padded) {
   static_assert(BLOCK_M % WARP_TILE == 0 && BLOCK_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(BLOCK_K % FRAGMENT == 0, "BLOCK_K is a multiple of the fragment size");
+  static_assert(STAGES >= 1, "at least one stage");
+  constexpr bool PIPELINED = STAGES > 1;
   constexpr int WARPS_N = BLOCK_N / WARP_TILE;
-  constexpr int THREADS = (BLOCK_M / WARP_TILE) * WARPS_N * WARP_SIZE;
+  constexpr int WARPS = (BLOCK_M / WARP_TILE) * WARPS_N;
+  constexpr int THREADS = WARPS * WARP_SIZE;
   constexpr int LDA = BLOCK_K + HALF_ROW_PAD;
   constexpr int LDB = BLOCK_N + HALF_ROW_PAD;
   constexpr int LDC = BLOCK_N + FLOAT_ROW_PAD;
   constexpr int A_BYTES = BLOCK_M * LDA * (int)sizeof(T);
-  constexpr int B_BYTES = BLOCK_K * LDB * (int)sizeof(T);
+  constexpr int STAGE_BYTES = A_BYTES + BLOCK_K * LDB * (int)sizeof(T);
   constexpr int C_BYTES = BLOCK_M * LDC * (int)sizeof(float);
   // The fp32 result tile reuses the operand buffers once the main loop is over.
-  constexpr int SHARED_BYTES = A_BYTES + B_BYTES > C_BYTES ? A_BYTES + B_BYTES : C_BYTES;
-  static_assert(A_BYTES % 32 == 0, "the weight tile must start 32-byte aligned");
+  constexpr int SHARED_BYTES = STAGES * STAGE_BYTES > C_BYTES ? STAGES * STAGE_BYTES : C_BYTES;
+  static_assert(A_BYTES % 32 == 0 && STAGE_BYTES % 32 == 0, "every operand tile must start 32-byte aligned");
+  constexpr int OTHER_BYTES = SHARED_BYTES + BLOCK_M * (int)sizeof(int) + WARPS * (int)sizeof(unsigned);
+  constexpr int OFFSET_BATCH = smaller(
+      MAX_OFFSET_BATCH, smaller(ROW_TABLE_LIMIT, STATIC_SHARED_LIMIT - OTHER_BYTES) / (BLOCK_M * (int)sizeof(int)));
+  static_assert(OFFSET_BATCH >= 1, "the operand buffers leave no room for the pair-table entries");
 
   __shared__ __align__(128) unsigned char shared[SHARED_BYTES];
   __shared__ int out_rows[BLOCK_M];
-  __shared__ int in_rows[BLOCK_M];
-  T* a_tile = reinterpret_cast<T*>(shared);
-  T* b_tile = reinterpret_cast<T*>(shared + A_BYTES);
+  __shared__ int in_rows[OFFSET_BATCH][BLOCK_M];  // per offset of the batch and tile row: input row or -1
+  __shared__ unsigned warp_offset_masks[WARPS];
   float* c_tile = reinterpret_cast<float*>(shared);
 
   const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
@@ -123,7 +173,6 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
     const long long row = row_base + m;
     out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
   }
-  __syncthreads();
 
   Fragment acc[WARP_FRAGMENTS][WARP_FRAGMENTS];
 #pragma unroll
@@ -131,46 +180,99 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
 #pragma unroll
     for (int j = 0; j < WARP_FRAGMENTS; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
-  const auto gathered_row = [&](int m) -> long long { return in_rows[m]; };
-  const auto weight_row = [](int r) -> long long { return r; };
-  for (int k = 0; k < kernel_volume; ++k) {
-    // Each thread rewrites only the entries it wrote for the previous offset, and every read of
-    // them happened before the previous offset's last barrier.
-    int has_pair = 0;
-    for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
-      const int out_row = out_rows[m];
-      const int in_row = out_row >= 0 ? pair_table[(long long)k * num_out + out_row] : -1;
-      in_rows[m] = in_row;
-      has_pair |= in_row >= 0;
-    }
-    if (!__syncthreads_or(has_pair)) continue;  // the same answer in every thread: uniform
-
-    const T* weight_k = weight + (long long)k * in_channels_padded * out_channels_padded;
-    for (int c0 = 0; c0 < in_channels_padded; c0 += BLOCK_K) {
-      stage_tile<BLOCK_M, BLOCK_K, THREADS, VECTOR_LOADS>(x, in_channels, c0, gathered_row, a_tile, LDA);
-      stage_tile<BLOCK_K, BLOCK_N, THREADS, true>(weight_k + (long long)c0 * out_channels_padded,
-                                                  out_channels_padded, col_base, weight_row, b_tile, LDB);
-      __syncthreads();
+  const auto multiply_stage = [&](int buffer) {
+    const T* a_tile = reinterpret_cast<const T*>(shared + buffer * STAGE_BYTES);
+    const T* b_tile = reinterpret_cast<const T*>(shared + buffer * STAGE_BYTES + A_BYTES);
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_K; kk += FRAGMENT) {
-        wmma::fragment<wmma::matrix_a, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::row_major> a[WARP_FRAGMENTS];
+    for (int kk = 0; kk < BLOCK_K; kk += FRAGMENT) {
+      wmma::fragment<wmma::matrix_a, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::row_major> a[WARP_FRAGMENTS];
 #pragma unroll
-        for (int i = 0; i < WARP_FRAGMENTS; ++i)
-          wmma::load_matrix_sync(a[i], a_tile + (warp_row + i * FRAGMENT) * LDA + kk, LDA);
+      for (int i = 0; i < WARP_FRAGMENTS; ++i)
+        wmma::load_matrix_sync(a[i], a_tile + (warp_row + i * FRAGMENT) * LDA + kk, LDA);
 #pragma unroll
-        for (int j = 0; j < WARP_FRAGMENTS; ++j) {
-          if (j >= active_col_fragments) continue;
-          wmma::fragment<wmma::matrix_b, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::row_major> b;
-          wmma::load_matrix_sync(b, b_tile + kk * LDB + warp_col + j * FRAGMENT, LDB);
+      for (int j = 0; j < WARP_FRAGMENTS; ++j) {
+        if (j >= active_col_fragments) continue;
+        wmma::fragment<wmma::matrix_b, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::row_major> b;
+        wmma::load_matrix_sync(b, b_tile + kk * LDB + warp_col + j * FRAGMENT, LDB);
 #pragma unroll
-          for (int i = 0; i < WARP_FRAGMENTS; ++i) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
-        }
+        for (int i = 0; i < WARP_FRAGMENTS; ++i) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
       }
-      __syncthreads();
+    }
+  };
+
+  const int chunks = in_channels_padded / BLOCK_K;
+  for (int batch_start = 0; batch_start < kernel_volume; batch_start += OFFSET_BATCH) {
+    const int batch = min(OFFSET_BATCH, kernel_volume - batch_start);
+    // Orders the out_rows writes, and every read of in_rows, warp_offset_masks and the operand buffers
+    // for the previous batch, before this batch's writes.
+    __syncthreads();
+    unsigned offset_mask = 0;
+    for (int e = threadIdx.x; e < batch * BLOCK_M; e += THREADS) {
+      const int j = e / BLOCK_M, m = e % BLOCK_M;
+      const int out_row = out_rows[m];
+      const int in_row = out_row >= 0 ? pair_table[(long long)(batch_start + j) * num_out + out_row] : -1;
+      in_rows[j][m] = in_row;
+      if (in_row >= 0) offset_mask |= 1u << j;
+    }
+    for (int lanes = WARP_SIZE / 2; lanes > 0; lanes /= 2) offset_mask |= __shfl_xor_sync(0xffffffffu, offset_mask, lanes);
+    if (threadIdx.x % WARP_SIZE == 0) warp_offset_masks[warp] = offset_mask;
+    __syncthreads();
+    // The same mask, step count and staging sequence in every thread: the loops below are uniform.
+    unsigned offsets_to_stage = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) offsets_to_stage |= warp_offset_masks[w];
+    const int steps = __popc(offsets_to_stage) * chunks;
+
+    int offset = 0, c0 = in_channels_padded;  // of the step staged last
+    const auto stage_next_step = [&](int buffer) {
+      if (c0 == in_channels_padded) {
+        offset = __ffs(offsets_to_stage) - 1;
+        offsets_to_stage &= offsets_to_stage - 1;
+        c0 = 0;
+      }
+      T* a_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES);
+      T* b_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES + A_BYTES);
+      const int* gathered = in_rows[offset];
+      const auto gathered_row = [&](int m) -> long long { return gathered[m]; };
+      const auto weight_row = [](int r) -> long long { return r; };
+      const T* weight_rows = weight + ((long long)(batch_start + offset) * in_channels_padded + c0) * out_channels_padded;
+      stage_tile<BLOCK_M, BLOCK_K, THREADS, PIPELINED>(x, in_channels, c0, gathered_row, a_tile, LDA);
+      stage_tile<BLOCK_K, BLOCK_N, THREADS, true>(weight_rows, out_channels_padded, col_base, weight_row, b_tile, LDB);
+      c0 += BLOCK_K;
+    };
+
+    if constexpr (PIPELINED) {
+      // One commit group per step (empty past the last), so step s is group s and the wait below
+      // leaves in flight only the STAGES - 2 steps staged after it.
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) stage_next_step(s);
+        commit_async_copies();
+      }
+      for (int step = 0; step < steps; ++step) {
+        wait_async_copies<STAGES - 2>();
+        // Step `step` is in shared memory for every thread, and every warp is done with step - 1,
+        // whose buffer the next stage refills.
+        __syncthreads();
+        if (step + STAGES - 1 < steps) stage_next_step((step + STAGES - 1) % STAGES);
+        commit_async_copies();
+        multiply_stage(step % STAGES);
+      }
+      wait_async_copies<0>();  // only empty groups are left; keep nothing in flight past the batch
+    } else {
+      for (int step = 0; step < steps; ++step) {
+        if (step > 0) __syncthreads();  // every warp is done with the previous step's buffer
+        stage_next_step(0);
+        // The weight tile still moves in 16-byte copies, asynchronous on sm_80+.
+        commit_async_copies();
+        wait_async_copies<0>();
+        __syncthreads();
+        multiply_stage(0);
+      }
     }
   }
+  __syncthreads();  // every read of the operand buffers is done: the result tile reuses them
 
-  // The main loop ended on a barrier that followed every read of the operand tiles.
 #pragma unroll
   for (int i = 0; i < WARP_FRAGMENTS; ++i)
 #pragma unroll
@@ -186,32 +288,38 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   }
 }
 
-// Weight gradient, split-K: dW_k = sum_i x[pair_table[k, i]]^T dy[i]. Block (x, y, z) computes the
-// TILE_M x TILE_N tile (blockIdx.x, blockIdx.y) of dW_k, k = z / split_k, over the output rows
-// [s * rows_per_split, (s + 1) * rows_per_split), s = z % split_k, and writes it unreduced to
-// workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded] (fp32). Every block
-// writes its whole tile (zeros where it had no pair), so the workspace needs no initialisation.
-// x [num_in, in_channels]; dy [num_out, out_channels]; rows_per_split a multiple of WGRAD_ROWS.
-template <typename T, int TILE_M, int TILE_N, bool VECTOR_LOADS>
+// Weight gradient, split-K over compact pair lists: dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over the
+// pairs p in [pair_offsets[k], pair_offsets[k + 1]). Block (x, y, z) computes the TILE_M x TILE_N tile
+// (blockIdx.x, blockIdx.y) of dW_k, k = z / split_k, over share s = z % split_k of offset k's pairs
+// (split evenly, on the device, into shares of whole stages), and writes it unreduced to
+// workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded] (fp32). Every block writes
+// its whole tile (zeros where its share is empty), so the workspace needs no initialisation.
+// x [num_in, in_channels]; dy [num_out, out_channels].
+template <typename T, int TILE_M, int TILE_N, int STAGES>
 __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * WARP_SIZE)
-    wmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ pair_table,
-                    int num_out, int kernel_volume, int in_channels, int in_channels_padded, int out_channels,
-                    int out_channels_padded, int rows_per_split, int split_k, float* __restrict__ workspace) {
+    wmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
+                    const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
+                    int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
+                    float* __restrict__ workspace) {
   static_assert(TILE_M % WARP_TILE == 0 && TILE_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
+  static_assert(STAGES >= 1, "at least one stage");
+  constexpr bool PIPELINED = STAGES > 1;
   constexpr int WARPS_N = TILE_N / WARP_TILE;
   constexpr int THREADS = (TILE_M / WARP_TILE) * WARPS_N * WARP_SIZE;
   constexpr int LDX = TILE_M + HALF_ROW_PAD;
   constexpr int LDY = TILE_N + HALF_ROW_PAD;
-  constexpr int X_BYTES = WGRAD_ROWS * LDX * (int)sizeof(T);
-  static_assert(X_BYTES % 32 == 0, "the dy tile must start 32-byte aligned");
+  // Pairs per stage: 64 where STAGES such stages fit in static shared memory, else 32.
+  constexpr int PAIR_BYTES = (LDX + LDY) * (int)sizeof(T);
+  constexpr int ROWS = 64 * PAIR_BYTES * STAGES <= STATIC_SHARED_LIMIT ? 64 : 32;
+  constexpr int X_BYTES = ROWS * LDX * (int)sizeof(T);
+  constexpr int STAGE_BYTES = ROWS * PAIR_BYTES;
+  static_assert(STAGES * STAGE_BYTES <= STATIC_SHARED_LIMIT, "the stages do not fit in static shared memory");
+  static_assert(X_BYTES % 32 == 0 && STAGE_BYTES % 32 == 0, "every operand tile must start 32-byte aligned");
 
-  // x rows [WGRAD_ROWS x TILE_M], read as the col-major x^T; dy rows [WGRAD_ROWS x TILE_N].
-  __shared__ __align__(128) unsigned char shared[X_BYTES + WGRAD_ROWS * LDY * sizeof(T)];
-  __shared__ int in_rows[WGRAD_ROWS];
-  T* x_tile = reinterpret_cast<T*>(shared);
-  T* dy_tile = reinterpret_cast<T*>(shared + X_BYTES);
+  // Per stage: x rows [ROWS x TILE_M], read as the col-major x^T, then dy rows [ROWS x TILE_N].
+  __shared__ __align__(128) unsigned char shared[STAGES * STAGE_BYTES];
 
-  const int k = blockIdx.z / split_k, split = blockIdx.z % split_k;
+  const int k = blockIdx.z / split_k, share = blockIdx.z % split_k;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_TILE;
@@ -219,32 +327,23 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   const int active_row_fragments = fragments_inside(in_channels_padded, row_base + warp_row);
   const int active_col_fragments = fragments_inside(out_channels_padded, col_base + warp_col);
 
+  const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
+  const long long share_pairs = ((end - begin + split_k - 1) / split_k + ROWS - 1) / ROWS * ROWS;
+  const long long first = begin + share * share_pairs;
+  const long long last = min(end, first + share_pairs);
+  const int steps = first < last ? (int)((last - first + ROWS - 1) / ROWS) : 0;
+
   Fragment acc[WARP_FRAGMENTS][WARP_FRAGMENTS];
 #pragma unroll
   for (int i = 0; i < WARP_FRAGMENTS; ++i)
 #pragma unroll
     for (int j = 0; j < WARP_FRAGMENTS; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
-  const long long first = (long long)split * rows_per_split;
-  const long long end = min((long long)num_out, first + rows_per_split);
-  const int* pairs_k = pair_table + (long long)k * num_out;
-  for (long long chunk = first; chunk < end; chunk += WGRAD_ROWS) {
-    int has_pair = 0;
-    for (int r = threadIdx.x; r < WGRAD_ROWS; r += THREADS) {
-      const int in_row = chunk + r < end ? pairs_k[chunk + r] : -1;
-      in_rows[r] = in_row;
-      has_pair |= in_row >= 0;
-    }
-    if (!__syncthreads_or(has_pair)) continue;  // uniform
-
-    const auto gathered_row = [&](int r) -> long long { return in_rows[r]; };
-    // dy rows without a pair stay zero: they would only meet zero x rows, but may hold inf/NaN.
-    const auto paired_row = [&](int r) -> long long { return in_rows[r] >= 0 ? chunk + r : -1; };
-    stage_tile<WGRAD_ROWS, TILE_M, THREADS, VECTOR_LOADS>(x, in_channels, row_base, gathered_row, x_tile, LDX);
-    stage_tile<WGRAD_ROWS, TILE_N, THREADS, VECTOR_LOADS>(dy, out_channels, col_base, paired_row, dy_tile, LDY);
-    __syncthreads();
+  const auto multiply_stage = [&](int buffer) {
+    const T* x_tile = reinterpret_cast<const T*>(shared + buffer * STAGE_BYTES);
+    const T* dy_tile = reinterpret_cast<const T*>(shared + buffer * STAGE_BYTES + X_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < WGRAD_ROWS; kk += FRAGMENT) {
+    for (int kk = 0; kk < ROWS; kk += FRAGMENT) {
       wmma::fragment<wmma::matrix_a, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::col_major> a[WARP_FRAGMENTS];
 #pragma unroll
       for (int i = 0; i < WARP_FRAGMENTS; ++i)
@@ -259,11 +358,90 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
           if (i < active_row_fragments) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
       }
     }
-    __syncthreads();
+  };
+
+  if constexpr (PIPELINED) {
+    // Each thread copies fixed vectors of every stage: vector i of the x tile is tile row
+    // (threadIdx.x + i * THREADS) / X_VECTORS_PER_ROW, and likewise for dy. The pair indices of the next
+    // step are loaded into registers one step ahead, so staging never waits on them.
+    constexpr int X_VECTORS_PER_ROW = TILE_M / VECTOR, DY_VECTORS_PER_ROW = TILE_N / VECTOR;
+    constexpr int X_VECTORS = ROWS * X_VECTORS_PER_ROW / THREADS, DY_VECTORS = ROWS * DY_VECTORS_PER_ROW / THREADS;
+    static_assert(X_VECTORS * THREADS == ROWS * X_VECTORS_PER_ROW && DY_VECTORS * THREADS == ROWS * DY_VECTORS_PER_ROW,
+                  "every thread copies the same number of vectors");
+    int x_rows[X_VECTORS], dy_rows[DY_VECTORS];  // of the next step to stage, -1 past the share's end
+    const auto load_pair_indices = [&](int step) {
+      const long long pair0 = first + (long long)step * ROWS;
+#pragma unroll
+      for (int i = 0; i < X_VECTORS; ++i) {
+        const long long pair = pair0 + (threadIdx.x + i * THREADS) / X_VECTORS_PER_ROW;
+        x_rows[i] = step < steps && pair < last ? in_idx[pair] : -1;
+      }
+#pragma unroll
+      for (int i = 0; i < DY_VECTORS; ++i) {
+        const long long pair = pair0 + (threadIdx.x + i * THREADS) / DY_VECTORS_PER_ROW;
+        dy_rows[i] = step < steps && pair < last ? out_idx[pair] : -1;
+      }
+    };
+    const auto stage_step = [&](int buffer) {
+      T* x_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES);
+      T* dy_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES + X_BYTES);
+#pragma unroll
+      for (int i = 0; i < X_VECTORS; ++i) {
+        const int v = threadIdx.x + i * THREADS;
+        const int r = v / X_VECTORS_PER_ROW, c = (v % X_VECTORS_PER_ROW) * VECTOR;
+        const int col = row_base + c;
+        const bool valid = x_rows[i] >= 0 && col < in_channels;
+        copy_16_bytes(x_tile + r * LDX + c, valid ? x + (long long)x_rows[i] * in_channels + col : x, valid);
+      }
+#pragma unroll
+      for (int i = 0; i < DY_VECTORS; ++i) {
+        const int v = threadIdx.x + i * THREADS;
+        const int r = v / DY_VECTORS_PER_ROW, c = (v % DY_VECTORS_PER_ROW) * VECTOR;
+        const int col = col_base + c;
+        const bool valid = dy_rows[i] >= 0 && col < out_channels;
+        copy_16_bytes(dy_tile + r * LDY + c, valid ? dy + (long long)dy_rows[i] * out_channels + col : dy, valid);
+      }
+    };
+
+    // Commit groups as in the forward kernel: one per step, empty past the last.
+    load_pair_indices(0);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < steps) {
+        stage_step(s);
+        load_pair_indices(s + 1);
+      }
+      commit_async_copies();
+    }
+    for (int step = 0; step < steps; ++step) {
+      wait_async_copies<STAGES - 2>();
+      __syncthreads();  // step `step` is visible to all; every warp is done with step - 1's buffer
+      const int next = step + STAGES - 1;
+      if (next < steps) {
+        stage_step(next % STAGES);
+        load_pair_indices(next + 1);
+      }
+      commit_async_copies();
+      multiply_stage(step % STAGES);
+    }
+    wait_async_copies<0>();
+  } else {
+    T* x_tile = reinterpret_cast<T*>(shared);
+    T* dy_tile = reinterpret_cast<T*>(shared + X_BYTES);
+    for (int step = 0; step < steps; ++step) {
+      const long long pair0 = first + (long long)step * ROWS;
+      const auto x_row = [&](int r) -> long long { return pair0 + r < last ? in_idx[pair0 + r] : -1; };
+      const auto dy_row = [&](int r) -> long long { return pair0 + r < last ? out_idx[pair0 + r] : -1; };
+      if (step > 0) __syncthreads();  // every warp is done with the previous step
+      stage_tile<ROWS, TILE_M, THREADS, false>(x, in_channels, row_base, x_row, x_tile, LDX);
+      stage_tile<ROWS, TILE_N, THREADS, false>(dy, out_channels, col_base, dy_row, dy_tile, LDY);
+      __syncthreads();
+      multiply_stage(0);
+    }
   }
 
   // Fragments are whole inside the padded extents (multiples of 16) or skipped: no partial stores.
-  float* partial = workspace + ((long long)split * kernel_volume + k) * in_channels_padded * out_channels_padded;
+  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
 #pragma unroll
   for (int i = 0; i < WARP_FRAGMENTS; ++i)
 #pragma unroll

@@ -20,7 +20,7 @@ from tolerances import assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
 
-DTYPES = (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)
+DTYPES = tuple(d for d in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16) if d is not None)
 MAP_KINDS = ("submanifold", "strided", "transposed")
 CHANNELS = ((3, 17), (17, 33), (33, 3), (32, 64))
 
@@ -212,3 +212,40 @@ def test_depthwise_every_parameter_combination_and_determinism(name, dtype, phas
         if name != "explicit":
             second = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
             np.testing.assert_array_equal(first.view(np.uint8), second.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_functional_api_on_the_gpu_with_the_automatic_choice(dtype, monkeypatch):
+    """`auto` picks a supported algorithm per dtype; output and gradients match the CPU in fp64."""
+    from cupysparse import functional
+    from cupysparse.algorithm_modes import parse_algorithm_filter
+    from cupysparse.selection import select_algorithm
+
+    monkeypatch.delenv("CUPYSPARSE_FWD_ALGO_MODE", raising=False)
+    monkeypatch.delenv("CUPYSPARSE_BWD_ALGO_MODE", raising=False)
+    cupy = cupy_module()
+    coords = _coordinates(seed=9, side=10)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((len(coords), 24)).astype(dtype)
+    w = (rng.standard_normal((8, 24, 16)) / 8).astype(dtype)
+    bias = rng.standard_normal(16).astype(dtype)
+    gpu_in = SparseTensor(cupy.asarray(coords), cupy.asarray(x))
+    cpu_in = SparseTensor(coords, x.astype(np.float64))
+    out = functional.spatially_sparse_conv(gpu_in, cupy.asarray(w), 2, stride=2, bias=cupy.asarray(bias))
+    expected = functional.spatially_sparse_conv(cpu_in, w.astype(np.float64), 2, stride=2,
+                                                bias=bias.astype(np.float64))
+    problem = ConvProblem.of(gpu_in.features, gpu_in.kernel_map(2, 2).kernel_map, 16)
+    chosen = select_algorithm(parse_algorithm_filter(None), problem).algorithm
+    assert chosen.supports(problem) and chosen.name == max(
+        (a for a in registered().values() if a.supports(problem)), key=lambda a: a.auto_priority(problem)
+    ).name
+    np.testing.assert_array_equal(out.coordinates.get(), expected.coordinates)
+    assert_close(out.features.get(), expected.features, dtype, 8 * 24, x, w, "forward")
+    dy = rng.standard_normal(expected.features.shape).astype(dtype)
+    grads = functional.spatially_sparse_conv_backward(cupy.asarray(dy), gpu_in, cupy.asarray(w), 2, stride=2,
+                                                      bias=cupy.asarray(bias))
+    reference = functional.spatially_sparse_conv_backward(dy.astype(np.float64), cpu_in, w.astype(np.float64), 2,
+                                                          stride=2, bias=bias.astype(np.float64))
+    assert_close(grads.input.get(), reference.input, dtype, 8 * 16, dy, w, "dgrad")
+    assert_close(grads.weight.get(), reference.weight, dtype, len(coords), x, dy, "wgrad")
+    assert_close(grads.bias.get(), reference.bias, dtype, len(coords), dy, np.ones(1), "bias")

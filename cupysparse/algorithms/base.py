@@ -80,8 +80,6 @@ class Algorithm:
 
     name: ClassVar[str]
     kind: ClassVar[str] = CONV
-    # Until the tuner measures, `auto` takes the supported algorithm with the highest priority.
-    auto_priority: ClassVar[int] = 0
     forward_params: ClassVar[dict[str, tuple]] = {}
     backward_params: ClassVar[dict[str, tuple]] = {}
 
@@ -91,6 +89,10 @@ class Algorithm:
 
     def supports(self, problem: ConvProblem) -> bool:
         return self.unsupported_reason(problem) is None
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        """Until the tuner measures, `auto` runs the supported algorithm with the highest priority."""
+        return 0
 
     def prepare_weight(self, weight):
         """The weight in the form forward and dgrad take (e.g. padded); called once per call, not

@@ -129,10 +129,12 @@ class ImplicitDepthwise(Algorithm):
     in a fixed order; a few hundred chunks give enough blocks to fill a GPU even for small K · C."""
 
     name = "implicit"
-    auto_priority = 1
     kind = DEPTHWISE
     forward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD}
     backward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD, "row_chunks": ROW_CHUNKS}
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        return 1  # one pass over the pair table, no gathered copies
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         return simt_unsupported_reason(problem, f"depthwise {self.name}")

@@ -48,7 +48,6 @@ def gather_gemm_scatter(features, weight, kernel_map):
 @register
 class ExplicitGemm(Algorithm):
     name = "explicit_gemm"
-    auto_priority = 0
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         if problem.dtype not in FEATURE_DTYPES:

@@ -105,9 +105,11 @@ def _gather_gemm(features, weight, pair_table, out_channels: int, block_size: in
 @register
 class ImplicitGemm(Algorithm):
     name = "implicit_gemm"
-    auto_priority = 1
     forward_params: ClassVar[dict[str, tuple]] = {"fwd_block_size": BLOCK_SIZES}
     backward_params: ClassVar[dict[str, tuple]] = {"gemm_block_size": BLOCK_SIZES, "split_k_factor": SPLIT_K_FACTORS}
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        return 1
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         return simt_unsupported_reason(problem, self.name)

@@ -4,10 +4,14 @@ features, fp32 accumulation), kernels in raw_kernels/wmma_implicit_gemm.cu.
 Forward is output-stationary: a block owns a tile of output rows by output channels, loops over the
 offsets (skipping an offset no row of the tile has) and the input channels, gathers the input rows
 through the pair table into shared memory and writes each output once, so results are
-deterministic. Forward may visit the output rows in offset-mask order (`sort_rows`) so that a tile's
-rows share offsets and more offsets are skipped. dgrad is the same kernel over the reversed map with
-the transposed weight. wgrad splits the output rows into `split_k_factor` shares whose fp32 partial
-weight gradients are summed here in a fixed order.
+deterministic. With channel counts that are multiples of 8 the gathers run `stages` deep through
+cp.async (sm_80+), overlapping the tensor-core work. Forward may visit the output rows in
+offset-mask order (`sort_rows`) so that a tile's rows share offsets and more offsets are skipped.
+dgrad is the same kernel over the reversed map with the transposed weight, always in the reversed
+map's mask order (computed once per map and cached, like the forward's). wgrad runs over the
+per-offset pair lists (`KernelMap.csr`), each offset's list split into shares sized so that about
+`wgrad_warps_per_sm` warps per SM are launched; their fp32 partial weight gradients are summed here
+in a fixed order.
 
 `prepare_weight` pads the weight once to multiples of 16 channels on both sides (the fragment size)
 and makes the transposed copy dgrad reads on first use; features stay unpadded.
@@ -28,14 +32,23 @@ from .base import Algorithm, ConvProblem, gpu_only_reason, register
 FRAGMENT = 16  # the m, n and k of a WMMA fragment
 WARP_SIZE = 32
 WARP_TILE = 32  # every warp computes 32 x 32 of its block's tile (raw_kernels/wmma_implicit_gemm.cu)
-WGRAD_ROWS = 32  # output rows per wgrad stage; the row shares are multiples of it
-VECTOR_BYTES = 16  # vector loads move 8 fp16/bf16 values
+VECTOR_BYTES = 16  # pipelined copies move 8 fp16/bf16 values
 MAX_GRID_Z = 65535
+MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
 
-# (rows, channels) of a forward / dgrad block's output tile; (C_in, C_out) of a wgrad block's dW_k tile.
+# (rows, channels) of a forward / dgrad block's output tile.
 FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
-BACKWARD_TILES = ((64, 64), (128, 64), (64, 128))
-SPLIT_K_FACTORS = (4, 2, 8, 16)
+# Depth of the forward / dgrad cp.async pipeline; 1 is the synchronous kernel for any channel count.
+PIPELINE_STAGES = (3, 2)
+SYNCHRONOUS_STAGES = 1
+WGRAD_STAGES = 3
+# Resident warps per SM the wgrad shares aim at (the gathers are latency-bound: more warps hide more).
+WGRAD_WARPS_PER_SM = (32, 16, 64, 128)
+# (C_in, C_out) of a wgrad block's dW_k tile, each side the smallest of these covering the padded
+# channels (or the largest), so small channel counts leave no warp idle.
+WGRAD_TILE_ROWS = (32, 64)
+WGRAD_TILE_COLS = (32, 64, 128)
+WGRAD_TILES = tuple((rows, cols) for rows in WGRAD_TILE_ROWS for cols in WGRAD_TILE_COLS)
 BLOCK_KS = (16, 32)  # input channels per forward stage: 32 when the padded count allows it
 
 MIN_COMPUTE_CAPABILITY = {FLOAT16: 70, BFLOAT16: 80}
@@ -49,34 +62,33 @@ def padded_channels(channels: int) -> int:
     return -(-channels // FRAGMENT) * FRAGMENT
 
 
-def _cpp_bool(flag: bool) -> str:
-    return "true" if flag else "false"
+def _forward_kernel_name(type_name: str, tile: tuple[int, int], block_k: int, stages: int) -> str:
+    return f"wmma_conv_forward<{type_name}, {tile[0]}, {tile[1]}, {block_k}, {stages}>"
 
 
-def _forward_kernel_name(type_name: str, tile: tuple[int, int], block_k: int, vector_loads: bool) -> str:
-    return f"wmma_conv_forward<{type_name}, {tile[0]}, {tile[1]}, {block_k}, {_cpp_bool(vector_loads)}>"
-
-
-def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], vector_loads: bool) -> str:
-    return f"wmma_conv_wgrad<{type_name}, {tile[0]}, {tile[1]}, {_cpp_bool(vector_loads)}>"
+def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], stages: int) -> str:
+    return f"wmma_conv_wgrad<{type_name}, {tile[0]}, {tile[1]}, {stages}>"
 
 
 def _kernel_source(dtype) -> KernelSource:
     type_name = cuda_type_name(dtype)
-    vector_choices = (True, False)
     forward = tuple(
-        _forward_kernel_name(type_name, tile, block_k, vector)
+        _forward_kernel_name(type_name, tile, block_k, stages)
         for tile in FORWARD_TILES
         for block_k in BLOCK_KS
-        for vector in vector_choices
+        for stages in (*PIPELINE_STAGES, SYNCHRONOUS_STAGES)
     )
-    wgrad = tuple(_wgrad_kernel_name(type_name, tile, vector) for tile in BACKWARD_TILES for vector in vector_choices)
+    wgrad = tuple(
+        _wgrad_kernel_name(type_name, tile, stages)
+        for tile in WGRAD_TILES
+        for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
+    )
     return KernelSource("wmma_implicit_gemm.cu", forward + wgrad)
 
 
 # One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
 # an sm_7x GPU running fp16.
-_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16)}
+_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
 
 
 class PaddedWeight:
@@ -104,11 +116,16 @@ class PaddedWeight:
         )
 
 
-def _check_tile(tile, tiles, phase: str) -> tuple[int, int]:
+def _check_tile(tile, phase: str) -> tuple[int, int]:
     tile = tuple(tile)
-    if tile not in tiles:
-        raise ValueError(f"wmma_implicit_gemm {phase} tile must be one of {tiles}, got {tile}")
+    if tile not in FORWARD_TILES:
+        raise ValueError(f"wmma_implicit_gemm {phase} tile must be one of {FORWARD_TILES}, got {tile}")
     return tile
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"wmma_implicit_gemm {name} must be one of {choices}, got {value!r}")
 
 
 def _check_operand(name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
@@ -149,9 +166,22 @@ def _threads(tile: tuple[int, int]) -> int:
     return (tile[0] // WARP_TILE) * (tile[1] // WARP_TILE) * WARP_SIZE
 
 
-def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: int, out_channels: int, tile):
+@functools.cache
+def _multiprocessors(device_id: int) -> int:
+    return int(cupy_module().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
+    """The smallest wgrad tile side covering each padded channel count, or the largest side."""
+    rows = next((side for side in WGRAD_TILE_ROWS if side >= in_padded), WGRAD_TILE_ROWS[-1])
+    cols = next((side for side in WGRAD_TILE_COLS if side >= out_padded), WGRAD_TILE_COLS[-1])
+    return rows, cols
+
+
+def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: int, out_channels: int, tile, stages):
     """`out[i] = Σ_k padded_weight[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]`, with
-    the output rows visited in `row_order` (None: in order)."""
+    the output rows visited in `row_order` (None: in order), pipelined `stages` deep when the feature
+    rows allow 16-byte copies."""
     cupy = cupy_module()
     kernel_volume, num_out = pair_table.shape
     num_in = features.shape[0]
@@ -162,7 +192,8 @@ def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: 
     row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
     in_padded, out_padded = padded_weight.shape[1:]
     block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
-    name = _forward_kernel_name(cuda_type_name(features.dtype), tile, block_k, _vector_loads(features))
+    stages = stages if _vector_loads(features) else SYNCHRONOUS_STAGES
+    name = _forward_kernel_name(cuda_type_name(features.dtype), tile, block_k, stages)
     kernel = _SOURCES[np.dtype(features.dtype)].get(name)
     out = cupy.empty((num_out, out_channels), dtype=features.dtype)  # every element is written once
     tiles = -(-num_out // tile[0]) * -(-out_padded // tile[1])
@@ -189,9 +220,16 @@ def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: 
 @register
 class WmmaImplicitGemm(Algorithm):
     name = "wmma_implicit_gemm"
-    auto_priority = 2  # tensor cores first
-    forward_params: ClassVar[dict[str, tuple]] = {"tile": FORWARD_TILES, "sort_rows": (True, False)}
-    backward_params: ClassVar[dict[str, tuple]] = {"tile": BACKWARD_TILES, "split_k_factor": SPLIT_K_FACTORS}
+    forward_params: ClassVar[dict[str, tuple]] = {
+        "tile": FORWARD_TILES,
+        "sort_rows": (True, False),
+        "stages": PIPELINE_STAGES,
+    }
+    # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad (one parameter space serves both backward phases).
+    backward_params: ClassVar[dict[str, tuple]] = {"tile": FORWARD_TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        return 2  # tensor cores first
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem)
@@ -213,15 +251,31 @@ class WmmaImplicitGemm(Algorithm):
     def prepare_weight(self, weight) -> PaddedWeight:
         return weight if isinstance(weight, PaddedWeight) else PaddedWeight(weight)
 
-    def forward(self, features, weight, kernel_map, tile=FORWARD_TILES[0], sort_rows: bool = True):
+    def forward(
+        self,
+        features,
+        weight,
+        kernel_map,
+        tile=FORWARD_TILES[0],
+        sort_rows: bool = True,
+        stages: int = PIPELINE_STAGES[0],
+    ):
         weight = self.prepare_weight(weight)
-        tile = _check_tile(tile, FORWARD_TILES, "forward")
+        tile = _check_tile(tile, "forward")
+        _check_choice("stages", stages, PIPELINE_STAGES)
         _check_weight(weight, kernel_map)
         _check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
         sizes = (kernel_map.num_out, kernel_map.num_in, weight.kernel_volume, weight.in_channels, weight.out_channels)
         row_order = kernel_map.mask_sorted_order() if sort_rows and 0 not in sizes else None
         return _implicit_gemm(
-            features, kernel_map.pair_table, row_order, weight.padded, weight.in_channels, weight.out_channels, tile
+            features,
+            kernel_map.pair_table,
+            row_order,
+            weight.padded,
+            weight.in_channels,
+            weight.out_channels,
+            tile,
+            stages,
         )
 
     def dgrad(
@@ -229,23 +283,29 @@ class WmmaImplicitGemm(Algorithm):
         grad_output,
         weight,
         kernel_map,
-        tile=BACKWARD_TILES[0],
-        split_k_factor: int = SPLIT_K_FACTORS[0],
+        tile=FORWARD_TILES[0],
+        wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0],
     ):
-        """The forward kernel over the map indexed by input row with the transposed weight;
-        `split_k_factor` only tunes wgrad (one parameter space serves both backward phases)."""
+        """The forward kernel over the map indexed by input row with the transposed weight, its rows in
+        mask order: sorting costs one argsort per map, cached and shared by every layer and step that
+        uses the map, and lets a tile skip the offsets none of its rows has, as in forward."""
         weight = self.prepare_weight(weight)
-        tile = _check_tile(tile, BACKWARD_TILES, "dgrad")
+        tile = _check_tile(tile, "dgrad")
+        _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         _check_weight(weight, kernel_map)
         _check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        reverse = kernel_map.reversed()
+        sizes = (kernel_map.num_out, kernel_map.num_in, weight.kernel_volume, weight.in_channels, weight.out_channels)
+        row_order = reverse.mask_sorted_order() if 0 not in sizes else None
         return _implicit_gemm(
             grad_output,
-            kernel_map.reversed().pair_table,
-            None,
+            reverse.pair_table,
+            row_order,
             weight.transposed,
             weight.out_channels,
             weight.in_channels,
             tile,
+            PIPELINE_STAGES[0],
         )
 
     def wgrad(
@@ -253,11 +313,13 @@ class WmmaImplicitGemm(Algorithm):
         features,
         grad_output,
         kernel_map,
-        tile=BACKWARD_TILES[0],
-        split_k_factor: int = SPLIT_K_FACTORS[0],
+        tile=FORWARD_TILES[0],
+        wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0],
     ):
+        """Per-offset gather-gather GEMMs over `kernel_map.csr()`; `tile` only tunes dgrad."""
         cupy = cupy_module()
-        tile = _check_tile(tile, BACKWARD_TILES, "wgrad")
+        _check_tile(tile, "wgrad")
+        _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         kernel_volume = kernel_map.kernel_volume
         _check_kernel_map(kernel_map)
         _check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
@@ -268,31 +330,38 @@ class WmmaImplicitGemm(Algorithm):
             return cupy.zeros((kernel_volume, in_channels, out_channels), dtype=features.dtype)
         features = cupy.ascontiguousarray(features)
         grad_output = cupy.ascontiguousarray(grad_output)
-        pair_table = cupy.ascontiguousarray(kernel_map.pair_table, dtype=np.int32)
+        pairs = kernel_map.csr()
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        # Shares of whole stages; fewer shares when there are fewer stages, and grid z stays in range.
-        shares = max(1, min(int(split_k_factor), MAX_GRID_Z // kernel_volume))
-        rows_per_split = -(-num_out // (shares * WGRAD_ROWS)) * WGRAD_ROWS
-        shares = -(-num_out // rows_per_split)
+        wgrad_tile = _wgrad_tile(in_padded, out_padded)
+        tiles = -(-in_padded // wgrad_tile[0]) * -(-out_padded // wgrad_tile[1])
+        # Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
+        # MIN_PAIRS_PER_SHARE pairs (an offset has at most num_out), grid z in range. Their pair
+        # ranges are computed on the device from the CSR offsets: no synchronisation here.
+        wanted_warps = wgrad_warps_per_sm * _multiprocessors(cupy.cuda.Device().id)
+        warps_per_share = kernel_volume * tiles * _threads(wgrad_tile) // WARP_SIZE
+        shares = max(
+            1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
+        )
         # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
         partials = cupy.empty((shares, kernel_volume, in_padded, out_padded), dtype=np.float32)
-        name = _wgrad_kernel_name(cuda_type_name(features.dtype), tile, _vector_loads(features, grad_output))
+        stages = WGRAD_STAGES if _vector_loads(features, grad_output) else SYNCHRONOUS_STAGES
+        name = _wgrad_kernel_name(cuda_type_name(features.dtype), wgrad_tile, stages)
         kernel = _SOURCES[np.dtype(features.dtype)].get(name)
-        grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
+        grid = (-(-in_padded // wgrad_tile[0]), -(-out_padded // wgrad_tile[1]), kernel_volume * shares)
         kernel(
             grid,
-            (_threads(tile),),
+            (_threads(wgrad_tile),),
             (
                 features,
                 grad_output,
-                pair_table,
-                np.int32(num_out),
+                cupy.ascontiguousarray(pairs.in_idx, dtype=np.int32),
+                cupy.ascontiguousarray(pairs.out_idx, dtype=np.int32),
+                cupy.ascontiguousarray(pairs.offsets, dtype=np.int64),
                 np.int32(kernel_volume),
                 np.int32(in_channels),
                 np.int32(in_padded),
                 np.int32(out_channels),
                 np.int32(out_padded),
-                np.int32(rows_per_split),
                 np.int32(shares),
                 partials,
             ),
