@@ -140,6 +140,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--algorithms", default=None, help="comma-separated algorithm names (default: every one)")
     parser.add_argument("--no-spconv", action="store_true")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
@@ -150,6 +151,10 @@ def parse_args(argv=None):
         parser.error(str(error))
     if args.device == "auto":
         args.device = backend.default_device()
+    known = list(registered())
+    args.algorithms = known if args.algorithms is None else args.algorithms.split(",")
+    if unknown := [name for name in args.algorithms if name not in known]:
+        parser.error(f"unknown algorithms {unknown}; valid: {known}")
     return args
 
 
@@ -167,6 +172,7 @@ def main(argv=None) -> int:
     described = backend.describe_device(device)
     print(f"sparse conv, {args.scene} scene, {len(voxels)} voxels, submanifold {KERNEL_SIZE}^3, "
           f"{short_name(args.dtype)}, on {described}; median of {args.repeats}")
+    print(TABLE_HEADER)
     rows = []
     rng = np.random.default_rng(0)
     for channels in args.channels:
@@ -194,7 +200,7 @@ def main(argv=None) -> int:
         if not args.no_spconv and torch is not None and args.dtype.name in ("float16", "float32"):
             theirs = spconv_layer(torch, coords_numpy, features, weight, grad)
         for name, algorithm in registered().items():
-            if not algorithm.supports(problem):
+            if name not in args.algorithms or not algorithm.supports(problem):
                 continue
             forward_params, forward_ms = best_time(
                 measure, [(p, ours.forward(algorithm, p)) for p in algorithm.param_grid("forward")],
@@ -217,26 +223,32 @@ def main(argv=None) -> int:
                                       ("wgrad", wgrad_ms, backward_params),
                                       ("forward+backward", forward_ms + backward_ms, backward_params)):
                 rows.append(layer_row(phase, "cupysparse", name, params, ms, peak, difference))
+                print_row(rows[-1])
         if theirs is not None:
             spconv_forward, spconv_both, _ = theirs
             peak = peak_extra_bytes(torch, spconv_forward)
             for phase, fn in (("forward", spconv_forward), ("forward+backward", spconv_both)):
                 ms = measure(fn, args.warmup, args.repeats)
                 rows.append(layer_row(phase, "spconv", "SubMConv3d", {}, ms, peak, None))
-    print_table(rows)
+                print_row(rows[-1])
+    print_summary(rows)
     if args.csv:
         write_csv(rows, args.csv)
     return 0
 
 
-def print_table(rows) -> None:
-    print(f"{'C':>4} {'phase':<17} {'library':<11} {'algorithm':<20} {'ms':>9} {'TFLOP/s':>8} {'fwd peak MB':>11} "
-          f"{'max|diff|':>9}  params")
-    for row in rows:
-        peak = "" if row["forward_peak_mb"] is None else f"{row['forward_peak_mb']:.1f}"
-        diff = "" if row["max_abs_diff_vs_spconv"] is None else f"{row['max_abs_diff_vs_spconv']:.3g}"
-        print(f"{row['channels']:>4} {row['phase']:<17} {row['library']:<11} {row['algorithm']:<20} {row['ms']:>9.3f} "
-              f"{row['tflops']:>8.1f} {peak:>11} {diff:>9}  {row['params']}")
+TABLE_HEADER = (f"{'C':>4} {'phase':<17} {'library':<11} {'algorithm':<20} {'ms':>9} {'TFLOP/s':>8} "
+                f"{'fwd peak MB':>11} {'max|diff|':>9}  params")
+
+
+def print_row(row) -> None:
+    peak = "" if row["forward_peak_mb"] is None else f"{row['forward_peak_mb']:.1f}"
+    diff = "" if row["max_abs_diff_vs_spconv"] is None else f"{row['max_abs_diff_vs_spconv']:.3g}"
+    print(f"{row['channels']:>4} {row['phase']:<17} {row['library']:<11} {row['algorithm']:<20} {row['ms']:>9.3f} "
+          f"{row['tflops']:>8.1f} {peak:>11} {diff:>9}  {row['params']}", flush=True)
+
+
+def print_summary(rows) -> None:
     print("\nbest of ours against spconv (speedup = spconv ms / ours ms; > 1: cupysparse is faster)")
     for channels in sorted({row["channels"] for row in rows}):
         for phase in PHASES:

@@ -25,6 +25,8 @@ BLOCK_SIZES = (16, 4, 32)
 SPLIT_K_FACTORS = (4, 2, 8)
 
 SIMT_DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+# Until the tuner measures, `auto` prefers these kernels to explicit_gemm only for narrow layers.
+SIMT_PREFERRED_MAX_CHANNEL_PRODUCT = 96 * 96
 BF16_MIN_COMPUTE_CAPABILITY = 80
 
 
@@ -109,7 +111,9 @@ class ImplicitGemm(Algorithm):
     backward_params: ClassVar[dict[str, tuple]] = {"gemm_block_size": BLOCK_SIZES, "split_k_factor": SPLIT_K_FACTORS}
 
     def auto_priority(self, problem: ConvProblem) -> int:
-        return 1
+        # Measured on an H200 (fp32, 200K voxels, subm 3³): 5x faster than explicit_gemm at
+        # 32 → 32 channels, 3.2x slower at 256 → 256; the crossover is near 100 → 100.
+        return 1 if problem.in_channels * problem.out_channels <= SIMT_PREFERRED_MAX_CHANNEL_PRODUCT else -1
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         return simt_unsupported_reason(problem, self.name)
