@@ -115,7 +115,8 @@ def spconv_layer(torch, coords_numpy, features, weight, grad):
         # Ours [K, C_in, C_out] with offsets lexicographic over the coordinate columns; spconv's
         # [C_out, k0, k1, k2, C_in] over the same columns.
         k = KERNEL_SIZE
-        layer.weight.copy_(torch.as_tensor(backend.to_numpy(weight)).reshape(k, k, k, c_in, c_out).permute(4, 0, 1, 2, 3))
+        ours = torch.as_tensor(backend.to_numpy(weight)).reshape(k, k, k, c_in, c_out)
+        layer.weight.copy_(ours.permute(4, 0, 1, 2, 3))
     x = torch.as_tensor(features, device="cuda").requires_grad_(True)
     dy = torch.as_tensor(grad, device="cuda")
     tensor = spconv.SparseConvTensor(x, torch.from_numpy(shifted).cuda(), spatial_shape, 1)
@@ -252,8 +253,9 @@ def print_summary(rows) -> None:
     print("\nbest of ours against spconv (speedup = spconv ms / ours ms; > 1: cupysparse is faster)")
     for channels in sorted({row["channels"] for row in rows}):
         for phase in PHASES:
-            mine = [r for r in rows if r["channels"] == channels and r["phase"] == phase and r["library"] == "cupysparse"]
-            theirs = [r for r in rows if r["channels"] == channels and r["phase"] == phase and r["library"] == "spconv"]
+            same_layer = [r for r in rows if r["channels"] == channels and r["phase"] == phase]
+            mine = [r for r in same_layer if r["library"] == "cupysparse"]
+            theirs = [r for r in same_layer if r["library"] == "spconv"]
             if not mine:
                 continue
             best = min(mine, key=lambda r: r["ms"])

@@ -19,8 +19,6 @@ from cupysparse.algorithm_modes import (
 )
 from cupysparse.algorithms import CONV, DEPTHWISE, registered
 from cupysparse.sparse_tensor import SparseTensor
-from tolerances import assert_close
-
 from dense_reference import (
     Grid,
     conv_gather,
@@ -31,6 +29,7 @@ from dense_reference import (
     depthwise_weight_grad,
     offsets,
 )
+from tolerances import assert_close
 
 
 def random_coordinates(dims: int, side: int, batch_size: int, density: float, seed: int) -> np.ndarray:
