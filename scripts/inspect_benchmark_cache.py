@@ -1,0 +1,189 @@
+"""Look inside the autotuner's benchmark cache.
+
+    cupysparse-inspect-benchmark-cache                          # location, size, age, namespaces
+    cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward
+    cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward --best-only
+    cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward --top-k 3
+    cupysparse-inspect-benchmark-cache wmma                     # search every namespace
+    cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward wmma float16
+    cupysparse-inspect-benchmark-cache --cache-file other_machine.msgpack
+
+Search words match case-insensitively as substrings of the namespace name, the configuration
+parameters (names and values) and the measured results (algorithm names and parameters); a
+configuration is shown when it matches every word. The cache is only read, never written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, cache_file_path
+
+RULE = "-" * 40
+SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters
+
+
+def format_result_line(algorithm: str, params: dict, time_ms: float) -> str:
+    return f"[{json.dumps(algorithm)}, {json.dumps(params, default=str)}, {time_ms:.3f}]"
+
+
+def format_best_result(algorithm: str, params: dict, time_ms: float) -> list[str]:
+    """The best result spelled out over several lines so its parameters are easy to read."""
+    lines = ["    [", f"      {json.dumps(algorithm)}"]
+    if params:
+        lines.append("      {")
+        lines.extend(f"        {name}: {value}" for name, value in params.items())
+        lines.append("      }")
+    else:
+        lines.append("      {}")
+    lines += [f"      {time_ms:.3f}", "    ]"]
+    return lines
+
+
+def format_configuration(number: int, entry: CacheEntry, top_k: int | None) -> str:
+    lines = [RULE, f"Configuration {number}:", RULE, "Config Parameters:"]
+    lines.extend(f"  {name}: {value}" for name, value in entry.key)
+    lines += ["", "Results:"]
+    results = entry.results[:top_k]  # the cache keeps them best first
+    if not results:
+        lines.append("  []")
+        return "\n".join(lines)
+    lines.append("  [")
+    lines.extend(format_best_result(*results[0]))
+    lines.extend(f"    {format_result_line(*result)}" for result in results[1:])
+    lines.append("  ]")
+    return "\n".join(lines)
+
+
+def search_text(namespace: str, entry: CacheEntry) -> str:
+    parts = [namespace]
+    for name, value in entry.key:
+        parts += [name, str(value)]
+    for algorithm, params, _ in entry.results:
+        parts.append(algorithm)
+        for name, value in params.items():
+            parts += [name, str(value)]
+    return "\n".join(parts).lower()
+
+
+def matches(namespace: str, entry: CacheEntry, words: list[str]) -> bool:
+    text = search_text(namespace, entry)
+    return all(word in text for word in words)
+
+
+def human_size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    if num_bytes < 1024**2:
+        return f"{num_bytes / 1024:.1f} KiB"
+    return f"{num_bytes / 1024**2:.1f} MiB"
+
+
+def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
+    stat = path.stat()
+    modified = datetime.datetime.fromtimestamp(stat.st_mtime).strftime("%Y-%m-%d %H:%M:%S")
+    counts = cache.namespace_counts()
+    print(f"Cache file:    {path}")
+    print(f"Size:          {stat.st_size:,} bytes ({human_size(stat.st_size)})")
+    print(f"Last modified: {modified}")
+    print(f"Namespaces:    {len(counts)} ({sum(counts.values())} configurations)")
+    groups = {
+        f"algorithm choice ({SELECTION_PREFIX}*)": sorted(ns for ns in counts if ns.startswith(SELECTION_PREFIX)),
+        "kernel parameters": sorted(ns for ns in counts if not ns.startswith(SELECTION_PREFIX)),
+    }
+    width = max((len(ns) for ns in counts), default=0)
+    for group, namespaces in groups.items():
+        if namespaces:
+            print(f"  {group}")
+            for namespace in namespaces:
+                print(f"    {namespace:<{width}}  {counts[namespace]}")
+    # A cache holds timings of one GPU architecture; several here means it was merged from different machines.
+    architectures: dict[str, int] = {}
+    for entry in cache.entries():
+        architecture = dict(entry.key).get("compute_capability")
+        if architecture is not None:
+            architectures[str(architecture)] = architectures.get(str(architecture), 0) + 1
+    if architectures:
+        listed = ", ".join(f"{name} ({count})" for name, count in sorted(architectures.items()))
+        print(f"Compute capabilities: {listed}")
+    print("\nShow one namespace with: namespace=NAME   (search with extra words, e.g. wmma)")
+
+
+def print_namespace(namespace: str, entries: list[CacheEntry], total: int, words: list[str], top_k: int | None):
+    described = (
+        f'{len(entries)} of {total} configurations match "{" ".join(words)}"' if words else f"{total} configurations"
+    )
+    print(f"Namespace: {namespace} ({described})")
+    for number, entry in enumerate(entries, start=1):
+        print(format_configuration(number, entry, top_k))
+        print()
+
+
+def search_all(cache: BenchmarkCache, words: list[str], top_k: int | None) -> None:
+    counts = cache.namespace_counts()
+    named = [ns for ns in sorted(counts) if all(word in ns.lower() for word in words)]
+    if named:
+        print("Namespaces matching: " + ", ".join(f"{ns} ({counts[ns]})" for ns in named))
+    found = False
+    for namespace in sorted(counts):
+        hits = [entry for entry in cache.entries(namespace) if matches(namespace, entry, words)]
+        if hits:
+            found = True
+            print()
+            print_namespace(namespace, hits, counts[namespace], words, top_k)
+    if not found:
+        print(f'Nothing in the cache matches "{" ".join(words)}".')
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("words", nargs="*", help="namespace=NAME to show one namespace; other words search")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--best-only", action="store_true", help="show only the fastest result of each configuration")
+    limit.add_argument("--top-k", type=int, metavar="K", help="show the K fastest results of each configuration")
+    parser.add_argument("--cache-file", type=pathlib.Path, help="inspect this file instead of the user's cache")
+    args = parser.parse_args(argv)
+    if args.top_k is not None and args.top_k < 1:
+        parser.error("--top-k must be at least 1")
+    namespaces = [word.split("=", 1)[1] for word in args.words if word.startswith("namespace=")]
+    if len(namespaces) > 1:
+        parser.error("give namespace=NAME at most once")
+    args.namespace = namespaces[0] if namespaces else None
+    args.search = [word.lower() for word in args.words if not word.startswith("namespace=")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    path = args.cache_file or cache_file_path()
+    if not path.is_file():
+        print(f"No benchmark cache at {path} yet.")
+        print("It is written the first time a convolution is tuned, or by cupysparse-populate-benchmark-cache.")
+        return 0
+    cache = BenchmarkCache(path=path, autosave=False)
+    top_k = 1 if args.best_only else args.top_k
+    if args.namespace is None:
+        if args.search:
+            search_all(cache, args.search, top_k)
+        else:
+            print_summary(path, cache)
+        return 0
+    counts = cache.namespace_counts()
+    if args.namespace not in counts:
+        print(f"Unknown namespace {args.namespace!r}. Namespaces in {path}:", file=sys.stderr)
+        for namespace in sorted(counts):
+            print(f"  {namespace} ({counts[namespace]})", file=sys.stderr)
+        return 1
+    entries = [entry for entry in cache.entries(args.namespace) if matches(args.namespace, entry, args.search)]
+    print_namespace(args.namespace, entries, counts[args.namespace], args.search, top_k)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
