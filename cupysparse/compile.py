@@ -82,6 +82,12 @@ def load_source(filename: str) -> str:
     return f"{text}\n// cupysparse project headers digest: {digest.hexdigest()}\n"
 
 
+@functools.cache
+def source_digest(filename: str) -> str:
+    """A digest of `filename` and the project headers it includes: what a benchmark measured."""
+    return hashlib.sha256(load_source(filename).encode()).hexdigest()[:16]
+
+
 def needs_mma_header(filename: str) -> bool:
     text = load_source(filename)
     return bool(_MMA_INCLUDE.search(text)) or any(

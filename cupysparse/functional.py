@@ -1,7 +1,8 @@
 """The functional API: sparse convolutions of `SparseTensor`s, and their gradients.
 
-`spatially_sparse_conv` builds (or reuses) the kernel map, selects an algorithm through
-`selection.select_algorithm` and returns the output tensor. The gradients come from
+`spatially_sparse_conv` builds (or reuses) the kernel map, selects an algorithm through the
+tuner (`tuner.select_algorithm`, measuring on the call's own data the first time a problem is
+seen) and returns the output tensor. The gradients come from
 `spatially_sparse_conv_backward` (same arguments plus the output gradient); the lower-level
 `conv_forward` / `conv_backward` work on features and a `KernelMap` and are what the framework
 adapters wrap. Depthwise convolutions work on features and a map directly, as in WarpConvNet.
@@ -15,7 +16,8 @@ from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, DEPTHWISE, ConvProblem
 from .backend import is_cupy_array
 from .dtypes import FEATURE_DTYPES, accumulation_dtype
-from .selection import select_algorithm
+from .selection import Selection
+from .tuner import select_algorithm
 from .sparse_tensor import SparseTensor
 
 
@@ -69,9 +71,12 @@ def conv_forward(features, weight, kernel_map, algo=None):
     _check_features(features, "features", kernel_map.num_in)
     _check_weight(weight, features, kernel_map)
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem)
-    prepared = selection.algorithm.prepare_weight(weight)
-    return selection.algorithm.forward(features, prepared, kernel_map, **selection.params)
+
+    def run(algorithm, params):
+        return algorithm.forward(features, algorithm.prepare_weight(weight), kernel_map, **params)
+
+    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem, run)
+    return run(selection.algorithm, selection.params)
 
 
 def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
@@ -81,7 +86,11 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
     _require_like(grad_output, "grad_output", features, "the input features")
     _check_features(grad_output, "grad_output", kernel_map.num_out, weight.shape[2])
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem)
+
+    def run(algorithm, params):
+        return _gradients(Selection(algorithm, params), grad_output, features, weight, kernel_map, True, True)
+
+    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem, run)
     return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
 
 
@@ -189,9 +198,12 @@ def spatially_sparse_depthwise_conv(
     _check_depthwise(input_features, depthwise_weight, kernel_map, num_out_coords)
     parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward")
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
-    selection = select_algorithm(parse_algorithm_filter(fwd_algo, DEPTHWISE, "forward"), problem)
-    prepared = selection.algorithm.prepare_weight(depthwise_weight)
-    return selection.algorithm.forward(input_features, prepared, kernel_map, **selection.params)
+
+    def run(algorithm, params):
+        return algorithm.forward(input_features, algorithm.prepare_weight(depthwise_weight), kernel_map, **params)
+
+    selection = select_algorithm(parse_algorithm_filter(fwd_algo, DEPTHWISE, "forward"), problem, run)
+    return run(selection.algorithm, selection.params)
 
 
 def spatially_sparse_depthwise_conv_backward(
@@ -203,7 +215,12 @@ def spatially_sparse_depthwise_conv_backward(
     _require_like(grad_output, "grad_output", input_features, "input_features")
     _check_features(grad_output, "grad_output", kernel_map.num_out, input_features.shape[1])
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
-    selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem)
+
+    def run(algorithm, params):
+        return _gradients(Selection(algorithm, params), grad_output, input_features, depthwise_weight, kernel_map,
+                          True, True)
+
+    selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem, run)
     return _gradients(
         selection, grad_output, input_features, depthwise_weight, kernel_map, needs_input_grad, needs_weight_grad
     )

@@ -1,8 +1,8 @@
-"""Which algorithm and parameters run a convolution: the one decision point the tuner replaces.
+"""The rule that picks an algorithm when nothing is measured (the tuner falls back to it when
+measuring is off or there is a single candidate), and the error when nothing can run.
 
-Until the tuner measures, the rule is: among the filter's algorithms that support the problem,
-a list keeps the user's order (the first supported one runs), while `auto` and `all` take the
-highest `auto_priority`: tensor cores (fp16/bf16); then SIMT implicit GEMM for narrow layers
+Among the filter's algorithms that support the problem, a list keeps the user's order (the first
+supported one runs), while `auto` and `all` take the highest `auto_priority`: tensor cores (fp16/bf16); then SIMT implicit GEMM for narrow layers
 (C_in·C_out ≤ 96², where it measured faster) and explicit GEMM (cuBLAS) for wider ones; each
 with its default parameters.
 """
@@ -26,9 +26,11 @@ def describe_problem(problem: ConvProblem) -> str:
     return f"{problem.dtype}, {problem.in_channels}→{problem.out_channels} channels, K={problem.kernel_volume}, {where}"
 
 
-def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem) -> Selection:
-    """The algorithm of `search_space` that runs `problem`, with its parameters for the phase."""
-    candidates = [get_algorithm(name, search_space.kind) for name in search_space.candidates()]
+def rule_based_selection(search_space: AlgorithmFilter, problem: ConvProblem, candidates=None) -> Selection:
+    """The algorithm of `search_space` (or of `candidates`, its algorithms already looked up) that
+    runs `problem`, with its default parameters for the phase."""
+    if candidates is None:
+        candidates = [get_algorithm(name, search_space.kind) for name in search_space.candidates()]
     supported = [algorithm for algorithm in candidates if algorithm.supports(problem)]
     if not supported:
         reasons = "; ".join(f"{a.name}: {a.unsupported_reason(problem)}" for a in candidates)

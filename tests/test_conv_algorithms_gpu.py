@@ -219,7 +219,7 @@ def test_functional_api_on_the_gpu_with_the_automatic_choice(dtype, monkeypatch)
     """`auto` picks a supported algorithm per dtype; output and gradients match the CPU in fp64."""
     from cupysparse import functional
     from cupysparse.algorithm_modes import parse_algorithm_filter
-    from cupysparse.selection import select_algorithm
+    from cupysparse.selection import rule_based_selection
 
     monkeypatch.delenv("CUPYSPARSE_FWD_ALGO_MODE", raising=False)
     monkeypatch.delenv("CUPYSPARSE_BWD_ALGO_MODE", raising=False)
@@ -235,7 +235,7 @@ def test_functional_api_on_the_gpu_with_the_automatic_choice(dtype, monkeypatch)
     expected = functional.spatially_sparse_conv(cpu_in, w.astype(np.float64), 2, stride=2,
                                                 bias=bias.astype(np.float64))
     problem = ConvProblem.of(gpu_in.features, gpu_in.kernel_map(2, 2).kernel_map, 16)
-    chosen = select_algorithm(parse_algorithm_filter(None), problem).algorithm
+    chosen = rule_based_selection(parse_algorithm_filter(None), problem).algorithm
     assert chosen.supports(problem) and chosen.name == max(
         (a for a in registered().values() if a.supports(problem)), key=lambda a: a.auto_priority(problem)
     ).name

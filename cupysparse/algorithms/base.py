@@ -82,6 +82,8 @@ class Algorithm:
     kind: ClassVar[str] = CONV
     forward_params: ClassVar[dict[str, tuple]] = {}
     backward_params: ClassVar[dict[str, tuple]] = {}
+    # The raw_kernels files it launches: a cached measurement goes stale when one of them changes.
+    kernel_sources: ClassVar[tuple[str, ...]] = ()
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         """Why this algorithm cannot run `problem`, or None when it can."""

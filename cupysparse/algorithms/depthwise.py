@@ -129,6 +129,7 @@ class ImplicitDepthwise(Algorithm):
     in a fixed order; a few hundred chunks give enough blocks to fill a GPU even for small K · C."""
 
     name = "implicit"
+    kernel_sources = ("depthwise.cu",)
     kind = DEPTHWISE
     forward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD}
     backward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD, "row_chunks": ROW_CHUNKS}

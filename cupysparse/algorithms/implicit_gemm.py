@@ -107,6 +107,7 @@ def _gather_gemm(features, weight, pair_table, out_channels: int, block_size: in
 @register
 class ImplicitGemm(Algorithm):
     name = "implicit_gemm"
+    kernel_sources = ("implicit_gemm.cu",)
     forward_params: ClassVar[dict[str, tuple]] = {"fwd_block_size": BLOCK_SIZES}
     backward_params: ClassVar[dict[str, tuple]] = {"gemm_block_size": BLOCK_SIZES, "split_k_factor": SPLIT_K_FACTORS}
 

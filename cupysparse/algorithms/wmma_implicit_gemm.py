@@ -220,6 +220,7 @@ def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: 
 @register
 class WmmaImplicitGemm(Algorithm):
     name = "wmma_implicit_gemm"
+    kernel_sources = ("wmma_implicit_gemm.cu",)
     forward_params: ClassVar[dict[str, tuple]] = {
         "tile": FORWARD_TILES,
         "sort_rows": (True, False),

@@ -1,0 +1,232 @@
+"""The autotuner: measures the candidate algorithms of a convolution on the user's device, keeps
+the results in the persistent benchmark cache, and runs the winner.
+
+A search space (`AlgorithmFilter`) gives the candidates: one algorithm → its parameter grid; a
+list → every listed algorithm's grid; `all` → every algorithm that supports the problem; `auto` →
+a reduced set, the supported algorithms of the highest `auto_priority` plus `explicit_gemm` (it
+runs anyway as the correctness reference). The priorities come from measurements (see
+`notes/conv_performance.md`): tensor cores won every fp16 layer from 32 to 256 channels; in fp32,
+SIMT implicit GEMM wins narrow layers and cuBLAS explicit GEMM wide ones.
+
+Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
+runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
+`explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU:
+warm-up, then the median of several runs) and stored best-first under a key of the problem's
+shape, dtype and device architecture, so caches of different GPUs never match. Tuning never runs
+inside CUDA-graph capture. `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+
+from .algorithm_modes import AUTO, AlgorithmFilter
+from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm
+from .backend import array_module, cupy_module, is_cupy_array
+from .benchmark_cache import default_cache
+from .compile import source_digest
+from .dtypes import accumulation_dtype
+from .selection import Selection, rule_based_selection
+
+log = logging.getLogger("cupysparse.tuner")
+
+NAMESPACES = {
+    (CONV, "forward"): "sparse_conv_forward",
+    (CONV, "backward"): "sparse_conv_backward",
+    (DEPTHWISE, "forward"): "sparse_conv_depthwise_forward",
+    (DEPTHWISE, "backward"): "sparse_conv_depthwise_backward",
+}
+REFERENCE = {CONV: "explicit_gemm", DEPTHWISE: "explicit"}
+WARMUP_RUNS = 1
+TIMED_RUNS = 3
+# Largest |candidate - reference| accepted, relative to max |reference|: far above rounding
+# (fp32 accumulation, one rounding to the output dtype), far below a wrong pair or layout.
+AGREEMENT = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("CUPYSPARSE_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def tuning_key(problem: ConvProblem) -> tuple[tuple[str, object], ...]:
+    """What identifies a tuning result: sizes as ceil(log2), channels, kernel volume, dtype, the
+    device architecture, and what else changes the work."""
+    device = "cpu" if problem.compute_capability is None else f"sm_{problem.compute_capability}"
+    return (
+        ("log_num_in_coords", math.ceil(math.log2(max(problem.num_in, 1)))),
+        ("log_num_out_coords", math.ceil(math.log2(max(problem.num_out, 1)))),
+        ("in_channels", problem.in_channels),
+        ("out_channels", problem.out_channels),
+        ("kernel_volume", problem.kernel_volume),
+        ("in_dtype", np.dtype(problem.dtype).name),
+        ("compute_capability", device),
+        ("stride", tuple(problem.stride)),
+        ("transposed", problem.transposed),
+        ("generative", problem.generative),
+    )
+
+
+def candidates(search_space: AlgorithmFilter, problem: ConvProblem) -> list[tuple[Algorithm, dict]]:
+    """(algorithm, params) pairs to measure, in a stable order."""
+    supported = [get_algorithm(name, search_space.kind) for name in search_space.candidates()]
+    supported = [algorithm for algorithm in supported if algorithm.supports(problem)]
+    if search_space.mode == AUTO and supported:
+        top = max(algorithm.auto_priority(problem) for algorithm in supported)
+        reference = REFERENCE[search_space.kind]
+        supported = [a for a in supported if a.auto_priority(problem) == top or a.name == reference]
+    return [(algorithm, params) for algorithm in supported for params in algorithm.param_grid(search_space.phase)]
+
+
+def _synchronize(result) -> None:
+    if is_cupy_array(result) or (isinstance(result, tuple) and any(is_cupy_array(r) for r in result)):
+        cupy_module().cuda.get_current_stream().synchronize()
+
+
+def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> float:
+    """Median of `repeats` timed calls of `run` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    if on_gpu:
+        cupy = cupy_module()
+        cupy.cuda.get_current_stream().synchronize()
+        for _ in range(repeats):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    else:
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            _synchronize(run())
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+def _as_tuple(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def disagreement(result, reference, dtype) -> str | None:
+    """Why `result` is not `reference` within `AGREEMENT` for `dtype`, or None. Computed where the
+    arrays live, so only a few scalars cross to the host."""
+    tolerance = AGREEMENT[np.dtype(dtype).name]
+    for got, expected in zip(_as_tuple(result), _as_tuple(reference)):
+        if got is None and expected is None:
+            continue
+        if got.shape != expected.shape:
+            return f"shape {tuple(got.shape)} instead of {tuple(expected.shape)}"
+        if expected.size == 0:
+            continue
+        xp = array_module(expected)
+        wide = accumulation_dtype(dtype)
+        got, expected = got.astype(wide), expected.astype(wide)
+        finite = xp.isfinite(expected)
+        if not bool(xp.array_equal(xp.isfinite(got), finite)):
+            return "non-finite values where the reference has finite ones (overflow?)"
+        scale = float(xp.where(finite, xp.abs(expected), 0).max())
+        error = float(xp.where(finite, xp.abs(got - expected), 0).max())
+        if error > tolerance * scale:
+            return f"differs from the reference answer by {error:.3g} (max |reference| {scale:.3g})"
+    return None
+
+
+def _is_capturing(problem: ConvProblem) -> bool:
+    return problem.device == "cuda" and cupy_module().cuda.get_current_stream().is_capturing()
+
+
+class Tuner:
+    """Chooses, measuring once per problem key and remembering the answer in `cache`."""
+
+    def __init__(self, cache=None):
+        self._cache = cache
+        self._chosen: dict[tuple, Selection] = {}
+
+    @property
+    def cache(self):
+        return self._cache if self._cache is not None else default_cache()
+
+    def select(self, search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
+        """The algorithm and parameters for `problem`; `run(algorithm, params)` executes one
+        candidate on the call's real data (None: decide by the priority rule, measuring nothing)."""
+        pool = candidates(search_space, problem)
+        if not pool:
+            return rule_based_selection(search_space, problem)  # raises, listing the valid choices
+        if run is None or len(pool) == 1 or not tuning_enabled():
+            return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
+        namespace = NAMESPACES[(search_space.kind, search_space.phase)]
+        key = tuning_key(problem)
+        memo_key = (namespace, key, tuple((a.name, tuple(sorted(p.items()))) for a, p in pool))
+        if memo_key not in self._chosen:
+            self._chosen[memo_key] = self._cached_or_measured(namespace, key, pool, problem, search_space.kind, run)
+        return self._chosen[memo_key]
+
+    def _cached_or_measured(self, namespace, key, pool, problem, kind, run) -> Selection:
+        wanted = {(a.name, _params_key(p)): (a, p) for a, p in pool}
+        entry = self.cache.get(namespace, key)
+        previous = list(entry.results) if entry is not None else []
+        for name, params, _ in previous:  # best first
+            if (name, _params_key(params)) in wanted:
+                return Selection(*wanted[(name, _params_key(params))])
+        if _is_capturing(problem):
+            raise RuntimeError(
+                f"cupysparse would have to benchmark {namespace} for {dict(key)} during CUDA-graph capture; "
+                "run the step once before capturing (or populate the benchmark cache) so the choice is cached"
+            )
+        begin = time.perf_counter()
+        results, sources = measure(pool, run, problem, kind)
+        log.info("tuned %s %s in %.0f ms: %s", namespace, dict(key), (time.perf_counter() - begin) * 1e3, results[:3])
+        if not results:
+            reference = get_algorithm(REFERENCE[kind], kind)
+            return Selection(reference, reference.default_params("forward"))
+        measured = {(name, _params_key(params)) for name, params, _ in results}
+        kept = [r for r in previous if (r[0], _params_key(r[1])) not in measured]
+        self.cache.put(namespace, key, results + kept, sources | set(entry.kernel_sources if entry else ()))
+        name, params, _ = results[0]
+        return Selection(*wanted[(name, _params_key(params))])
+
+
+def _params_key(params: dict) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+def measure(pool, run, problem: ConvProblem, kind: str):
+    """(results best-first as (name, params, ms), {(kernel file, digest)}) of the candidates that ran
+    and agreed with the reference; the others are logged and skipped."""
+    reference_algorithm = get_algorithm(REFERENCE[kind], kind)
+    reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
+    on_gpu = problem.device == "cuda"
+    results, sources = [], set()
+    for algorithm, params in pool:
+        try:
+            first = run(algorithm, params)
+            reason = None if algorithm is reference_algorithm else disagreement(first, reference, problem.dtype)
+            if reason is None:
+                results.append((algorithm.name, params, median_time_ms(lambda: run(algorithm, params), on_gpu)))
+                sources |= {(filename, source_digest(filename)) for filename in algorithm.kernel_sources}
+        except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
+            reason = f"{type(error).__name__}: {error}"
+        if reason is not None:
+            log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
+    results.sort(key=lambda result: result[2])
+    return results, sources
+
+
+_default_tuner = Tuner()
+
+
+def default_tuner() -> Tuner:
+    return _default_tuner
+
+
+def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
+    """The one decision point of the library: see `Tuner.select`."""
+    return _default_tuner.select(search_space, problem, run)

@@ -1,0 +1,160 @@
+"""The tuner on the CPU with injected timings: candidate sets, choices, cache use, failures."""
+
+import numpy as np
+import pytest
+
+from cupysparse import tuner as tuner_module
+from cupysparse.algorithm_modes import AlgorithmFilter
+from cupysparse.algorithms import CONV, Algorithm, ConvProblem
+from cupysparse.benchmark_cache import BenchmarkCache
+from cupysparse.tuner import Tuner, candidates, tuning_key
+
+PROBLEM = ConvProblem(3000, 1500, 16, 32, 27, np.dtype(np.float16), "cpu", None, (2, 2, 2))
+REFERENCE_OUTPUT = np.linspace(-1, 1, 12).reshape(3, 4)
+
+
+class FakeAlgorithm(Algorithm):
+    """An algorithm whose answer, priority and parameter grid the test sets."""
+
+    def __init__(self, name, priority=0, sizes=(1,), answer=REFERENCE_OUTPUT, error=None, supported=True):
+        self.name, self.priority, self.answer, self.error, self.supported = name, priority, answer, error, supported
+        self.forward_params = {"size": sizes}
+        self.backward_params = {"size": sizes}
+
+    def unsupported_reason(self, problem):
+        return None if self.supported else "not here"
+
+    def auto_priority(self, problem):
+        return self.priority
+
+
+@pytest.fixture
+def algorithms(monkeypatch):
+    fakes = {
+        "explicit_gemm": FakeAlgorithm("explicit_gemm", sizes=(0,)),
+        "fast": FakeAlgorithm("fast", priority=2, sizes=(1, 2, 3)),
+        "slow": FakeAlgorithm("slow", priority=1, sizes=(1, 2)),
+        "broken": FakeAlgorithm("broken", priority=2, error=RuntimeError("compile failed")),
+        "wrong": FakeAlgorithm("wrong", priority=2, answer=REFERENCE_OUTPUT + 0.5),
+        "elsewhere": FakeAlgorithm("elsewhere", priority=3, supported=False),
+    }
+    monkeypatch.setattr(tuner_module, "get_algorithm", lambda name, kind=CONV: fakes[name])
+    monkeypatch.setattr(AlgorithmFilter, "candidates",
+                        lambda self: self.names if self.mode == "names" else tuple(fakes))
+    return fakes
+
+
+@pytest.fixture
+def timings(monkeypatch):
+    """Injected times: (name, size) -> ms; also records which candidates were timed."""
+    table = {("explicit_gemm", 0): 9.0, ("fast", 1): 3.0, ("fast", 2): 1.5, ("fast", 3): 2.0,
+             ("slow", 1): 5.0, ("slow", 2): 1.0, ("broken", 1): 0.1, ("wrong", 1): 0.2}
+    timed = []
+
+    def fake_median(run, on_gpu, warmup=1, repeats=3):
+        name, size = run()
+        timed.append((name, size))
+        return table[(name, size)]
+
+    monkeypatch.setattr(tuner_module, "median_time_ms", fake_median)
+    monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
+    return table, timed
+
+
+def runner(algorithms):
+    """run(algorithm, params): the algorithm's answer on first use, (name, size) under timing."""
+    calls = []
+
+    def run(algorithm, params):
+        calls.append((algorithm.name, params["size"]))
+        if algorithm.error is not None:
+            raise algorithm.error
+        return algorithm.answer if len([c for c in calls if c == calls[-1]]) == 1 else (algorithm.name, params["size"])
+
+    return run, calls
+
+
+def space(mode, *names):
+    return AlgorithmFilter(CONV, "forward", mode, names)
+
+
+def test_key_holds_the_problem_shape_dtype_and_device():
+    key = dict(tuning_key(PROBLEM))
+    assert key["log_num_in_coords"] == 12 and key["log_num_out_coords"] == 11  # ceil(log2 3000), ceil(log2 1500)
+    assert (key["in_channels"], key["out_channels"], key["kernel_volume"]) == (16, 32, 27)
+    assert key["in_dtype"] == "float16" and key["compute_capability"] == "cpu"
+    assert key["stride"] == (2, 2, 2) and key["transposed"] is False
+    on_gpu = ConvProblem(3000, 1500, 16, 32, 27, np.dtype(np.float16), "cuda", 90)
+    assert dict(tuning_key(on_gpu))["compute_capability"] == "sm_90"
+
+
+def test_candidate_sets(algorithms):
+    names = lambda pool: [(a.name, p["size"]) for a, p in pool]  # noqa: E731
+    assert names(candidates(space("names", "slow"), PROBLEM)) == [("slow", 1), ("slow", 2)]
+    assert names(candidates(space("names", "slow", "fast"), PROBLEM)) == [("slow", 1), ("slow", 2), ("fast", 1),
+                                                                          ("fast", 2), ("fast", 3)]
+    every = names(candidates(space("all"), PROBLEM))
+    assert ("elsewhere", 1) not in every and len(every) == 1 + 3 + 2 + 1 + 1
+    # auto: the highest priority among the supported ones, plus the reference.
+    assert names(candidates(space("auto"), PROBLEM)) == [("explicit_gemm", 0), ("fast", 1), ("fast", 2), ("fast", 3),
+                                                         ("broken", 1), ("wrong", 1)]
+
+
+def test_the_fastest_correct_candidate_wins_and_is_cached(algorithms, timings, tmp_path):
+    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    run, _ = runner(algorithms)
+    chosen = Tuner(cache).select(space("all"), PROBLEM, run)
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    entry = cache.get("sparse_conv_forward", tuning_key(PROBLEM))
+    ranked = [(name, params["size"], ms) for name, params, ms in entry.results]
+    # broken (raised) and wrong (different answer) are not recorded; the rest best first.
+    assert ranked == [("slow", 2, 1.0), ("fast", 2, 1.5), ("fast", 3, 2.0), ("fast", 1, 3.0), ("slow", 1, 5.0),
+                      ("explicit_gemm", 0, 9.0)]
+
+
+def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_path):
+    _, timed = timings
+    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    run, _ = runner(algorithms)
+    Tuner(cache).select(space("all"), PROBLEM, run)
+    cache.save()
+    timed.clear()
+    fresh_run, calls = runner(algorithms)
+    reloaded = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    chosen = Tuner(reloaded).select(space("names", "fast"), PROBLEM, fresh_run)
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2})  # best of the filter among cached results
+    assert timed == [] and calls == []
+
+
+def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_results(algorithms, timings, tmp_path):
+    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
+    chosen = Tuner(cache).select(space("names", "slow"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    names = {name for name, _, _ in cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results}
+    assert names == {"fast", "slow"}  # the reference runs for checking, but is timed only when a candidate
+
+
+def test_when_every_candidate_fails_the_reference_runs(algorithms, timings, tmp_path, caplog):
+    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    run, _ = runner(algorithms)
+    with caplog.at_level("WARNING", logger="cupysparse.tuner"):
+        chosen = Tuner(cache).select(space("names", "broken", "wrong"), PROBLEM, run)
+    assert chosen.algorithm.name == "explicit_gemm"
+    assert "compile failed" in caplog.text and "differs" in caplog.text
+
+
+def test_tuning_refuses_to_run_during_graph_capture(algorithms, timings, tmp_path, monkeypatch):
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: True)
+    run, _ = runner(algorithms)
+    with pytest.raises(RuntimeError, match="capture"):
+        Tuner(BenchmarkCache(tmp_path / "c.msgpack", autosave=False)).select(space("all"), PROBLEM, run)
+
+
+def test_autotune_off_uses_the_priority_rule(algorithms, timings, tmp_path, monkeypatch):
+    _, timed = timings
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
+    run, calls = runner(algorithms)
+    chosen = Tuner(BenchmarkCache(tmp_path / "c.msgpack", autosave=False)).select(space("names", "slow"), PROBLEM, run)
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 1})
+    assert timed == [] and calls == []
