@@ -146,8 +146,11 @@ def _is_capturing(problem: ConvProblem) -> bool:
 class Tuner:
     """Chooses, measuring once per problem key and remembering the answer in `cache`."""
 
-    def __init__(self, cache=None):
+    def __init__(self, cache=None, measure_single_candidates: bool = False):
+        """`measure_single_candidates`: also time (and cache) a problem with one candidate, which
+        normal calls skip; the populate script uses it so every configuration gets an entry."""
         self._cache = cache
+        self._measure_single = measure_single_candidates
         self._chosen: dict[tuple, Selection] = {}
 
     @property
@@ -160,7 +163,7 @@ class Tuner:
         pool = candidates(search_space, problem)
         if not pool:
             return rule_based_selection(search_space, problem)  # raises, listing the valid choices
-        if run is None or len(pool) == 1 or not tuning_enabled():
+        if run is None or (len(pool) == 1 and not self._measure_single) or not tuning_enabled():
             return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
         namespace = NAMESPACES[(search_space.kind, search_space.phase)]
         key = tuning_key(problem)

@@ -158,3 +158,13 @@ def test_autotune_off_uses_the_priority_rule(algorithms, timings, tmp_path, monk
     chosen = Tuner(BenchmarkCache(tmp_path / "c.msgpack", autosave=False)).select(space("names", "slow"), PROBLEM, run)
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 1})
     assert timed == [] and calls == []
+
+
+def test_a_single_candidate_is_measured_only_when_asked(algorithms, timings, tmp_path):
+    _, timed = timings
+    cache = BenchmarkCache(tmp_path / "c.msgpack", autosave=False)
+    only = AlgorithmFilter(CONV, "forward", "names", ("explicit_gemm",))
+    assert Tuner(cache).select(only, PROBLEM, runner(algorithms)[0]).algorithm.name == "explicit_gemm"
+    assert timed == [] and cache.get("sparse_conv_forward", tuning_key(PROBLEM)) is None
+    Tuner(cache, measure_single_candidates=True).select(only, PROBLEM, runner(algorithms)[0])
+    assert [r[0] for r in cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results] == ["explicit_gemm"]
