@@ -66,15 +66,30 @@ def _check_weight(weight, features, kernel_map) -> None:
         raise ValueError(f"weight expects {weight.shape[1]} input channels, the input has {features.shape[1]}")
 
 
+def forward_runner(features, weight, kernel_map):
+    """`run(algorithm, params)`: one candidate's forward on these arrays, as the tuner times it."""
+
+    def run(algorithm, params):
+        return algorithm.forward(features, algorithm.prepare_weight(weight), kernel_map, **params)
+
+    return run
+
+
+def backward_runner(grad_output, features, weight, kernel_map):
+    """`run(algorithm, params)`: one candidate's (dgrad, wgrad) on these arrays, as the tuner times it."""
+
+    def run(algorithm, params):
+        return _gradients(Selection(algorithm, params), grad_output, features, weight, kernel_map, True, True)
+
+    return run
+
+
 def conv_forward(features, weight, kernel_map, algo=None):
     """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`)."""
     _check_features(features, "features", kernel_map.num_in)
     _check_weight(weight, features, kernel_map)
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-
-    def run(algorithm, params):
-        return algorithm.forward(features, algorithm.prepare_weight(weight), kernel_map, **params)
-
+    run = forward_runner(features, weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem, run)
     return run(selection.algorithm, selection.params)
 
@@ -86,10 +101,7 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
     _require_like(grad_output, "grad_output", features, "the input features")
     _check_features(grad_output, "grad_output", kernel_map.num_out, weight.shape[2])
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-
-    def run(algorithm, params):
-        return _gradients(Selection(algorithm, params), grad_output, features, weight, kernel_map, True, True)
-
+    run = backward_runner(grad_output, features, weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem, run)
     return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
 
@@ -198,10 +210,7 @@ def spatially_sparse_depthwise_conv(
     _check_depthwise(input_features, depthwise_weight, kernel_map, num_out_coords)
     parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward")
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
-
-    def run(algorithm, params):
-        return algorithm.forward(input_features, algorithm.prepare_weight(depthwise_weight), kernel_map, **params)
-
+    run = forward_runner(input_features, depthwise_weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(fwd_algo, DEPTHWISE, "forward"), problem, run)
     return run(selection.algorithm, selection.params)
 
@@ -215,11 +224,7 @@ def spatially_sparse_depthwise_conv_backward(
     _require_like(grad_output, "grad_output", input_features, "input_features")
     _check_features(grad_output, "grad_output", kernel_map.num_out, input_features.shape[1])
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
-
-    def run(algorithm, params):
-        return _gradients(Selection(algorithm, params), grad_output, input_features, depthwise_weight, kernel_map,
-                          True, True)
-
+    run = backward_runner(grad_output, input_features, depthwise_weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem, run)
     return _gradients(
         selection, grad_output, input_features, depthwise_weight, kernel_map, needs_input_grad, needs_weight_grad

@@ -1,0 +1,104 @@
+"""populate_benchmark_cache end to end on the CPU: the grid, a real run into a temporary cache,
+--resume, and a failing configuration."""
+
+import math
+
+import pytest
+from cupysparse.scripts import populate_benchmark_cache as populate
+
+from cupysparse.benchmark_cache import BenchmarkCache, cache_file_path
+
+TINY_RUN = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "--dtypes", "float32",
+            "--kernel-sizes", "3", "--algo-mode", "all"]
+NAMESPACES = ("sparse_conv_forward", "sparse_conv_backward")
+
+
+@pytest.fixture(autouse=True)
+def temporary_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
+
+
+def saved_entries(namespace):
+    return BenchmarkCache(cache_file_path(), autosave=False).entries(namespace)
+
+
+def test_default_channel_pairs_are_26_with_the_stem():
+    pairs = populate.DEFAULT_CHANNEL_PAIRS
+    assert len(pairs) == 26 == len(set(pairs))
+    assert (3, 32) in pairs
+    every_listed = {pair for pairs in populate.ARCHITECTURE_CHANNEL_PAIRS.values() for pair in pairs}
+    assert set(pairs) == every_listed
+
+
+def test_dry_run_of_the_default_preset_lists_364_configurations(capsys):
+    assert populate.main(["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "364 configurations"
+    assert [line.split(".")[0].strip() for line in lines[:-1]] == [str(i) for i in range(1, 365)]
+    assert not cache_file_path().exists()
+
+
+def test_dry_run_of_the_quick_preset_lists_6(capsys):
+    assert populate.main(["--preset", "quick", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "6 configurations"
+
+
+def test_voxel_counts_of_one_size_bucket_are_one_configuration():
+    grid = populate.configurations((30_000, 32_000, 40_000, 65_000), ((3, 32),), (3,), ("float16",))
+    assert [config.num_voxels for config in grid] == [30_000, 40_000]
+
+
+def test_a_run_on_the_cpu_stores_both_phases_and_resume_skips_them(capsys):
+    assert populate.main(TINY_RUN) == 0
+    output = capsys.readouterr().out
+    assert "forward: explicit_gemm" in output and "backward: explicit_gemm" in output
+    assert "done 1, skipped 0 (already cached), failed 0" in output and str(cache_file_path()) in output
+    for namespace in NAMESPACES:
+        (entry,) = saved_entries(namespace)
+        key = dict(entry.key)
+        assert (key["in_channels"], key["out_channels"], key["kernel_volume"]) == (4, 8, 27)
+        assert key["compute_capability"] == "cpu" and key["in_dtype"] == "float32"
+        assert key["log_num_in_coords"] == math.ceil(math.log2(2000))  # the scene is cut to ≤ 2000 voxels
+        assert entry.results[0][0] == "explicit_gemm" and entry.results[0][2] > 0
+    written = {namespace: saved_entries(namespace)[0].updated for namespace in NAMESPACES}
+
+    assert populate.main([*TINY_RUN, "--resume"]) == 0
+    output = capsys.readouterr().out
+    assert "skipped: already cached" in output and "done 0, skipped 1 (already cached), failed 0" in output
+    assert {namespace: saved_entries(namespace)[0].updated for namespace in NAMESPACES} == written
+
+
+def test_resume_runs_only_the_missing_phase(capsys):
+    assert populate.main([*TINY_RUN, "--forward-only"]) == 0
+    assert saved_entries("sparse_conv_backward") == []
+    assert populate.main([*TINY_RUN, "--resume"]) == 0
+    output = capsys.readouterr().out.splitlines()
+    result = next(line for line in output if line.startswith("[1/1]") and "backward" in line)
+    assert "forward:" not in result
+    assert len(saved_entries("sparse_conv_backward")) == 1
+
+
+def test_a_failing_configuration_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    real_runner = populate.LayerData.runner
+
+    def runner_failing_for_c_in_4(data, phase):
+        if data.features.shape[1] == 4:
+            raise RuntimeError("injected failure")
+        return real_runner(data, phase)
+
+    monkeypatch.setattr(populate.LayerData, "runner", runner_failing_for_c_in_4)
+    argv = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "8,8", "--dtypes", "float32"]
+    assert populate.main(argv) == 1
+    output = capsys.readouterr().out
+    assert "4->8" in output and "FAILED: RuntimeError: injected failure" in output
+    assert "done 1, skipped 0 (already cached), failed 1" in output
+    (entry,) = saved_entries("sparse_conv_forward")
+    assert dict(entry.key)["in_channels"] == 8
+
+
+def test_bad_flags_are_rejected():
+    for argv in (["--channels", "3-32"], ["--algo-mode", "fastest"], ["--num-voxels", "500", "--batch-size", "2"],
+                 ["--forward-only", "--backward-only"]):
+        with pytest.raises(SystemExit):
+            populate.parse_args(argv)
