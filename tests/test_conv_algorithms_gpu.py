@@ -249,3 +249,18 @@ def test_functional_api_on_the_gpu_with_the_automatic_choice(dtype, monkeypatch)
     assert_close(grads.input.get(), reference.input, dtype, 8 * 16, dy, w, "dgrad")
     assert_close(grads.weight.get(), reference.weight, dtype, len(coords), x, dy, "wgrad")
     assert_close(grads.bias.get(), reference.bias, dtype, len(coords), dy, np.ones(1), "bias")
+
+
+@pytest.mark.parametrize(("name", "dtype"), [p for p in supported(CONV) if p.values[1] == FLOAT16])
+def test_weight_gradient_over_many_pairs_stays_accurate(name, dtype):
+    """wgrad sums tens of thousands of products per offset: half-precision accumulation would be
+    ~2% off here (cuBLAS's fp16 GEMMs were, for these shapes), fp32 accumulation is not."""
+    from cupysparse.scenes import make_scene
+
+    voxels = make_scene("indoor", 130_000, seed=0).voxel_coordinates()
+    kernel_map = _gpu_map("submanifold", np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1))
+    x, w, dy = _inputs(kernel_map, 64, 64, dtype, seed=4)
+    algorithm = get_algorithm(name)
+    actual = run_phase(algorithm, "wgrad", kernel_map, x, w, dy, algorithm.default_params("backward"))
+    expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
+    assert_close(actual, expected, dtype, terms, a, b, f"{name} wgrad")
