@@ -1,44 +1,16 @@
-"""What the benchmark scripts share: timing (CUDA events on the GPU, the host clock on the CPU) and CSV output."""
+"""What the benchmark scripts share: timing (the tuner's own: CUDA events on the GPU, the host clock
+on the CPU) and CSV output."""
 
 from __future__ import annotations
 
 import csv
-import statistics
-import time
+
+from cupysparse.tuner import median_time_ms
 
 
 def make_timer(device: str):
     """`measure(fn, warmup, repeats) -> median milliseconds` for `device` ("cpu" or "cuda")."""
-    if device == "cpu":
-
-        def time_cpu(fn, warmup, repeats):
-            for _ in range(warmup):
-                fn()
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(samples)
-
-        return time_cpu
-    import cupy
-
-    def time_gpu(fn, warmup, repeats):
-        for _ in range(warmup):
-            fn()
-        cupy.cuda.Device().synchronize()
-        samples = []
-        for _ in range(repeats):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop))
-        return statistics.median(samples)
-
-    return time_gpu
+    return lambda fn, warmup, repeats: median_time_ms(fn, device == "cuda", warmup, repeats)
 
 
 def write_csv(rows: list[dict], path: str) -> None:
