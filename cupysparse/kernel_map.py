@@ -96,9 +96,15 @@ class KernelMap:
         offsets = self.csr().offsets
         return offsets.get() if is_cupy_array(offsets) else offsets
 
-    def host_pair_offsets(self) -> np.ndarray:
-        """`csr().offsets` as a NumPy array (one device synchronisation per map)."""
-        return self._host_pair_offsets
+    def offset_pairs(self, skip_identity: bool = False):
+        """(k, input rows, output rows) for every offset k with pairs, from the CSR lists (the
+        counts cross to the host once per map). `skip_identity` leaves out `identity_offset`."""
+        csr = self.csr()
+        bounds = self._host_pair_offsets
+        for k in range(self.kernel_volume):
+            start, end = int(bounds[k]), int(bounds[k + 1])
+            if end > start and not (skip_identity and k == self.identity_offset):
+                yield k, csr.in_idx[start:end], csr.out_idx[start:end]
 
     @property
     def num_pairs(self) -> int:

@@ -38,22 +38,12 @@ class ExplicitDepthwise(Algorithm):
             return f"{self.name} supports {', '.join(short_name(d) for d in FEATURE_DTYPES)}, not {problem.dtype}"
         return None
 
-    @staticmethod
-    def _offset_pairs(kernel_map):
-        """(k, input rows, output rows) for every offset k that has pairs."""
-        csr = kernel_map.csr()
-        bounds = kernel_map.host_pair_offsets()
-        for k in range(kernel_map.kernel_volume):
-            start, stop = int(bounds[k]), int(bounds[k + 1])
-            if start < stop:
-                yield k, csr.in_idx[start:stop], csr.out_idx[start:stop]
-
     def forward(self, features, weight, kernel_map):
         xp = array_module(features)
         accumulate = accumulation_dtype(features.dtype)
         x, w = features.astype(accumulate, copy=False), weight.astype(accumulate, copy=False)
         out = xp.zeros((kernel_map.num_out, features.shape[1]), dtype=accumulate)
-        for k, in_rows, out_rows in self._offset_pairs(kernel_map):
+        for k, in_rows, out_rows in kernel_map.offset_pairs():
             out[out_rows] += x[in_rows] * w[k]
         return out.astype(features.dtype)
 
@@ -62,7 +52,7 @@ class ExplicitDepthwise(Algorithm):
         accumulate = accumulation_dtype(grad_output.dtype)
         dy, w = grad_output.astype(accumulate, copy=False), weight.astype(accumulate, copy=False)
         grad_input = xp.zeros((kernel_map.num_in, grad_output.shape[1]), dtype=accumulate)
-        for k, in_rows, out_rows in self._offset_pairs(kernel_map):
+        for k, in_rows, out_rows in kernel_map.offset_pairs():
             grad_input[in_rows] += dy[out_rows] * w[k]
         return grad_input.astype(grad_output.dtype)
 
@@ -71,7 +61,7 @@ class ExplicitDepthwise(Algorithm):
         accumulate = accumulation_dtype(features.dtype)
         x, dy = features.astype(accumulate, copy=False), grad_output.astype(accumulate, copy=False)
         grad_weight = xp.zeros((kernel_map.kernel_volume, features.shape[1]), dtype=accumulate)
-        for k, in_rows, out_rows in self._offset_pairs(kernel_map):
+        for k, in_rows, out_rows in kernel_map.offset_pairs():
             grad_weight[k] = (x[in_rows] * dy[out_rows]).sum(axis=0)
         return grad_weight.astype(features.dtype)
 

@@ -22,16 +22,6 @@ def _gemm_dtype(features):
     return features.dtype
 
 
-def _offset_pairs(kernel_map):
-    """(k, input rows, output rows) for every offset with pairs, except the identity offset."""
-    csr = kernel_map.csr()
-    bounds = kernel_map.host_pair_offsets()
-    for k in range(kernel_map.kernel_volume):
-        start, end = int(bounds[k]), int(bounds[k + 1])
-        if end > start and k != kernel_map.identity_offset:
-            yield k, csr.in_idx[start:end], csr.out_idx[start:end]
-
-
 def gather_gemm_scatter(features, weight, kernel_map):
     """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` with weight `[K, C_a, C_b]`."""
     xp = array_module(features)
@@ -41,7 +31,7 @@ def gather_gemm_scatter(features, weight, kernel_map):
     out = xp.zeros((kernel_map.num_out, weight.shape[2]), dtype=accumulation_dtype(features.dtype))
     if kernel_map.identity_offset is not None:
         out += x @ w[kernel_map.identity_offset]
-    for k, in_rows, out_rows in _offset_pairs(kernel_map):
+    for k, in_rows, out_rows in kernel_map.offset_pairs(skip_identity=True):
         out[out_rows] += x[in_rows] @ w[k]
     return out.astype(features.dtype, copy=False)
 
@@ -71,6 +61,6 @@ class ExplicitGemm(Algorithm):
         grad = xp.zeros((kernel_map.kernel_volume, x.shape[1], dy.shape[1]), dtype=accumulation_dtype(features.dtype))
         if kernel_map.identity_offset is not None:
             grad[kernel_map.identity_offset] = x.T @ dy
-        for k, in_rows, out_rows in _offset_pairs(kernel_map):
+        for k, in_rows, out_rows in kernel_map.offset_pairs(skip_identity=True):
             grad[k] = x[in_rows].T @ dy[out_rows]
         return grad.astype(features.dtype, copy=False)
