@@ -68,7 +68,7 @@ class KernelMap:
     def offsets(self) -> np.ndarray:
         return kernel_offsets(self.kernel_size)
 
-    @property
+    @functools.cached_property
     def identity_offset(self) -> int | None:
         """The offset whose pairs join every row to itself (the zero offset of a map between the
         same coordinates, stride 1), which needs no gather; None for other maps."""
