@@ -14,6 +14,8 @@ One msgpack file (never pickle), `paths.benchmark_cache_dir() / CACHE_FILENAME`:
 - A file that is not a cache of this version (corrupt, truncated, pickle, foreign, other version)
   is renamed to `<file>.corrupt-<timestamp>` with a warning and the cache starts empty.
 - A directory that cannot be read or written gives one warning; the cache then works in memory only.
+- Opened `read_only` (the inspection scripts), nothing is ever written or moved: a bad file raises
+  `NotACacheFile` instead.
 - Entries record the digests of the kernel sources they measured; an entry whose sources changed
   is stale: invisible to `get` but listed by `entries` until a new measurement overwrites it.
 """
@@ -63,7 +65,7 @@ class CacheEntry:
     updated: float
 
 
-class _NotACacheFile(ValueError):
+class NotACacheFile(ValueError):
     """The file's bytes are not a benchmark cache this version can read."""
 
 
@@ -140,15 +142,15 @@ def _encode_entry(entry: CacheEntry) -> dict:
 
 def _decode_file(data: bytes) -> list[CacheEntry]:
     if data[:1] == b"\x80":  # pickle's PROTO opcode; msgpack would read it as an empty map and then fail
-        raise _NotACacheFile("a pickle file")
+        raise NotACacheFile("a pickle file")
     try:
         document = msgpack.unpackb(data, raw=False)
     except (ValueError, TypeError) as error:  # corrupt or truncated bytes
-        raise _NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})") from error
+        raise NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})") from error
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
-        raise _NotACacheFile("not a cupysparse benchmark cache")
+        raise NotACacheFile("not a cupysparse benchmark cache")
     if document.get("version") != FORMAT_VERSION:
-        raise _NotACacheFile(f"format version {document.get('version')!r}, this cupysparse reads {FORMAT_VERSION}")
+        raise NotACacheFile(f"format version {document.get('version')!r}, this cupysparse reads {FORMAT_VERSION}")
     namespaces = document.get("namespaces")
     try:
         _require(isinstance(namespaces, dict), "'namespaces' must be a map")
@@ -158,7 +160,7 @@ def _decode_file(data: bytes) -> list[CacheEntry]:
             for item in items
         ]
     except (TypeError, ValueError, KeyError) as error:
-        raise _NotACacheFile(f"a malformed cache ({type(error).__name__}: {error})") from error
+        raise NotACacheFile(f"a malformed cache ({type(error).__name__}: {error})") from error
 
 
 def _merge_newer(into: dict[str, dict[tuple, CacheEntry]], entries: Iterable[CacheEntry]) -> None:
@@ -215,7 +217,8 @@ def _current_source_digest(filename: str) -> str:
 class BenchmarkCache:
     """Tuning results of one cache file, loaded on first use; see the module docstring.
 
-    `current_digests(filename)` gives a kernel source's digest now (default `compile.source_digest`);
+    `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError and an
+    unreadable file raises `NotACacheFile`. `current_digests(filename)` gives a kernel source's digest now (default `compile.source_digest`);
     raising FileNotFoundError or KeyError means the source is gone, which makes its entries stale.
     """
 
@@ -224,10 +227,12 @@ class BenchmarkCache:
         path: str | os.PathLike | None = None,
         autosave: bool = True,
         *,
+        read_only: bool = False,
         current_digests: Callable[[str], str] | None = None,
     ):
         self._path = pathlib.Path(path) if path is not None else cache_file_path()
-        self._autosave = autosave
+        self._read_only = read_only
+        self._autosave = autosave and not read_only
         self._current_digests = current_digests or _current_source_digest
         self._state_lock = threading.Lock()  # entries, counters, timer, memory-only flag
         self._load_lock = threading.Lock()
@@ -238,7 +243,7 @@ class BenchmarkCache:
         self._put_count = 0
         self._saved_put_count = 0
         self._save_timer: threading.Timer | None = None
-        if autosave:
+        if self._autosave:
             _autosaving_caches.add(self)
 
     @property
@@ -255,6 +260,7 @@ class BenchmarkCache:
 
     def put(self, namespace: str, key, results, kernel_sources=()) -> CacheEntry:
         """Record a measurement (results sorted best-first here), replacing the key's previous entry."""
+        self._refuse_if_read_only()
         entry = _make_entry(namespace, key, results, kernel_sources, time.time())
         msgpack.packb(_encode_entry(entry))  # an unstorable value fails here, in the caller, not in a later save
         self._ensure_loaded()
@@ -280,6 +286,7 @@ class BenchmarkCache:
     def save(self) -> None:
         """Lock the file, re-read it, merge, atomically replace it. Does nothing when nothing was put
         since the last save or when the cache works in memory only; a lock timeout raises TimeoutError."""
+        self._refuse_if_read_only()
         self._ensure_loaded()
         with self._save_lock:
             with self._state_lock:
@@ -314,6 +321,10 @@ class BenchmarkCache:
         if timer is not None:
             timer.cancel()
         self.save()
+
+    def _refuse_if_read_only(self) -> None:
+        if self._read_only:
+            raise PermissionError(f"the benchmark cache {self._path} was opened read-only")
 
     def _lock_path(self) -> pathlib.Path:
         return self._path.with_name(self._path.name + ".lock")
@@ -350,7 +361,9 @@ class BenchmarkCache:
             return []
         try:
             return _decode_file(data)
-        except _NotACacheFile as problem:
+        except NotACacheFile as problem:
+            if self._read_only:
+                raise NotACacheFile(f"{self._path} is {problem}") from None
             reason = str(problem)
         if not holding_lock:  # decide again under the lock: another process may have just replaced the bad file
             with _exclusive_lock(self._lock_path()):

@@ -12,8 +12,9 @@ Each candidate's first run is compared with `explicit_gemm`; a candidate that fa
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
 `explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU:
 warm-up, then the median of several runs) and stored best-first under a key of the problem's
-shape, dtype and device architecture, so caches of different GPUs never match. Tuning never runs
-inside CUDA-graph capture. `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
+shape, dtype and device architecture, so caches of different GPUs never match: each algorithm's
+parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every candidate of the key
+in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture. `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -144,7 +146,12 @@ def _is_capturing(problem: ConvProblem) -> bool:
 
 
 class Tuner:
-    """Chooses, measuring once per problem key and remembering the answer in `cache`."""
+    """Chooses, measuring once per problem key and remembering the answer in `cache`.
+
+    Each algorithm's parameter sweep is kept in its own namespace (`Algorithm.tuning_namespace`),
+    so a later search space that adds algorithms measures only those; the phase namespace
+    (`NAMESPACES`) keeps every measured candidate of the key best-first, across algorithms.
+    """
 
     def __init__(self, cache=None, measure_single_candidates: bool = False):
         """`measure_single_candidates`: also time (and cache) a problem with one candidate, which
@@ -165,62 +172,119 @@ class Tuner:
             return rule_based_selection(search_space, problem)  # raises, listing the valid choices
         if run is None or (len(pool) == 1 and not self._measure_single) or not tuning_enabled():
             return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
-        namespace = NAMESPACES[(search_space.kind, search_space.phase)]
         key = tuning_key(problem)
-        memo_key = (namespace, key, tuple((a.name, tuple(sorted(p.items()))) for a, p in pool))
+        memo_key = (search_space.kind, search_space.phase, key, tuple((a.name, _params_key(p)) for a, p in pool))
         if memo_key not in self._chosen:
-            self._chosen[memo_key] = self._cached_or_measured(namespace, key, pool, problem, search_space.kind, run)
+            self._chosen[memo_key] = self._tuned(search_space, problem, key, pool, run)
         return self._chosen[memo_key]
 
-    def _cached_or_measured(self, namespace, key, pool, problem, kind, run) -> Selection:
-        wanted = {(a.name, _params_key(p)): (a, p) for a, p in pool}
+    def _tuned(self, search_space: AlgorithmFilter, problem: ConvProblem, key, pool, run) -> Selection:
+        phase, kind = search_space.phase, search_space.kind
+        sweeps: dict[Algorithm, list[dict]] = {}
+        for algorithm, params in pool:
+            sweeps.setdefault(algorithm, []).append(params)
+        known = {algorithm: self._cached_sweep(algorithm, phase, key, wanted) for algorithm, wanted in sweeps.items()}
+        unknown = [algorithm for algorithm, results in known.items() if results is None]
+        if unknown:
+            if _is_capturing(problem):
+                raise RuntimeError(
+                    f"cupysparse would have to benchmark {[a.name for a in unknown]} ({phase}) for {dict(key)} "
+                    "during CUDA-graph capture; run the step once before capturing (or populate the benchmark "
+                    "cache) so the choice is cached"
+                )
+            begin = time.perf_counter()
+            measurement = measure([(a, p) for a in unknown for p in sweeps[a]], run, problem, kind)
+            for algorithm in unknown:
+                known[algorithm] = [result for result in measurement.results if result[0] == algorithm.name]
+                if algorithm.name not in measurement.retry_later:
+                    self.cache.put(algorithm.tuning_namespace(phase), key, known[algorithm], _sources([algorithm]))
+            log.info(
+                "tuned %s %s in %.0f ms: %s",
+                NAMESPACES[(kind, phase)],
+                dict(key),
+                (time.perf_counter() - begin) * 1e3,
+                measurement.results[:3],
+            )
+        ranking = sorted((result for results in known.values() for result in results), key=lambda r: r[2])
+        self._record_ranking(NAMESPACES[(kind, phase)], key, ranking, kind)
+        if not ranking:
+            reference = get_algorithm(REFERENCE[kind], kind)
+            return Selection(reference, reference.default_params(phase))
+        name, params, _ = ranking[0]
+        return Selection(get_algorithm(name, kind), params)
+
+    def _cached_sweep(self, algorithm: Algorithm, phase: str, key, wanted: list[dict]) -> list | None:
+        """The cached results of `wanted` parameters of `algorithm`, [] when its whole sweep failed,
+        None when it must be measured."""
+        entry = self.cache.get(algorithm.tuning_namespace(phase), key)
+        if entry is None:
+            return None
+        if not entry.results:
+            return []
+        wanted_keys = {_params_key(params) for params in wanted}
+        found = [result for result in entry.results if _params_key(result[1]) in wanted_keys]
+        return found or None  # swept other parameters than these: sweep again
+
+    def _record_ranking(self, namespace: str, key, ranking: list, kind: str) -> None:
+        """Add `ranking` to the phase namespace's entry of `key`, unless it holds all of it already."""
         entry = self.cache.get(namespace, key)
         previous = list(entry.results) if entry is not None else []
-        for name, params, _ in previous:  # best first
-            if (name, _params_key(params)) in wanted:
-                return Selection(*wanted[(name, _params_key(params))])
-        if _is_capturing(problem):
-            raise RuntimeError(
-                f"cupysparse would have to benchmark {namespace} for {dict(key)} during CUDA-graph capture; "
-                "run the step once before capturing (or populate the benchmark cache) so the choice is cached"
-            )
-        begin = time.perf_counter()
-        results, sources = measure(pool, run, problem, kind)
-        log.info("tuned %s %s in %.0f ms: %s", namespace, dict(key), (time.perf_counter() - begin) * 1e3, results[:3])
-        if not results:
-            reference = get_algorithm(REFERENCE[kind], kind)
-            return Selection(reference, reference.default_params("forward"))
-        measured = {(name, _params_key(params)) for name, params, _ in results}
-        kept = [r for r in previous if (r[0], _params_key(r[1])) not in measured]
-        self.cache.put(namespace, key, results + kept, sources | set(entry.kernel_sources if entry else ()))
-        name, params, _ = results[0]
-        return Selection(*wanted[(name, _params_key(params))])
+        recorded = {(name, _params_key(params)): time_ms for name, params, time_ms in previous}
+        if entry is not None and all(recorded.get((n, _params_key(p))) == t for n, p, t in ranking):
+            return
+        ranked = {(name, _params_key(params)) for name, params, _ in ranking}
+        merged = ranking + [r for r in previous if (r[0], _params_key(r[1])) not in ranked]
+        algorithms = [get_algorithm(name, kind) for name in dict.fromkeys(r[0] for r in merged)]
+        self.cache.put(namespace, key, merged, _sources(algorithms))
 
 
 def _params_key(params: dict) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def measure(pool, run, problem: ConvProblem, kind: str):
-    """(results best-first as (name, params, ms), {(kernel file, digest)}) of the candidates that ran
-    and agreed with the reference; the others are logged and skipped."""
+def _sources(algorithms) -> set[tuple[str, str]]:
+    return {(filename, source_digest(filename)) for algorithm in algorithms for filename in algorithm.kernel_sources}
+
+
+def _is_out_of_memory(error: Exception) -> bool:
+    return isinstance(error, MemoryError) or "out of memory" in str(error).lower()
+
+
+@dataclass
+class Measurement:
+    """What `measure` found: `results` best-first as (name, params, ms) for the candidates that ran
+    and agreed with the reference; `skipped` maps each other candidate to its reason;
+    `retry_later` names the algorithms with a candidate that ran out of memory, a failure that
+    another moment may not repeat, so their sweeps are not cached."""
+
+    results: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+    retry_later: set = field(default_factory=set)
+
+
+def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
+    """Time every (algorithm, params) of `pool` through `run` after checking its first run against
+    the reference algorithm; a failing or disagreeing candidate is logged and skipped."""
     reference_algorithm = get_algorithm(REFERENCE[kind], kind)
     reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
     on_gpu = problem.device == "cuda"
-    results, sources = [], set()
+    measurement = Measurement()
     for algorithm, params in pool:
         try:
             first = run(algorithm, params)
             reason = None if algorithm is reference_algorithm else disagreement(first, reference, problem.dtype)
             if reason is None:
-                results.append((algorithm.name, params, median_time_ms(lambda: run(algorithm, params), on_gpu)))
-                sources |= {(filename, source_digest(filename)) for filename in algorithm.kernel_sources}
+                time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu)
+                measurement.results.append((algorithm.name, params, time_ms))
         except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
             reason = f"{type(error).__name__}: {error}"
+            if _is_out_of_memory(error):
+                measurement.retry_later.add(algorithm.name)
         if reason is not None:
+            measurement.skipped[(algorithm.name, _params_key(params))] = reason
             log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
-    results.sort(key=lambda result: result[2])
-    return results, sources
+    measurement.results.sort(key=lambda result: result[2])
+    return measurement
 
 
 _default_tuner = Tuner()

@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections import Counter
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, cache_file_path
+from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path
 
 DEFAULT_NAMESPACES = ("sparse_conv_forward", "sparse_conv_backward")
 TOP_K = 3
@@ -361,7 +361,12 @@ def main(argv=None) -> int:
         print(f"No benchmark cache at {path} yet: nothing to analyse.")
         print("Tune some convolutions or run cupysparse-populate-benchmark-cache first.")
         return 0
-    cache = BenchmarkCache(path=path, autosave=False)
+    cache = BenchmarkCache(path=path, read_only=True)
+    try:
+        cache.entries()
+    except NotACacheFile as problem:
+        print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
+        return 1
     namespaces = args.namespace or list(DEFAULT_NAMESPACES)
     analysed = {namespace: measured_entries(cache, namespace) for namespace in namespaces}
     analysed = {namespace: entries for namespace, entries in analysed.items() if entries}

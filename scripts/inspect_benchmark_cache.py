@@ -21,7 +21,7 @@ import json
 import pathlib
 import sys
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, cache_file_path
+from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path
 
 RULE = "-" * 40
 SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters
@@ -166,7 +166,12 @@ def main(argv=None) -> int:
         print(f"No benchmark cache at {path} yet.")
         print("It is written the first time a convolution is tuned, or by cupysparse-populate-benchmark-cache.")
         return 0
-    cache = BenchmarkCache(path=path, autosave=False)
+    cache = BenchmarkCache(path=path, read_only=True)
+    try:
+        cache.entries()
+    except NotACacheFile as problem:
+        print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
+        return 1
     top_k = 1 if args.best_only else args.top_k
     if args.namespace is None:
         if args.search:

@@ -14,7 +14,14 @@ import msgpack
 import pytest
 
 from cupysparse import benchmark_cache
-from cupysparse.benchmark_cache import CACHE_FILENAME, FORMAT_VERSION, BenchmarkCache, cache_file_path, default_cache
+from cupysparse.benchmark_cache import (
+    CACHE_FILENAME,
+    FORMAT_VERSION,
+    BenchmarkCache,
+    NotACacheFile,
+    cache_file_path,
+    default_cache,
+)
 
 KEY = (("log_num_in_coords", 17), ("in_channels", 32), ("in_dtype", "float16"), ("stride", (2, 2, 2)))
 RESULTS = [
@@ -322,6 +329,31 @@ def test_a_bad_file_is_moved_aside_with_a_warning_and_the_cache_works(cache_dir,
     cache.put("ns", KEY, RESULTS)
     cache.save()
     assert BenchmarkCache(autosave=False).get("ns", KEY) is not None
+
+
+@pytest.mark.parametrize("kind", ["truncated", "pickle", "wrong version"])
+def test_a_read_only_cache_reports_a_bad_file_and_leaves_it_alone(cache_dir, tmp_path, kind):
+    cache_dir.mkdir()
+    path = cache_dir / CACHE_FILENAME
+    bad = BAD_FILES[kind](tmp_path)
+    path.write_bytes(bad)
+    with pytest.raises(NotACacheFile, match=CACHE_FILENAME):
+        BenchmarkCache(read_only=True).entries()
+    assert path.read_bytes() == bad and sorted(p.name for p in cache_dir.iterdir()) == [CACHE_FILENAME]
+
+
+def test_a_read_only_cache_reads_but_refuses_to_write(cache_dir):
+    writer = BenchmarkCache(autosave=False)
+    writer.put("ns", KEY, RESULTS)
+    writer.save()
+    before = writer.path.read_bytes()
+    reader = BenchmarkCache(read_only=True, current_digests=lambda filename: "x")
+    assert [r[0] for r in reader.get("ns", KEY).results] == [r[0] for r in sorted(RESULTS, key=lambda r: r[2])]
+    with pytest.raises(PermissionError, match="read-only"):
+        reader.put("ns", {"other": 1}, RESULTS)
+    with pytest.raises(PermissionError, match="read-only"):
+        reader.save()
+    assert writer.path.read_bytes() == before
 
 
 def test_a_file_that_goes_bad_after_loading_is_moved_aside_when_saving(cache_dir):

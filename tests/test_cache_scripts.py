@@ -200,6 +200,16 @@ def test_inspect_another_file_and_a_missing_one(inspect_cache_file, cache_dir, m
     assert status == 0 and '    ["implicit_gemm", {}, 3.500]' in out
 
 
+@pytest.mark.parametrize("script", [inspect_cache, analyze])
+def test_the_scripts_report_a_corrupt_cache_and_leave_it_in_place(script, cache_dir, capsys):
+    cache_dir.mkdir()
+    path = cache_file_path()
+    path.write_bytes(b"\x92\x01\x02")  # valid msgpack, not a cache
+    assert script.main([]) == 1
+    assert f"Cannot read {path} is not a cupysparse benchmark cache" in capsys.readouterr().err
+    assert path.read_bytes() == b"\x92\x01\x02" and [p.name for p in cache_dir.iterdir()] == [path.name]
+
+
 # ---- analyze ----
 # Forward: five configurations (times in ms). I16/I32 = implicit_gemm with fwd_block_size 16/32,
 # W = wmma_implicit_gemm, E = explicit_gemm.

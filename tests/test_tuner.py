@@ -5,9 +5,9 @@ import pytest
 
 from cupysparse import tuner as tuner_module
 from cupysparse.algorithm_modes import AlgorithmFilter
-from cupysparse.algorithms import CONV, Algorithm, ConvProblem
+from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, registered
 from cupysparse.benchmark_cache import BenchmarkCache
-from cupysparse.tuner import Tuner, candidates, tuning_key
+from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
 
 PROBLEM = ConvProblem(3000, 1500, 16, 32, 27, np.dtype(np.float16), "cpu", None, (2, 2, 2))
 REFERENCE_OUTPUT = np.linspace(-1, 1, 12).reshape(3, 4)
@@ -20,6 +20,8 @@ class FakeAlgorithm(Algorithm):
         self.name, self.priority, self.answer, self.error, self.supported = name, priority, answer, error, supported
         self.forward_params = {"size": sizes}
         self.backward_params = {"size": sizes}
+        self.tuning_namespaces = {"forward": f"{name}_forward_sweep", "backward": f"{name}_backward_sweep"}
+        self.kernel_sources = (f"{name}.cu",)
 
     def unsupported_reason(self, problem):
         return None if self.supported else "not here"
@@ -39,6 +41,7 @@ def algorithms(monkeypatch):
         "elsewhere": FakeAlgorithm("elsewhere", priority=3, supported=False),
     }
     monkeypatch.setattr(tuner_module, "get_algorithm", lambda name, kind=CONV: fakes[name])
+    monkeypatch.setattr(tuner_module, "source_digest", lambda filename: "digest-1")
     monkeypatch.setattr(AlgorithmFilter, "candidates",
                         lambda self: self.names if self.mode == "names" else tuple(fakes))
     return fakes
@@ -59,6 +62,11 @@ def timings(monkeypatch):
     monkeypatch.setattr(tuner_module, "median_time_ms", fake_median)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return table, timed
+
+
+def cache_file(path):
+    """A cache that sees every fake kernel source at its digest "digest-1"."""
+    return BenchmarkCache(path, autosave=False, current_digests=lambda filename: "digest-1")
 
 
 def runner(algorithms):
@@ -101,7 +109,7 @@ def test_candidate_sets(algorithms):
 
 
 def test_the_fastest_correct_candidate_wins_and_is_cached(algorithms, timings, tmp_path):
-    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    cache = cache_file(tmp_path / "cache.msgpack")
     run, _ = runner(algorithms)
     chosen = Tuner(cache).select(space("all"), PROBLEM, run)
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
@@ -114,20 +122,20 @@ def test_the_fastest_correct_candidate_wins_and_is_cached(algorithms, timings, t
 
 def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_path):
     _, timed = timings
-    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    cache = cache_file(tmp_path / "cache.msgpack")
     run, _ = runner(algorithms)
     Tuner(cache).select(space("all"), PROBLEM, run)
     cache.save()
     timed.clear()
     fresh_run, calls = runner(algorithms)
-    reloaded = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    reloaded = cache_file(tmp_path / "cache.msgpack")
     chosen = Tuner(reloaded).select(space("names", "fast"), PROBLEM, fresh_run)
     assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2})  # best of the filter among cached results
     assert timed == [] and calls == []
 
 
 def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_results(algorithms, timings, tmp_path):
-    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    cache = cache_file(tmp_path / "cache.msgpack")
     Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
     chosen = Tuner(cache).select(space("names", "slow"), PROBLEM, runner(algorithms)[0])
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
@@ -136,7 +144,7 @@ def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_res
 
 
 def test_when_every_candidate_fails_the_reference_runs(algorithms, timings, tmp_path, caplog):
-    cache = BenchmarkCache(tmp_path / "cache.msgpack", autosave=False)
+    cache = cache_file(tmp_path / "cache.msgpack")
     run, _ = runner(algorithms)
     with caplog.at_level("WARNING", logger="cupysparse.tuner"):
         chosen = Tuner(cache).select(space("names", "broken", "wrong"), PROBLEM, run)
@@ -148,23 +156,83 @@ def test_tuning_refuses_to_run_during_graph_capture(algorithms, timings, tmp_pat
     monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: True)
     run, _ = runner(algorithms)
     with pytest.raises(RuntimeError, match="capture"):
-        Tuner(BenchmarkCache(tmp_path / "c.msgpack", autosave=False)).select(space("all"), PROBLEM, run)
+        Tuner(cache_file(tmp_path / "c.msgpack")).select(space("all"), PROBLEM, run)
 
 
 def test_autotune_off_uses_the_priority_rule(algorithms, timings, tmp_path, monkeypatch):
     _, timed = timings
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
     run, calls = runner(algorithms)
-    chosen = Tuner(BenchmarkCache(tmp_path / "c.msgpack", autosave=False)).select(space("names", "slow"), PROBLEM, run)
+    chosen = Tuner(cache_file(tmp_path / "c.msgpack")).select(space("names", "slow"), PROBLEM, run)
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 1})
     assert timed == [] and calls == []
 
 
 def test_a_single_candidate_is_measured_only_when_asked(algorithms, timings, tmp_path):
     _, timed = timings
-    cache = BenchmarkCache(tmp_path / "c.msgpack", autosave=False)
+    cache = cache_file(tmp_path / "c.msgpack")
     only = AlgorithmFilter(CONV, "forward", "names", ("explicit_gemm",))
     assert Tuner(cache).select(only, PROBLEM, runner(algorithms)[0]).algorithm.name == "explicit_gemm"
     assert timed == [] and cache.get("sparse_conv_forward", tuning_key(PROBLEM)) is None
     Tuner(cache, measure_single_candidates=True).select(only, PROBLEM, runner(algorithms)[0])
     assert [r[0] for r in cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results] == ["explicit_gemm"]
+
+
+def test_each_algorithm_keeps_its_parameter_sweep_in_its_own_namespace(algorithms, timings, tmp_path):
+    cache = cache_file(tmp_path / "c.msgpack")
+    Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    sweep = lambda name: [(r[1]["size"], r[2]) for r in cache.get(f"{name}_forward_sweep", tuning_key(PROBLEM)).results]  # noqa: E731
+    assert sweep("fast") == [(2, 1.5), (3, 2.0), (1, 3.0)]
+    assert sweep("slow") == [(2, 1.0), (1, 5.0)]
+    assert sweep("broken") == [] and sweep("wrong") == []  # remembered as failed: not measured again
+    assert cache.get("elsewhere_forward_sweep", tuning_key(PROBLEM)) is None  # unsupported: never run
+    assert cache.get("fast_forward_sweep", tuning_key(PROBLEM)).kernel_sources == (("fast.cu", "digest-1"),)
+
+
+def test_a_wider_search_space_measures_only_the_algorithms_not_yet_swept(algorithms, timings, tmp_path):
+    _, timed = timings
+    cache = cache_file(tmp_path / "c.msgpack")
+    Tuner(cache).select(space("auto"), PROBLEM, runner(algorithms)[0])
+    assert {name for name, _ in timed} == {"explicit_gemm", "fast"}
+    timed.clear()
+    chosen = Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    assert sorted(timed) == [("slow", 1), ("slow", 2)]
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert len(cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results) == 6
+
+
+def test_a_changed_kernel_source_invalidates_only_its_own_algorithm(algorithms, timings, tmp_path, monkeypatch):
+    _, timed = timings
+    digests = {"fast.cu": "digest-1"}
+    monkeypatch.setattr(tuner_module, "source_digest", lambda filename: digests.get(filename, "digest-1"))
+    current = lambda filename: digests.get(filename, "digest-1")  # noqa: E731
+    cache = BenchmarkCache(tmp_path / "c.msgpack", autosave=False, current_digests=current)
+    Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    digests["fast.cu"] = "digest-2"
+    timed.clear()
+    Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    assert sorted(timed) == [("fast", 1), ("fast", 2), ("fast", 3)]
+    assert cache.get("slow_forward_sweep", tuning_key(PROBLEM)).kernel_sources == (("slow.cu", "digest-1"),)
+    assert cache.get("fast_forward_sweep", tuning_key(PROBLEM)).kernel_sources == (("fast.cu", "digest-2"),)
+
+
+def test_running_out_of_memory_is_skipped_but_not_remembered(algorithms, timings, tmp_path, caplog):
+    algorithms["broken"].error = MemoryError("out of memory allocating 12 GiB")
+    cache = cache_file(tmp_path / "c.msgpack")
+    with caplog.at_level("WARNING", logger="cupysparse.tuner"):
+        chosen = Tuner(cache).select(space("names", "broken", "fast"), PROBLEM, runner(algorithms)[0])
+    assert chosen.algorithm.name == "fast" and "12 GiB" in caplog.text
+    assert cache.get("broken_forward_sweep", tuning_key(PROBLEM)) is None  # tried again by the next process
+    assert cache.get("fast_forward_sweep", tuning_key(PROBLEM)) is not None
+
+
+def test_every_registered_algorithm_has_its_own_namespaces_apart_from_the_phase_ones():
+    names = [
+        algorithm.tuning_namespace(phase)
+        for kind in (CONV, DEPTHWISE)
+        for algorithm in registered(kind).values()
+        for phase in ("forward", "backward")
+    ]
+    assert len(set(names)) == len(names) and not set(names) & set(NAMESPACES.values())
+    assert registered(CONV)["wmma_implicit_gemm"].tuning_namespace("forward") == "wmma_implicit_gemm_sm80"
+    assert registered(CONV)["implicit_gemm"].tuning_namespace("backward") == "implicit_gemm_trAB_gather"

@@ -84,6 +84,8 @@ class Algorithm:
     backward_params: ClassVar[dict[str, tuple]] = {}
     # The raw_kernels files it launches: a cached measurement goes stale when one of them changes.
     kernel_sources: ClassVar[tuple[str, ...]] = ()
+    # The benchmark-cache namespace of its own parameter sweep, per phase ("forward", "backward").
+    tuning_namespaces: ClassVar[dict[str, str]]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         """Why this algorithm cannot run `problem`, or None when it can."""
@@ -109,6 +111,9 @@ class Algorithm:
 
     def wgrad(self, features, grad_output, kernel_map, **params):
         raise NotImplementedError
+
+    def tuning_namespace(self, phase: str) -> str:
+        return self.tuning_namespaces[phase]
 
     def default_params(self, phase: str) -> dict:
         """The default parameters of `phase` ("forward" or "backward")."""

@@ -32,6 +32,10 @@ class ExplicitDepthwise(Algorithm):
 
     name = "explicit"
     kind = DEPTHWISE
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "depthwise_explicit_gather_scatter",
+        "backward": "depthwise_explicit_gather_scatter_backward",
+    }
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         if problem.dtype not in FEATURE_DTYPES:
@@ -121,6 +125,10 @@ class ImplicitDepthwise(Algorithm):
     name = "implicit"
     kernel_sources = ("depthwise.cu",)
     kind = DEPTHWISE
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "depthwise_implicit_gather",
+        "backward": "depthwise_implicit_split_rows_backward",
+    }
     forward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD}
     backward_params: ClassVar[dict[str, tuple]] = {"channels_per_thread": CHANNELS_PER_THREAD, "row_chunks": ROW_CHUNKS}
 

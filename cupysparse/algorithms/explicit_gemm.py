@@ -10,6 +10,8 @@ the pairs) run in fp32.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from ..backend import array_module, is_cupy_array
 from ..dtypes import BFLOAT16, FEATURE_DTYPES, accumulation_dtype
 from .base import Algorithm, ConvProblem, register
@@ -39,6 +41,10 @@ def gather_gemm_scatter(features, weight, kernel_map):
 @register
 class ExplicitGemm(Algorithm):
     name = "explicit_gemm"
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "explicit_gemm_gather_mm_scatter",
+        "backward": "explicit_gemm_trAB_gather_mm",
+    }
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         if problem.dtype not in FEATURE_DTYPES:

@@ -108,6 +108,10 @@ def _gather_gemm(features, weight, pair_table, out_channels: int, block_size: in
 class ImplicitGemm(Algorithm):
     name = "implicit_gemm"
     kernel_sources = ("implicit_gemm.cu",)
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "implicit_gemm_A_gather",
+        "backward": "implicit_gemm_trAB_gather",
+    }
     forward_params: ClassVar[dict[str, tuple]] = {"fwd_block_size": BLOCK_SIZES}
     backward_params: ClassVar[dict[str, tuple]] = {"gemm_block_size": BLOCK_SIZES, "split_k_factor": SPLIT_K_FACTORS}
 

@@ -221,6 +221,10 @@ def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: 
 class WmmaImplicitGemm(Algorithm):
     name = "wmma_implicit_gemm"
     kernel_sources = ("wmma_implicit_gemm.cu",)
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "wmma_implicit_gemm_sm80",
+        "backward": "wmma_split_k_implicit_gemm_sm80",
+    }
     forward_params: ClassVar[dict[str, tuple]] = {
         "tile": FORWARD_TILES,
         "sort_rows": (True, False),
