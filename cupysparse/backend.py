@@ -17,7 +17,7 @@ _DEFAULT_CUPY_CACHE_DIR = os.path.expanduser("~/.cupy/kernel_cache")
 
 
 def kernel_cache_dir() -> str:
-    """Directory where CuPy stores the kernels cupysparse compiles (CuPy's own kernel cache)."""
+    """Directory of compiled kernels, cupysparse's and CuPy's own: `CUPY_CACHE_DIR`, else CuPy's default."""
     return os.environ.get("CUPY_CACHE_DIR", _DEFAULT_CUPY_CACHE_DIR)
 
 

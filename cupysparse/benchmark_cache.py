@@ -35,6 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 
 import msgpack
 
@@ -113,6 +114,18 @@ def _normalise_results(results) -> tuple[tuple[str, dict, float], ...]:
     return tuple(sorted(normalised, key=lambda result: result[2]))
 
 
+def _results_from_file(results) -> tuple[tuple[str, dict, float], ...]:
+    """`_normalise_results` for decoded results (arrays already tuples), checked in bulk: a cache
+    holds thousands of results and is read in the first convolution call of a process."""
+    decoded = tuple(sorted(((name, params, float(time_ms)) for name, params, time_ms in results), key=itemgetter(2)))
+    _require(
+        all(type(name) is str and type(params) is dict and all(type(p) is str for p in params)
+            for name, params, _ in decoded),
+        "results must be [algorithm name, {param name: value}, time] triples",
+    )
+    return decoded
+
+
 def _normalise_sources(kernel_sources) -> tuple[tuple[str, str], ...]:
     pairs = kernel_sources.items() if isinstance(kernel_sources, Mapping) else kernel_sources
     normalised = sorted({(filename, digest) for filename, digest in pairs})  # the tuner passes a set
@@ -123,11 +136,15 @@ def _normalise_sources(kernel_sources) -> tuple[tuple[str, str], ...]:
     return tuple(normalised)
 
 
-def _make_entry(namespace, key, results, kernel_sources, updated) -> CacheEntry:
+def _make_entry(namespace, key, results, kernel_sources, updated, from_file: bool = False) -> CacheEntry:
     _require(isinstance(namespace, str), f"a namespace must be a string, got {namespace!r}")
     _require(_is_number(updated), f"'updated' must be a unix time, got {updated!r}")
     return CacheEntry(
-        namespace, _normalise_key(key), _normalise_results(results), _normalise_sources(kernel_sources), float(updated)
+        namespace,
+        _normalise_key(key),
+        _results_from_file(results) if from_file else _normalise_results(results),
+        _normalise_sources(kernel_sources),
+        float(updated),
     )
 
 
@@ -144,7 +161,7 @@ def _decode_file(data: bytes) -> list[CacheEntry]:
     if data[:1] == b"\x80":  # pickle's PROTO opcode; msgpack would read it as an empty map and then fail
         raise NotACacheFile("a pickle file")
     try:
-        document = msgpack.unpackb(data, raw=False)
+        document = msgpack.unpackb(data, raw=False, use_list=False)  # arrays as tuples: hashable, as put
     except (ValueError, TypeError) as error:  # corrupt or truncated bytes
         raise NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})") from error
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
@@ -155,7 +172,9 @@ def _decode_file(data: bytes) -> list[CacheEntry]:
     try:
         _require(isinstance(namespaces, dict), "'namespaces' must be a map")
         return [
-            _make_entry(namespace, item["key"], item["results"], item["kernel_sources"], item["updated"])
+            _make_entry(
+                namespace, item["key"], item["results"], item["kernel_sources"], item["updated"], from_file=True
+            )
             for namespace, items in namespaces.items()
             for item in items
         ]
@@ -218,8 +237,9 @@ class BenchmarkCache:
     """Tuning results of one cache file, loaded on first use; see the module docstring.
 
     `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError and an
-    unreadable file raises `NotACacheFile`. `current_digests(filename)` gives a kernel source's digest now (default `compile.source_digest`);
-    raising FileNotFoundError or KeyError means the source is gone, which makes its entries stale.
+    unreadable file raises `NotACacheFile`. `current_digests(filename)` gives a kernel source's
+    digest now (default `compile.source_digest`); raising FileNotFoundError or KeyError means the
+    source is gone, which makes its entries stale.
     """
 
     def __init__(

@@ -2,22 +2,31 @@
 
 Every kernel lives in a `.cu` file of the installed `raw_kernels` folder. A module that launches
 kernels declares a `KernelSource` (the file plus the template instantiations it needs, as NVRTC
-name expressions); `get_kernel` compiles it once per device through `cupy.RawModule` and memoises
-the module. Declared sources register themselves so the CPU test can compile every one of them
-through NVRTC for several architectures without a GPU.
+name expressions); `get_kernel` compiles it once per device architecture with NVRTC (CUBIN for the
+GPU's own architecture), keeps the result in the kernel cache directory, and loads it as a CuPy
+module once per device. A process whose kernels are all in the cache runs no NVRTC at all (CuPy's
+own `RawModule` cache would still preprocess a test program with NVRTC once per option set).
+Declared sources register themselves so the CPU test can compile every one of them through NVRTC
+for several architectures without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
+import tempfile
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backend import cupy_module
+import msgpack
+
+from .backend import cupy_module, kernel_cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent / "raw_kernels"
 if not KERNEL_DIR.is_dir():  # editable install: the folder stays at the repository root
@@ -72,8 +81,8 @@ def _included_headers(text: str, seen: set[str]) -> list[str]:
 def load_source(filename: str) -> str:
     """The source of `filename` with a digest of its project headers appended.
 
-    CuPy keys its disk cache on the source text only, so folding the headers' digest into the
-    text makes an edited header recompile every file that includes it.
+    The kernel cache is keyed on this text, so folding the headers' digest into it makes an edited
+    header recompile every file that includes it.
     """
     text = (KERNEL_DIR / filename).read_text()
     digest = hashlib.sha256()
@@ -143,58 +152,185 @@ def compile_options(filename: str) -> tuple[str, ...]:
     return tuple(options)
 
 
-_modules: dict[tuple[KernelSource, int], object] = {}
+_modules: dict[tuple[KernelSource, int], LoadedModule] = {}
 _modules_lock = threading.Lock()
+_module_loads: list[ModuleLoad] = []
+_cache_write_warned = False  # one warning per process for an unwritable kernel cache
+
+# Bumped when the layout of a cached kernel file changes, so old files are never misread.
+KERNEL_CACHE_FORMAT = 1
 
 
-def _module(source: KernelSource, device_id: int):
-    key = (source, device_id)
-    module = _modules.get(key)
-    if module is None:
-        with _modules_lock:
-            module = _modules.get(key)
-            if module is None:
-                cupy = cupy_module()
-                module = cupy.RawModule(
-                    code=load_source(source.filename),
-                    options=compile_options(source.filename),
-                    name_expressions=list(source.name_expressions),
-                )
-                module.compile()
-                _modules[key] = module
-    return module
+@dataclass(frozen=True)
+class CompiledSource:
+    """NVRTC's output for one source and architecture: the image (CUBIN for a real architecture,
+    PTX for a virtual one) and the lowered (mangled) name of each name expression."""
+
+    image: bytes
+    lowered_names: dict[str, str]
+
+
+@dataclass
+class LoadedModule:
+    module: object  # cupy.cuda.function.Module
+    lowered_names: dict[str, str]
+    functions: dict[str, object]
+
+
+@dataclass(frozen=True)
+class ModuleLoad:
+    """One module made ready in this process, read from the kernel cache or compiled by NVRTC."""
+
+    filename: str
+    device_id: int
+    seconds: float
+    compiled: bool
+
+
+def module_loads() -> tuple[ModuleLoad, ...]:
+    """Every module loaded so far in this process, in order (what a cold start spent on kernels)."""
+    return tuple(_module_loads)
+
+
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def nvrtc_compile(source: KernelSource, architecture_option: str) -> CompiledSource:
+    """Compile `source` with NVRTC for `-arch=sm_XY` (CUBIN) or `-arch=compute_XY` (PTX); needs no GPU."""
+    nvrtc = _nvrtc()
+    program = nvrtc.createProgram(load_source(source.filename), source.filename, [], [])
+    try:
+        for expression in source.name_expressions:
+            nvrtc.addNameExpression(program, expression)
+        try:
+            nvrtc.compileProgram(program, [architecture_option, *compile_options(source.filename)])
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(
+                f"NVRTC failed on {source.filename} ({architecture_option}):\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        lowered = {expression: nvrtc.getLoweredName(program, expression) for expression in source.name_expressions}
+        real = architecture_option.startswith("-arch=sm_")
+        return CompiledSource(nvrtc.getCUBIN(program) if real else nvrtc.getPTX(program), lowered)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_for_architecture(source: KernelSource, arch: str) -> bytes:
+    """PTX of `source` for `arch` (e.g. 'sm_90'); needs no GPU."""
+    return nvrtc_compile(source, f"-arch=compute_{arch.removeprefix('sm_')}").image
+
+
+def architecture_option(compute_capability: int) -> str:
+    """CUBIN for the GPU's own architecture when this NVRTC knows it; otherwise PTX of the newest
+    architecture it knows below it, which the driver compiles on load."""
+    supported = _nvrtc().getSupportedArchs()
+    if compute_capability in supported:
+        return f"-arch=sm_{compute_capability}"
+    older = [arch for arch in supported if arch <= compute_capability]
+    if not older:
+        raise RuntimeError(f"this NVRTC ({_nvrtc().getVersion()}) cannot compile for sm_{compute_capability}")
+    return f"-arch=compute_{max(older)}"
+
+
+def kernel_cache_file(source: KernelSource, option: str) -> Path | None:
+    """Where the compiled `source` is kept: the kernel cache directory (`CUPY_CACHE_DIR`), one file
+    per source text, options, architecture and NVRTC version; None when kernels stay in memory."""
+    if os.environ.get("CUPY_CACHE_IN_MEMORY") == "1":
+        return None
+    key = hashlib.sha256(
+        repr((KERNEL_CACHE_FORMAT, source.name_expressions, compile_options(source.filename), option,
+              _nvrtc().getVersion())).encode()
+        + load_source(source.filename).encode()
+    ).hexdigest()[:32]
+    return Path(kernel_cache_dir()) / f"cupysparse_{Path(source.filename).stem}_{key}.msgpack"
+
+
+def _read_cached(path: Path | None, source: KernelSource) -> CompiledSource | None:
+    if path is None:
+        return None
+    try:
+        document = msgpack.unpackb(path.read_bytes(), raw=False)
+        compiled = CompiledSource(bytes(document["image"]), dict(document["lowered_names"]))
+    except (OSError, ValueError, TypeError, KeyError):  # absent, unreadable or damaged: compile again
+        return None
+    return compiled if set(compiled.lowered_names) == set(source.name_expressions) else None
+
+
+def _warn_once_about_writing(directory: Path, error: OSError) -> None:
+    global _cache_write_warned
+    if not _cache_write_warned:
+        _cache_write_warned = True
+        warnings.warn(
+            f"cannot write the kernel cache in {directory} ({error}); kernels will be compiled again in the "
+            "next process (set CUPY_CACHE_DIR to a writable directory)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _write_cached(path: Path | None, compiled: CompiledSource) -> None:
+    """Store `compiled` at `path` by atomic replace, readable by every user of a shared cache."""
+    if path is None:
+        return
+    data = msgpack.packb({"image": compiled.image, "lowered_names": compiled.lowered_names}, use_bin_type=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    except OSError as error:
+        _warn_once_about_writing(path.parent, error)
+        return
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        _warn_once_about_writing(path.parent, error)
+
+
+def _load_module(source: KernelSource, device_id: int) -> LoadedModule:
+    cupy = cupy_module()
+    begin = time.perf_counter()
+    option = architecture_option(int(cupy.cuda.Device(device_id).compute_capability))
+    path = kernel_cache_file(source, option)
+    compiled = _read_cached(path, source)
+    from_cache = compiled is not None
+    if not from_cache:
+        compiled = nvrtc_compile(source, option)
+        _write_cached(path, compiled)
+    with cupy.cuda.Device(device_id):
+        module = cupy.cuda.function.Module()
+        module.load(compiled.image)
+    _module_loads.append(ModuleLoad(source.filename, device_id, time.perf_counter() - begin, not from_cache))
+    return LoadedModule(module, compiled.lowered_names, {})
 
 
 def get_kernel(source: KernelSource, name_expression: str):
-    """The kernel `name_expression` of `source`, compiled for the current device (memoised)."""
+    """The kernel `name_expression` of `source`, loaded on the current device (memoised): from the
+    kernel cache when it holds this source, else compiled by NVRTC and stored there."""
     if name_expression not in source.name_expressions:
         raise KeyError(f"{name_expression} is not declared by {source.filename}: {source.name_expressions}")
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError("CUDA kernels need CuPy: pip install 'cupysparse[cuda]'")
-    return _module(source, cupy.cuda.Device().id).get_function(name_expression)
-
-
-def compile_for_architecture(source: KernelSource, arch: str) -> bytes:
-    """Compile `source` to PTX for `arch` (e.g. 'sm_90') with NVRTC directly; needs no GPU."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    program = nvrtc.createProgram(load_source(source.filename), source.filename, [], [])
-    try:
-        for expression in source.name_expressions:
-            nvrtc.addNameExpression(program, expression)
-        options = [f"-arch=compute_{arch.removeprefix('sm_')}", *compile_options(source.filename)]
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as error:
-            raise RuntimeError(
-                f"NVRTC failed on {source.filename} for {arch}:\n{nvrtc.getProgramLog(program)}"
-            ) from error
-        for expression in source.name_expressions:
-            nvrtc.getLoweredName(program, expression)
-        return nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    key = (source, cupy.cuda.Device().id)
+    loaded = _modules.get(key)
+    if loaded is None:
+        with _modules_lock:
+            loaded = _modules.get(key)
+            if loaded is None:
+                loaded = _modules[key] = _load_module(source, key[1])
+    function = loaded.functions.get(name_expression)
+    if function is None:
+        function = loaded.functions[name_expression] = loaded.module.get_function(
+            loaded.lowered_names[name_expression]
+        )
+    return function
 
 
 def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], tuple[int]]:

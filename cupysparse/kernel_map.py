@@ -148,6 +148,18 @@ class KernelMap:
         """
         return self._reversed
 
+    def derive_formats(self) -> KernelMap:
+        """Compute now every format the algorithms derive, for this map and its reversed one, so
+        later convolutions over it neither synchronise nor sort: before CUDA-graph capture, or to
+        keep map work out of timed calls. Returns the map."""
+        for kernel_map in (self, self.reversed()):
+            kernel_map.offset_mask()
+            kernel_map.mask_sorted_order()
+            kernel_map.csr()
+            kernel_map._host_pair_offsets
+            kernel_map.identity_offset
+        return self
+
 
 def csr_pairs(pair_table) -> CsrPairs:
     """The per-offset pair lists of a pair table; see `KernelMap.csr`."""

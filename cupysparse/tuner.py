@@ -14,7 +14,8 @@ runs out of memory or gives a different answer is skipped with a logged reason, 
 warm-up, then the median of several runs) and stored best-first under a key of the problem's
 shape, dtype and device architecture, so caches of different GPUs never match: each algorithm's
 parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every candidate of the key
-in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture. `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
+in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
+`CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class Tuner:
         self._cache = cache
         self._measure_single = measure_single_candidates
         self._chosen: dict[tuple, Selection] = {}
+        self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
 
     @property
     def cache(self):
@@ -193,6 +195,7 @@ class Tuner:
                     "cache) so the choice is cached"
                 )
             begin = time.perf_counter()
+            self.measurements += 1
             measurement = measure([(a, p) for a in unknown for p in sweeps[a]], run, problem, kind)
             for algorithm in unknown:
                 known[algorithm] = [result for result in measurement.results if result[0] == algorithm.name]

@@ -4,7 +4,8 @@ For each configuration (voxel count, channel pair, kernel size, dtype) it builds
 random features and weights and a submanifold map, then has the tuner measure the `--algo-mode`
 candidates of the forward and the backward on them, exactly as the functional API's first call
 would, and store the results under its key (namespaces `sparse_conv_forward` /
-`sparse_conv_backward`); the kernels that ran stay compiled in CuPy's kernel cache. The cache file follows `CUPYSPARSE_BENCHMARK_CACHE_DIR`.
+`sparse_conv_backward`, and each algorithm's own for its parameter sweep); the kernels that ran
+stay compiled in CuPy's kernel cache. The cache file follows `CUPYSPARSE_BENCHMARK_CACHE_DIR`.
 
     cupysparse-populate-benchmark-cache                     # the default grid: 364 configurations
     cupysparse-populate-benchmark-cache --preset quick      # 6 configurations, about a minute on a GPU
@@ -157,11 +158,8 @@ def _comma_items(values: list[str]) -> list[str]:
     return [item for value in values for item in value.split(",") if item.strip()]
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]),
-    )
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the configurations and how they run (shared with the first-call benchmark)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="the grid; the flags below replace one of its dimensions")
     parser.add_argument("--num-voxels", nargs="+", metavar="N", help="voxel counts, comma list (30000,65K,1M)")
@@ -170,16 +168,12 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, metavar="DTYPE",
                         help=f"feature dtypes among {', '.join(DTYPE_CHOICES)}")
     parser.add_argument("--algo-mode", default="auto", help="auto, all, an algorithm name or [a,b] (fwd and bwd)")
-    phases = parser.add_mutually_exclusive_group()
-    phases.add_argument("--forward-only", action="store_true")
-    phases.add_argument("--backward-only", action="store_true")
     parser.add_argument("--batch-size", type=int, default=1, help="batch items sharing each voxel count")
-    parser.add_argument("--dry-run", action="store_true", help="list the configurations; run nothing")
-    parser.add_argument(
-        "--resume", action="store_true", help="skip configurations already in the cache (measured in any algo mode)"
-    )
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    args = parser.parse_args(argv)
+
+
+def grid_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the grid dimensions of `args` from its preset and flags, or exit through `parser.error`."""
     preset = PRESETS[args.preset]
     try:
         args.num_voxels = (tuple(_parse_voxel_count(v) for v in _comma_items(args.num_voxels))
@@ -204,6 +198,23 @@ def parse_args(argv=None):
         args.device = backend.default_device()
     elif args.device == "cuda" and not backend.gpu_available():
         parser.error("--device cuda: no CUDA GPU is usable (see `python -m cupysparse info`)")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    add_grid_arguments(parser)
+    phases = parser.add_mutually_exclusive_group()
+    phases.add_argument("--forward-only", action="store_true")
+    phases.add_argument("--backward-only", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="list the configurations; run nothing")
+    parser.add_argument(
+        "--resume", action="store_true", help="skip configurations already in the cache (measured in any algo mode)"
+    )
+    args = parser.parse_args(argv)
+    grid_from_arguments(parser, args)
     args.phases = ("forward", "backward")
     if args.forward_only or args.backward_only:
         args.phases = ("forward",) if args.forward_only else ("backward",)
@@ -287,12 +298,13 @@ def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: 
     key = tuning_key(data.problem)
     source = "cached" if is_cached(data, phase, tuner.cache) else "measured"
     begin = time.perf_counter()
-    tuner.select(parse_algorithm_filter(algo_mode, CONV, phase), data.problem, data.runner(phase))
+    chosen = tuner.select(parse_algorithm_filter(algo_mode, CONV, phase), data.problem, data.runner(phase))
     _synchronize(device)
     entry = tuner.cache.get(namespace, key)
     if entry is None:
         raise RuntimeError(f"the tuner stored no {namespace} result (every candidate failed? see the log)")
-    return PhaseOutcome(phase, entry.results[0], time.perf_counter() - begin, source)
+    winner = next(r for r in entry.results if (r[0], r[1]) == (chosen.algorithm.name, chosen.params))
+    return PhaseOutcome(phase, winner, time.perf_counter() - begin, source)
 
 
 def is_cached(data: LayerData, phase: str, cache) -> bool:

@@ -296,6 +296,12 @@ def valid_cache_bytes(tmp_path) -> bytes:
     return cache.path.read_bytes()
 
 
+def one_entry_file(**fields) -> bytes:
+    entry = {"key": [["n", 1]], "results": [], "kernel_sources": [], "updated": 1.0, **fields}
+    document = {"format": "cupysparse-benchmark-cache", "version": FORMAT_VERSION, "namespaces": {"ns": [entry]}}
+    return msgpack.packb(document)
+
+
 BAD_FILES = {
     "corrupt bytes": lambda tmp_path: b"\xc1\xc1 definitely not msgpack",
     "truncated": lambda tmp_path: valid_cache_bytes(tmp_path)[:-100],
@@ -308,6 +314,8 @@ BAD_FILES = {
     "malformed entry": lambda tmp_path: msgpack.packb(
         {"format": "cupysparse-benchmark-cache", "version": FORMAT_VERSION, "namespaces": {"ns": [{"key": []}]}}
     ),
+    "text time": lambda tmp_path: one_entry_file(results=[["a", {}, "1 ms"]]),
+    "params not a map": lambda tmp_path: one_entry_file(results=[["a", [1, 2], 1.0]]),
     "empty": lambda tmp_path: b"",
 }
 

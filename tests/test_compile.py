@@ -2,11 +2,13 @@
 
 import importlib
 import pkgutil
+import warnings
 
 import pytest
 
 import cupysparse
 from cupysparse import compile as kernel_compile
+from cupysparse.backend import cupy_module, gpu_available
 
 ARCHITECTURES = ("sm_80", "sm_86", "sm_89", "sm_90")
 
@@ -99,3 +101,87 @@ def test_undeclared_instantiation_is_rejected(kernel_dir, monkeypatch):
     source = kernel_compile.KernelSource("probe.cu", ("probe",))
     with pytest.raises(KeyError, match="not declared"):
         kernel_compile.get_kernel(source, "other")
+
+
+@pytest.fixture
+def probe_source(kernel_dir, monkeypatch):
+    (kernel_dir / "probe.cu").write_text("template <int N> __global__ void probe(int* out) { out[0] = N; }\n")
+    monkeypatch.setattr(kernel_compile, "_REGISTRY", [])
+    return kernel_compile.KernelSource("probe.cu", ("probe<1>", "probe<2>"))
+
+
+@needs_nvrtc
+def test_a_real_architecture_compiles_to_a_cubin_with_every_lowered_name(probe_source):
+    compiled = kernel_compile.nvrtc_compile(probe_source, "-arch=sm_90")
+    assert compiled.image[:4] == b"\x7fELF"
+    assert set(compiled.lowered_names) == {"probe<1>", "probe<2>"}
+    assert all(name.startswith("_Z") for name in compiled.lowered_names.values())  # mangled
+    assert b".target sm_80" in kernel_compile.nvrtc_compile(probe_source, "-arch=compute_80").image
+
+
+@needs_nvrtc
+def test_an_architecture_newer_than_nvrtc_gets_ptx_of_the_newest_it_knows(monkeypatch):
+    monkeypatch.setattr(kernel_compile._nvrtc(), "getSupportedArchs", lambda: (80, 86, 90))
+    assert kernel_compile.architecture_option(90) == "-arch=sm_90"
+    assert kernel_compile.architecture_option(89) == "-arch=compute_86"
+    with pytest.raises(RuntimeError, match="sm_75"):
+        kernel_compile.architecture_option(75)
+
+
+@needs_nvrtc
+def test_the_kernel_cache_file_changes_with_the_source_and_the_architecture(probe_source, kernel_dir, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(kernel_dir / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    path = kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90")
+    assert path.parent == kernel_dir / "cache" and path.name.startswith("cupysparse_probe_")
+    assert kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90") == path
+    assert kernel_compile.kernel_cache_file(probe_source, "-arch=sm_80") != path
+    (kernel_dir / "probe.cu").write_text("template <int N> __global__ void probe(int* out) { out[0] = 2 * N; }\n")
+    kernel_compile.load_source.cache_clear()
+    assert kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90") != path
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    assert kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90") is None
+
+
+@needs_nvrtc
+def test_cached_kernels_round_trip_and_damaged_files_are_compiled_again(probe_source, tmp_path):
+    compiled = kernel_compile.nvrtc_compile(probe_source, "-arch=sm_90")
+    path = tmp_path / "cache" / "probe.msgpack"
+    kernel_compile._write_cached(path, compiled)
+    assert kernel_compile._read_cached(path, probe_source) == compiled
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    path.write_bytes(path.read_bytes()[:-20])
+    assert kernel_compile._read_cached(path, probe_source) is None
+    other = kernel_compile.KernelSource("probe.cu", ("probe<1>",))  # declares other instantiations
+    kernel_compile._write_cached(path, compiled)
+    assert kernel_compile._read_cached(path, other) is None
+
+
+@needs_nvrtc
+def test_an_unwritable_kernel_cache_warns_once(probe_source, tmp_path, monkeypatch):
+    compiled = kernel_compile.nvrtc_compile(probe_source, "-arch=sm_90")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(kernel_compile, "_cache_write_warned", False)
+    with pytest.warns(RuntimeWarning, match="cannot write the kernel cache"):
+        kernel_compile._write_cached(blocker / "cache" / "probe.msgpack", compiled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel_compile._write_cached(blocker / "cache" / "again.msgpack", compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+def test_a_kernel_compiled_once_loads_from_the_cache_without_nvrtc(probe_source, kernel_dir, monkeypatch):
+    cupy = cupy_module()
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(kernel_dir / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    monkeypatch.setattr(kernel_compile, "_modules", {})
+    out = cupy.zeros(1, dtype=cupy.int32)
+    kernel_compile.get_kernel(probe_source, "probe<2>")((1,), (1,), (out,))
+    assert int(out[0]) == 2 and kernel_compile.module_loads()[-1].compiled
+
+    monkeypatch.setattr(kernel_compile, "_modules", {})  # as in a new process
+    monkeypatch.setattr(kernel_compile, "nvrtc_compile", lambda *args: pytest.fail("compiled again"))
+    kernel_compile.get_kernel(probe_source, "probe<1>")((1,), (1,), (out,))
+    assert int(out[0]) == 1 and not kernel_compile.module_loads()[-1].compiled

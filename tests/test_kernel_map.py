@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from cupysparse import kernel_map as kernel_map_module
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.coords import kernel_offsets, key_layout, offset_range
 from cupysparse.coordinate_index import unique_coordinates
@@ -367,6 +368,25 @@ def test_offset_mask_and_mask_sorted_order(case):
     assert mask.dtype == np.uint32
     np.testing.assert_array_equal(mask, mask_words(masks, kernel_map.kernel_volume), strict=True)
     np.testing.assert_array_equal(kernel_map.mask_sorted_order(), stable_mask_order(masks))
+
+
+@pytest.mark.parametrize("case", SMALL_CASES[:4], ids=str)
+def test_derive_formats_computes_every_format_of_the_map_and_its_reverse_up_front(case, monkeypatch):
+    _, _, kernel_map = library_map(case, case.coordinates())
+    assert kernel_map.derive_formats() is kernel_map
+
+    def no_more_work(*args, **kwargs):
+        raise AssertionError("a format was derived after derive_formats")
+
+    for name in ("csr_pairs", "offset_mask", "mask_sorted_order", "invert_pair_table"):
+        monkeypatch.setattr(kernel_map_module, name, no_more_work)
+    reference_table = cached_reference_map(case)[2]
+    np.testing.assert_array_equal(kernel_map.mask_sorted_order(), stable_mask_order(reference_masks(reference_table)))
+    in_idx, out_idx, _ = reference_csr(reference_table)
+    pairs = [(k, i, o) for k, ins, outs in kernel_map.offset_pairs() for i, o in zip(ins.tolist(), outs.tolist())]
+    assert sorted((i, o) for _, i, o in pairs) == sorted(zip(in_idx, out_idx))
+    reverse = kernel_map.reversed()
+    reverse.offset_mask(), reverse.mask_sorted_order(), list(reverse.offset_pairs())
 
 
 def test_mask_order_by_hand():

@@ -129,9 +129,10 @@ def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_pa
     timed.clear()
     fresh_run, calls = runner(algorithms)
     reloaded = cache_file(tmp_path / "cache.msgpack")
-    chosen = Tuner(reloaded).select(space("names", "fast"), PROBLEM, fresh_run)
+    tuner = Tuner(reloaded)
+    chosen = tuner.select(space("names", "fast"), PROBLEM, fresh_run)
     assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2})  # best of the filter among cached results
-    assert timed == [] and calls == []
+    assert timed == [] and calls == [] and tuner.measurements == 0
 
 
 def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_results(algorithms, timings, tmp_path):
@@ -192,8 +193,10 @@ def test_each_algorithm_keeps_its_parameter_sweep_in_its_own_namespace(algorithm
 def test_a_wider_search_space_measures_only_the_algorithms_not_yet_swept(algorithms, timings, tmp_path):
     _, timed = timings
     cache = cache_file(tmp_path / "c.msgpack")
-    Tuner(cache).select(space("auto"), PROBLEM, runner(algorithms)[0])
-    assert {name for name, _ in timed} == {"explicit_gemm", "fast"}
+    tuner = Tuner(cache)
+    tuner.select(space("auto"), PROBLEM, runner(algorithms)[0])
+    tuner.select(space("auto"), PROBLEM, runner(algorithms)[0])
+    assert {name for name, _ in timed} == {"explicit_gemm", "fast"} and tuner.measurements == 1
     timed.clear()
     chosen = Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
     assert sorted(timed) == [("slow", 1), ("slow", 2)]

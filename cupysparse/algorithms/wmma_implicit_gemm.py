@@ -168,7 +168,9 @@ def _threads(tile: tuple[int, int]) -> int:
 
 @functools.cache
 def _multiprocessors(device_id: int) -> int:
-    return int(cupy_module().cuda.Device(device_id).attributes["MultiProcessorCount"])
+    # One attribute query: `Device.attributes` reads every attribute (a millisecond on first use).
+    runtime = cupy_module().cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
