@@ -3,10 +3,11 @@ the results in the persistent benchmark cache, and runs the winner.
 
 A search space (`AlgorithmFilter`) gives the candidates: one algorithm → its parameter grid; a
 list → every listed algorithm's grid; `all` → every algorithm that supports the problem; `auto` →
-a reduced set, the supported algorithms of the highest `auto_priority` plus `explicit_gemm` (it
-runs anyway as the correctness reference). The priorities come from measurements (see
-`notes/conv_performance.md`): tensor cores won every fp16 layer from 32 to 256 channels; in fp32,
-SIMT implicit GEMM wins narrow layers and cuBLAS explicit GEMM wide ones.
+a reduced set, the supported algorithms of the highest `auto_priority` with their
+`auto_param_grid` (channel-dependent). Both come from measurements (see
+`notes/conv_performance.md` and the algorithms' docstrings): tensor cores won every fp16 layer
+from 32 to 256 channels (5-40x ahead of the next algorithm, H200); in fp32, SIMT implicit GEMM wins narrow
+layers and cuBLAS explicit GEMM wide ones. The reference still runs once, for the check.
 
 Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
@@ -79,11 +80,16 @@ def candidates(search_space: AlgorithmFilter, problem: ConvProblem) -> list[tupl
     """(algorithm, params) pairs to measure, in a stable order."""
     supported = [get_algorithm(name, search_space.kind) for name in search_space.candidates()]
     supported = [algorithm for algorithm in supported if algorithm.supports(problem)]
+    phase = search_space.phase
     if search_space.mode == AUTO and supported:
         top = max(algorithm.auto_priority(problem) for algorithm in supported)
-        reference = REFERENCE[search_space.kind]
-        supported = [a for a in supported if a.auto_priority(problem) == top or a.name == reference]
-    return [(algorithm, params) for algorithm in supported for params in algorithm.param_grid(search_space.phase)]
+        return [
+            (algorithm, params)
+            for algorithm in supported
+            if algorithm.auto_priority(problem) == top
+            for params in algorithm.auto_param_grid(phase, problem)
+        ]
+    return [(algorithm, params) for algorithm in supported for params in algorithm.param_grid(phase)]
 
 
 def _synchronize(result) -> None:

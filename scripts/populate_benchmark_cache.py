@@ -253,7 +253,7 @@ class PhaseOutcome:
     phase: str
     winner: tuple[str, dict, float]
     tuning_s: float
-    source: str  # "measured", or "cached" when the tuner found an entry already
+    source: str  # "measured", or "cached" when the tuner had every candidate's results already
 
     def describe(self) -> str:
         name, params, ms = self.winner
@@ -296,7 +296,7 @@ def _synchronize(device: str) -> None:
 def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: Tuner) -> PhaseOutcome:
     namespace = NAMESPACES[(CONV, phase)]
     key = tuning_key(data.problem)
-    source = "cached" if is_cached(data, phase, tuner.cache) else "measured"
+    measured_before = tuner.measurements
     begin = time.perf_counter()
     chosen = tuner.select(parse_algorithm_filter(algo_mode, CONV, phase), data.problem, data.runner(phase))
     _synchronize(device)
@@ -304,6 +304,7 @@ def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: 
     if entry is None:
         raise RuntimeError(f"the tuner stored no {namespace} result (every candidate failed? see the log)")
     winner = next(r for r in entry.results if (r[0], r[1]) == (chosen.algorithm.name, chosen.params))
+    source = "measured" if tuner.measurements > measured_before else "cached"
     return PhaseOutcome(phase, winner, time.perf_counter() - begin, source)
 
 

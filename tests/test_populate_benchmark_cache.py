@@ -1,12 +1,14 @@
 """populate_benchmark_cache end to end on the CPU: the grid, a real run into a temporary cache,
 --resume, and a failing configuration."""
 
+import csv
 import math
 
 import pytest
 from cupysparse.scripts import populate_benchmark_cache as populate
 
 from cupysparse.benchmark_cache import BenchmarkCache, cache_file_path
+from cupysparse.tuner import default_tuner
 
 TINY_RUN = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "--dtypes", "float32",
             "--kernel-sizes", "3", "--algo-mode", "all"]
@@ -53,6 +55,7 @@ def test_a_run_on_the_cpu_stores_both_phases_and_resume_skips_them(capsys):
     assert populate.main(TINY_RUN) == 0
     output = capsys.readouterr().out
     assert "forward: explicit_gemm" in output and "backward: explicit_gemm" in output
+    assert output.count("(measured, tuning") == 2
     assert "done 1, skipped 0 (already cached), failed 0" in output and str(cache_file_path()) in output
     for namespace in NAMESPACES:
         (entry,) = saved_entries(namespace)
@@ -67,6 +70,9 @@ def test_a_run_on_the_cpu_stores_both_phases_and_resume_skips_them(capsys):
     output = capsys.readouterr().out
     assert "skipped: already cached" in output and "done 0, skipped 1 (already cached), failed 0" in output
     assert {namespace: saved_entries(namespace)[0].updated for namespace in NAMESPACES} == written
+
+    assert populate.main(TINY_RUN) == 0  # without --resume: looked up, nothing measured again
+    assert capsys.readouterr().out.count("(cached, tuning") == 2
 
 
 def test_resume_runs_only_the_missing_phase(capsys):
@@ -102,3 +108,27 @@ def test_bad_flags_are_rejected():
                  ["--forward-only", "--backward-only"]):
         with pytest.raises(SystemExit):
             populate.parse_args(argv)
+
+
+def first_call_rows(tmp_path) -> list[dict]:
+    from cupysparse.scripts import benchmark_first_call
+
+    csv_path = tmp_path / "first_call.csv"
+    assert benchmark_first_call.main([*TINY_RUN, "--repeats", "2", "--csv", str(csv_path)]) == 0
+    return list(csv.DictReader(csv_path.open()))
+
+
+def test_first_call_benchmark_measures_nothing_after_populating(tmp_path, monkeypatch):
+    # On the CPU explicit_gemm is the only candidate, which calls do not time unless asked to.
+    monkeypatch.setattr(default_tuner(), "_measure_single", True)
+    monkeypatch.setattr(default_tuner(), "_chosen", {})
+    assert [row["benchmarked"] for row in first_call_rows(tmp_path)] == ["1", "1"]  # an empty cache
+
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "populated"))
+    monkeypatch.setattr(default_tuner(), "_chosen", {})
+    assert populate.main(TINY_RUN) == 0
+    rows = first_call_rows(tmp_path)
+    assert [row["phase"] for row in rows] == ["forward", "backward"]
+    for row in rows:
+        assert row["benchmarked"] == "0" and float(row["first_ms"]) > 0 and float(row["steady_ms"]) > 0
+        assert float(row["ratio"]) == pytest.approx(float(row["first_ms"]) / float(row["steady_ms"]), abs=0.01)

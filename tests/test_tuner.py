@@ -103,9 +103,9 @@ def test_candidate_sets(algorithms):
                                                                           ("fast", 2), ("fast", 3)]
     every = names(candidates(space("all"), PROBLEM))
     assert ("elsewhere", 1) not in every and len(every) == 1 + 3 + 2 + 1 + 1
-    # auto: the highest priority among the supported ones, plus the reference.
-    assert names(candidates(space("auto"), PROBLEM)) == [("explicit_gemm", 0), ("fast", 1), ("fast", 2), ("fast", 3),
-                                                         ("broken", 1), ("wrong", 1)]
+    # auto: the supported algorithms of the highest priority, each with its reduced grid.
+    algorithms["fast"].auto_param_grid = lambda phase, problem: [{"size": 2}, {"size": 3}]
+    assert names(candidates(space("auto"), PROBLEM)) == [("fast", 2), ("fast", 3), ("broken", 1), ("wrong", 1)]
 
 
 def test_the_fastest_correct_candidate_wins_and_is_cached(algorithms, timings, tmp_path):
@@ -196,10 +196,10 @@ def test_a_wider_search_space_measures_only_the_algorithms_not_yet_swept(algorit
     tuner = Tuner(cache)
     tuner.select(space("auto"), PROBLEM, runner(algorithms)[0])
     tuner.select(space("auto"), PROBLEM, runner(algorithms)[0])
-    assert {name for name, _ in timed} == {"explicit_gemm", "fast"} and tuner.measurements == 1
+    assert {name for name, _ in timed} == {"fast"} and tuner.measurements == 1
     timed.clear()
     chosen = Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
-    assert sorted(timed) == [("slow", 1), ("slow", 2)]
+    assert sorted(timed) == [("explicit_gemm", 0), ("slow", 1), ("slow", 2)]
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
     assert len(cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results) == 6
 
@@ -239,3 +239,22 @@ def test_every_registered_algorithm_has_its_own_namespaces_apart_from_the_phase_
     assert len(set(names)) == len(names) and not set(names) & set(NAMESPACES.values())
     assert registered(CONV)["wmma_implicit_gemm"].tuning_namespace("forward") == "wmma_implicit_gemm_sm80"
     assert registered(CONV)["implicit_gemm"].tuning_namespace("backward") == "implicit_gemm_trAB_gather"
+
+
+def test_auto_tries_the_tensor_core_kernel_with_a_channel_dependent_reduced_grid():
+    wmma = registered(CONV)["wmma_implicit_gemm"]
+
+    def problem(in_channels, out_channels):
+        return ConvProblem(10**6, 10**6, in_channels, out_channels, 27, np.dtype(np.float16), "cuda", 90)
+
+    for phase in ("forward", "backward"):
+        full = wmma.param_grid(phase)
+        for pair in ((3, 32), (32, 32), (64, 64), (128, 256)):
+            grid = wmma.auto_param_grid(phase, problem(*pair))
+            assert grid and all(params in full for params in grid) and len(grid) < len(full)
+    forward = wmma.auto_param_grid("forward", problem(64, 32))
+    assert {p["tile"] for p in forward} == {(128, 32)} and all(p["sort_rows"] for p in forward)
+    assert {p["tile"] for p in wmma.auto_param_grid("backward", problem(64, 32))} == {(128, 64), (128, 32)}
+    assert {p["tile"] for p in wmma.auto_param_grid("forward", problem(64, 256))} == {(64, 128), (128, 64)}
+    pool = candidates(AlgorithmFilter(CONV, "forward", "auto", ()), problem(64, 64))
+    assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm"}
