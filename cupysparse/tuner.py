@@ -11,11 +11,11 @@ layers and cuBLAS explicit GEMM wide ones. The reference still runs once, for th
 
 Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
-`explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU:
-warm-up, then the median of several runs) and stored best-first under a key of the problem's
-shape, dtype and device architecture, so caches of different GPUs never match: each algorithm's
-parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every candidate of the key
-in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
+`explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU: the
+checked run is the warm-up, then the median of several runs) and stored best-first under a key of
+the problem's shape, dtype and device architecture, so caches of different GPUs never match: each
+algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every candidate of
+the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
 `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
 """
 
@@ -283,7 +283,8 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
             first = run(algorithm, params)
             reason = None if algorithm is reference_algorithm else disagreement(first, reference, problem.dtype)
             if reason is None:
-                time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu)
+                # The checked first run warmed this candidate up; time it straight away.
+                time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
                 measurement.results.append((algorithm.name, params, time_ms))
         except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
             reason = f"{type(error).__name__}: {error}"
