@@ -132,3 +132,37 @@ def test_first_call_benchmark_measures_nothing_after_populating(tmp_path, monkey
     for row in rows:
         assert row["benchmarked"] == "0" and float(row["first_ms"]) > 0 and float(row["steady_ms"]) > 0
         assert float(row["ratio"]) == pytest.approx(float(row["first_ms"]) / float(row["steady_ms"]), abs=0.01)
+
+
+def test_populate_inspect_and_analyze_end_to_end_on_the_cpu(tmp_path, capsys):
+    from cupysparse.scripts import analyze_autotune_cache as analyze
+    from cupysparse.scripts import inspect_benchmark_cache as inspect_cache
+
+    scaled_down_quick = ["--preset", "quick", "--device", "cpu", "--num-voxels", "2000,3000", "--dtypes", "float32",
+                         "--channels", "4,8", "8,8", "--algo-mode", "all"]
+    assert populate.main(scaled_down_quick) == 0
+    assert "done 4, skipped 0 (already cached), failed 0" in capsys.readouterr().out
+
+    assert inspect_cache.main(["namespace=sparse_conv_forward"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Namespace: sparse_conv_forward (4 configurations)\n")
+    blocks = out.split("-" * 40 + "\nConfiguration ")[1:]
+    assert len(blocks) == 4
+    for number, block in enumerate(blocks, 1):
+        lines = block.splitlines()
+        assert lines[:3] == [f"{number}:", "-" * 40, "Config Parameters:"]
+        names = [line.split(":")[0].strip() for line in lines[3:13]]
+        assert names == ["log_num_in_coords", "log_num_out_coords", "in_channels", "out_channels", "kernel_volume",
+                         "in_dtype", "compute_capability", "stride", "transposed", "generative"]
+        assert lines[13:18] == ["", "Results:", "  [", "    [", '      "explicit_gemm"']
+        assert lines[18] == "      {}" and float(lines[19]) > 0 and lines[20:22] == ["    ]", "  ]"]
+    pairs = {(block.split("in_channels: ")[1].split()[0], block.split("out_channels: ")[1].split()[0])
+             for block in blocks}
+    assert pairs == {("4", "8"), ("8", "8")}
+
+    report = tmp_path / "analysis.md"
+    assert analyze.main(["--markdown", "--output", str(report)]) == 0
+    text = report.read_text()
+    assert "## sparse_conv_forward (4 configurations)" in text and "## sparse_conv_backward (4 configurations)" in text
+    assert "| explicit_gemm | 4 | 100.0% | 100.0% | 4 |" in text
+    assert "| 1 | explicit_gemm | 4/4 (100.0%) |" in text
