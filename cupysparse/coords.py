@@ -108,12 +108,8 @@ def kernel_offsets(kernel_size: tuple[int, ...]) -> np.ndarray:
     )
 
 
-def validate_coordinates(coords, name: str = "coordinates") -> None:
-    """Raise TypeError/ValueError, naming `name`, unless `coords` is a valid coordinate array.
-
-    Valid: int32 `[N, 1 + D]` with 2 ≤ D ≤ 4, every value inside the key layout's range, batch
-    indices 0..B-1 with none missing, no coordinate twice. On CuPy arrays this synchronises.
-    """
+def check_coordinate_layout(coords, name: str = "coordinates") -> None:
+    """The checks of `validate_coordinates` that read no values (type, dtype, shape): free on the GPU."""
     if not hasattr(coords, "dtype") or not hasattr(coords, "shape"):
         raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(coords).__name__}")
     if coords.dtype != np.int32:
@@ -123,6 +119,15 @@ def validate_coordinates(coords, name: str = "coordinates") -> None:
             f"{name} must have shape [N, 1 + D] (batch index, then D = 2..{MAX_SPATIAL_DIMS} coordinates), "
             f"got {tuple(coords.shape)}"
         )
+
+
+def validate_coordinates(coords, name: str = "coordinates") -> None:
+    """Raise TypeError/ValueError, naming `name`, unless `coords` is a valid coordinate array.
+
+    Valid: int32 `[N, 1 + D]` with 2 ≤ D ≤ 4, every value inside the key layout's range, batch
+    indices 0..B-1 with none missing, no coordinate twice. On CuPy arrays this synchronises.
+    """
+    check_coordinate_layout(coords, name)
     if coords.shape[0] == 0:
         return
     xp = array_module(coords)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import array_module, is_cupy_array, to_device, to_numpy
-from .coords import MAX_SPATIAL_DIMS, as_tuple, key_layout, pack_keys, unpack_keys, validate_coordinates
+from .coords import (
+    MAX_SPATIAL_DIMS,
+    as_tuple,
+    check_coordinate_layout,
+    key_layout,
+    pack_keys,
+    unpack_keys,
+    validate_coordinates,
+)
 from .kernel_map import KernelMapCache, MapResult
 
 _REDUCTIONS = ("mean", "first")
@@ -56,12 +64,10 @@ def _check_features(features, num_rows: int, rows_owner: str) -> None:
 
 
 def _check_coordinates(coordinates, validate: bool) -> None:
-    if validate or coordinates.ndim == 0:
+    if validate:
         validate_coordinates(coordinates, "coordinates")
     else:
-        # Zero rows keep the dtype and column count, so only the layout checks run: the value
-        # checks would synchronise the GPU.
-        validate_coordinates(coordinates[:0], "coordinates")
+        check_coordinate_layout(coordinates, "coordinates")  # the value checks would synchronise the GPU
 
 
 class SparseTensor:

@@ -165,16 +165,30 @@ class Tuner:
         normal calls skip; the populate script uses it so every configuration gets an entry."""
         self._cache = cache
         self._measure_single = measure_single_candidates
-        self._chosen: dict[tuple, Selection] = {}
+        self._chosen: dict[tuple, Selection] = {}  # by tuning key and candidate pool
+        self._by_call: dict[tuple, Selection] = {}  # by filter and exact problem: a repeated call's one look-up
         self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
 
     @property
     def cache(self):
         return self._cache if self._cache is not None else default_cache()
 
+    def forget_choices(self) -> None:
+        """Drop the choices remembered in this process; the next call of each problem looks in the
+        cache again (and measures what it lacks)."""
+        self._chosen.clear()
+        self._by_call.clear()
+
     def select(self, search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
         """The algorithm and parameters for `problem`; `run(algorithm, params)` executes one
         candidate on the call's real data (None: decide by the priority rule, measuring nothing)."""
+        call_key = (search_space, problem, run is None, tuning_enabled())
+        chosen = self._by_call.get(call_key)
+        if chosen is None:
+            chosen = self._by_call[call_key] = self._select(search_space, problem, run)
+        return chosen
+
+    def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> Selection:
         pool = candidates(search_space, problem)
         if not pool:
             return rule_based_selection(search_space, problem)  # raises, listing the valid choices

@@ -121,11 +121,11 @@ def first_call_rows(tmp_path) -> list[dict]:
 def test_first_call_benchmark_measures_nothing_after_populating(tmp_path, monkeypatch):
     # On the CPU explicit_gemm is the only candidate, which calls do not time unless asked to.
     monkeypatch.setattr(default_tuner(), "_measure_single", True)
-    monkeypatch.setattr(default_tuner(), "_chosen", {})
+    default_tuner().forget_choices()
     assert [row["benchmarked"] for row in first_call_rows(tmp_path)] == ["1", "1"]  # an empty cache
 
     monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "populated"))
-    monkeypatch.setattr(default_tuner(), "_chosen", {})
+    default_tuner().forget_choices()
     assert populate.main(TINY_RUN) == 0
     rows = first_call_rows(tmp_path)
     assert [row["phase"] for row in rows] == ["forward", "backward"]

@@ -1,0 +1,76 @@
+"""PyTorch adapter: sparse tensors, differentiable convolutions and pooling, and `torch.nn` modules.
+
+    import torch
+    from cupysparse.adapters import torch as cst
+
+    x = cst.SparseTensor(coordinates_int32, features)          # [N, 1 + D], [N, C]
+    net = torch.nn.Sequential(cst.SubMConv3d(16, 32, 3), cst.SparseBatchNorm(32), cst.SparseReLU(),
+                              cst.SparseConv3d(32, 64, 2, stride=2))
+    y = net(x)                                                  # a SparseTensor; y.features has grad
+
+CUDA tensors run the core's CuPy kernels zero-copy on torch's current stream and allocator; CPU
+tensors run the NumPy path. The convolutions are `torch.library` custom ops (`cupysparse::*`)
+with fake implementations, so they compile with `torch.compile` and record into CUDA graphs.
+"""
+
+from .functional import (
+    global_avg_pool,
+    global_max_pool,
+    sparse_avg_pool,
+    sparse_conv,
+    sparse_depthwise_conv,
+    sparse_max_pool,
+    sparse_unpool,
+)
+from .modules import (
+    GlobalAvgPool,
+    GlobalMaxPool,
+    PerVoxel,
+    SparseAvgPool,
+    SparseBatchNorm,
+    SparseConv2d,
+    SparseConv3d,
+    SparseConvTranspose2d,
+    SparseConvTranspose3d,
+    SparseDepthwiseConv,
+    SparseDropout,
+    SparseLayerNorm,
+    SparseMaxPool,
+    SparseReLU,
+    SparseUnpool,
+    SpatiallySparseConv,
+    SubMConv2d,
+    SubMConv3d,
+    load_spconv_state_dict,
+)
+from .tensor import SparseTensor
+
+__all__ = [
+    "GlobalAvgPool",
+    "GlobalMaxPool",
+    "PerVoxel",
+    "SparseAvgPool",
+    "SparseBatchNorm",
+    "SparseConv2d",
+    "SparseConv3d",
+    "SparseConvTranspose2d",
+    "SparseConvTranspose3d",
+    "SparseDepthwiseConv",
+    "SparseDropout",
+    "SparseLayerNorm",
+    "SparseMaxPool",
+    "SparseReLU",
+    "SparseTensor",
+    "SparseUnpool",
+    "SpatiallySparseConv",
+    "SubMConv2d",
+    "SubMConv3d",
+    "global_avg_pool",
+    "global_max_pool",
+    "load_spconv_state_dict",
+    "sparse_avg_pool",
+    "sparse_conv",
+    "sparse_depthwise_conv",
+    "sparse_max_pool",
+    "sparse_unpool",
+]

@@ -1,0 +1,127 @@
+"""Zero-copy between torch tensors and the core's arrays, and the context every launch runs in.
+
+CUDA tensors become CuPy arrays over the same device memory (built from the pointer: a DLPack
+exchange costs tens of microseconds per tensor, too much for a call that should cost a few), and
+arrays the core allocated inside `on_torch_stream` come back as views of the torch allocation
+they live in (any other array goes through DLPack). CPU tensors become NumPy arrays through
+`Tensor.numpy()` and back through `torch.from_numpy`. Nothing is copied either way. bfloat16,
+which NumPy does not know, travels as int16 bits and is viewed as `ml_dtypes.bfloat16` on the core
+side. Tensors are detached before export: autograd is the adapter's business, not the core's.
+
+`on_torch_stream(device)` makes the core run where torch runs: on the tensor's GPU, on torch's
+current stream (so no synchronisation is needed either way, and CUDA-graph capture sees every
+launch), with every CuPy allocation taken from torch's caching allocator (one memory pool, and
+inside graph capture the graph's private pool).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from cupysparse.backend import cupy_module
+from cupysparse.dtypes import BFLOAT16
+
+
+_NUMPY_DTYPES = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+_TORCH_DTYPES = {np.dtype(value): key for key, value in _NUMPY_DTYPES.items()}
+# Device allocations made for the core by `_torch_allocation`, by address: the torch tensors whose
+# memory CuPy arrays use, so `from_core` can hand out views of them.
+_allocations: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _cupy_view(tensor: torch.Tensor):
+    cupy = cupy_module()
+    dtype = np.dtype(_NUMPY_DTYPES[tensor.dtype])
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), tensor.numel() * dtype.itemsize, tensor, tensor.device.index)
+    strides = tuple(stride * dtype.itemsize for stride in tensor.stride())
+    return cupy.ndarray(tuple(tensor.shape), dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+def to_core(tensor: torch.Tensor):
+    """The NumPy (CPU) or CuPy (CUDA) view of `tensor`'s memory."""
+    tensor = tensor.detach()
+    bf16 = tensor.dtype == torch.bfloat16
+    if bf16:
+        if BFLOAT16 is None:
+            raise TypeError("bfloat16 tensors need the ml_dtypes package (pip install ml_dtypes)")
+        tensor = tensor.view(torch.int16)
+    if tensor.device.type == "cpu":
+        array = tensor.numpy()
+    elif tensor.dtype in _NUMPY_DTYPES:
+        array = _cupy_view(tensor)
+    else:
+        array = cupy_module().from_dlpack(tensor)
+    return array.view(BFLOAT16) if bf16 else array
+
+
+def _torch_view(array) -> torch.Tensor | None:
+    """The view of the torch allocation a contiguous CuPy array lives in, or None."""
+    block = _allocations.get(array.data.mem.ptr)
+    dtype = _TORCH_DTYPES.get(array.dtype)
+    if block is None or dtype is None or not array.flags.c_contiguous:
+        return None
+    offset = array.data.ptr - array.data.mem.ptr
+    return block[offset : offset + array.nbytes].view(dtype).view(array.shape)
+
+
+def from_core(array) -> torch.Tensor:
+    """The torch view of a core array (NumPy → CPU tensor, CuPy → CUDA tensor)."""
+    bf16 = BFLOAT16 is not None and array.dtype == BFLOAT16
+    if bf16:
+        array = array.view(np.int16)
+    if isinstance(array, np.ndarray):
+        tensor = torch.from_numpy(array)
+    else:
+        tensor = _torch_view(array)
+        if tensor is None:
+            tensor = torch.from_dlpack(array)
+    return tensor.view(torch.bfloat16) if bf16 else tensor
+
+
+def _torch_allocation(size: int):
+    """A CuPy memory pointer into a byte tensor from torch's caching allocator (on its current stream)."""
+    cupy = cupy_module()
+    device_id = cupy.cuda.Device().id
+    block = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device_id))
+    if size:
+        _allocations[block.data_ptr()] = block
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), size, block, device_id), 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(stream_ptr: int, device_id: int):
+    with warnings.catch_warnings():  # newer CuPy prefers Stream.from_external; this works on 13.x and 14.x
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy_module().cuda.ExternalStream(stream_ptr, device_id)
+
+
+@contextlib.contextmanager
+def on_torch_stream(device: torch.device):
+    """Run the core on `device`'s torch stream and allocator; a no-op for CPU tensors."""
+    if device.type != "cuda":
+        yield
+        return
+    cupy = cupy_module()
+    device_id = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device_id)
+    with (
+        cupy.cuda.Device(device_id),
+        _external_stream(stream.cuda_stream, device_id),
+        cupy.cuda.using_allocator(_torch_allocation),
+    ):
+        yield

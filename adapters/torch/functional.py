@@ -1,0 +1,157 @@
+"""Differentiable sparse convolutions and pooling of torch `SparseTensor`s.
+
+Convolutions go through the custom ops (`ops`); pooling is written in torch operations over the
+map's pair table, so autograd, `torch.compile` and CUDA graphs handle it like any torch code.
+Under autocast a convolution runs in the autocast dtype, as torch's own convolutions do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cupysparse.algorithms import CONV, DEPTHWISE
+from cupysparse.coords import as_tuple
+from cupysparse.sparse_tensor import SparseTensor as CoreSparseTensor
+
+from . import ops
+from .bridge import to_core
+from .tensor import SparseTensor
+
+
+def _require_sparse(input) -> None:
+    if not isinstance(input, SparseTensor):
+        raise TypeError(f"input must be a cupysparse.adapters.torch.SparseTensor, got {type(input).__name__}")
+
+
+def _check_like_features(tensor: torch.Tensor, name: str, features: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device != features.device:
+        raise ValueError(f"{name} is on {tensor.device} but the input features are on {features.device}")
+    if tensor.dtype != features.dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype} but the input features have {features.dtype}")
+
+
+def _check_contiguous(features: torch.Tensor) -> None:
+    if not features.is_contiguous():
+        raise ValueError("the input features must be contiguous (row-major [N, C]); call .contiguous() first")
+
+
+def _autocast(features: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    device_type = features.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return features.to(dtype), weight.to(dtype)
+    return features, weight
+
+
+def _output(result, features: torch.Tensor) -> SparseTensor:
+    core = CoreSparseTensor(result.out_coordinates, to_core(features), result.out_tensor_stride, validate=False,
+                            map_cache=result.out_map_cache)
+    return SparseTensor.from_core(core, features)
+
+
+def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1, transposed=False,
+                generative=False, bias: torch.Tensor | None = None, fwd_algo=None, bwd_algo=None) -> SparseTensor:
+    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`."""
+    _require_sparse(input)
+    features, weight = _autocast(input.features, weight)
+    _check_like_features(weight, "weight", features)
+    _check_contiguous(features)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    kernel_map = result.kernel_map
+    if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
+        raise ValueError(f"weight must have shape [K={kernel_map.kernel_volume}, C_in={features.shape[1]}, C_out], "
+                         f"got {tuple(weight.shape)}")
+    out = ops.convolution(
+        features, weight.contiguous(), ops.pair_table(kernel_map),
+        ops.algorithm_argument(fwd_algo, CONV, "forward"), ops.algorithm_argument(bwd_algo, CONV, "backward"),
+    )
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return _output(result, out)
+
+
+def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1,
+                          transposed=False, bias: torch.Tensor | None = None, fwd_algo=None,
+                          bwd_algo=None) -> SparseTensor:
+    """A per-channel convolution: weight `[K, C]`."""
+    _require_sparse(input)
+    features, weight = _autocast(input.features, weight)
+    _check_like_features(weight, "weight", features)
+    _check_contiguous(features)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed)
+    kernel_map = result.kernel_map
+    if tuple(weight.shape) != (kernel_map.kernel_volume, features.shape[1]):
+        raise ValueError(f"depthwise weight must have shape [K={kernel_map.kernel_volume}, C={features.shape[1]}], "
+                         f"got {tuple(weight.shape)}")
+    out = ops.depthwise_forward(
+        features, weight.contiguous(), ops.pair_table(kernel_map),
+        ops.algorithm_argument(fwd_algo, DEPTHWISE, "forward"), ops.algorithm_argument(bwd_algo, DEPTHWISE, "backward"),
+    )
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return _output(result, out)
+
+
+def _gathered(features: torch.Tensor, table: torch.Tensor, fill: float) -> torch.Tensor:
+    """`[K, N_out, C]`: the input row of each pair, `fill` where an offset has none."""
+    valid = (table >= 0).unsqueeze(-1)
+    return torch.where(valid, features[table.clamp(min=0).long()], fill)
+
+
+def _pool_map(input: SparseTensor, kernel_size, stride, dilation):
+    _require_sparse(input)
+    return input.kernel_map(kernel_size, kernel_size if stride is None else stride, dilation)
+
+
+def sparse_max_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -> SparseTensor:
+    """Maximum over each window's voxels (`stride` defaults to `kernel_size`). Where several
+    inputs tie for the maximum, the gradient is shared among them, as in `torch.amax`."""
+    result = _pool_map(input, kernel_size, stride, dilation)
+    table = ops.pair_table(result.kernel_map)
+    return _output(result, _gathered(input.features, table, -math.inf).amax(dim=0))
+
+
+def sparse_avg_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -> SparseTensor:
+    """Mean over each window's voxels (`stride` defaults to `kernel_size`)."""
+    result = _pool_map(input, kernel_size, stride, dilation)
+    table = ops.pair_table(result.kernel_map)
+    counts = (table >= 0).sum(dim=0).clamp(min=1).unsqueeze(-1).to(input.features.dtype)
+    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0) / counts)
+
+
+def sparse_unpool(input: SparseTensor, stride) -> SparseTensor:
+    """Nearest unpooling: every voxel of the finer tensor `input` was pooled from gets its coarse
+    parent's features (strides 1 or 2 per axis, as `cupysparse.pooling.sparse_unpool`)."""
+    _require_sparse(input)
+    strides = as_tuple(stride, input.spatial_dims, "stride")
+    if any(s > 2 for s in strides):
+        raise ValueError(f"sparse_unpool supports strides of 1 or 2 per axis, got {stride!r}; unpool in steps of 2")
+    result = input.kernel_map(strides, strides, transposed=True)
+    table = ops.pair_table(result.kernel_map)
+    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0))
+
+
+def _batch_index(input: SparseTensor) -> torch.Tensor:
+    return input.coordinates[:, 0].long()
+
+
+def global_max_pool(input: SparseTensor) -> torch.Tensor:
+    """Per batch item maximum: `[B, C]`."""
+    _require_sparse(input)
+    features = input.features
+    out = features.new_full((input.batch_size, features.shape[1]), -math.inf)
+    index = _batch_index(input).unsqueeze(1).expand_as(features)
+    return out.scatter_reduce(0, index, features, reduce="amax", include_self=False)
+
+
+def global_avg_pool(input: SparseTensor) -> torch.Tensor:
+    """Per batch item mean: `[B, C]`."""
+    _require_sparse(input)
+    features = input.features
+    out = features.new_zeros((input.batch_size, features.shape[1]))
+    index = _batch_index(input).unsqueeze(1).expand_as(features)
+    return out.scatter_reduce(0, index, features, reduce="mean", include_self=False)

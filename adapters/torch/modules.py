@@ -1,0 +1,228 @@
+"""`torch.nn` modules over torch `SparseTensor`s: convolutions, pooling, and per-voxel layers.
+
+Every module takes and returns a `SparseTensor`, so they chain in `nn.Sequential`. Convolution
+weights are `[K, C_in, C_out]` (depthwise `[K, C]`), initialised like torch's convolutions
+(uniform in ±1/sqrt(fan_in), fan_in = K · C_in). The algorithm arguments are those of the
+functional API (an enum member, a name, a list of either, `auto`, `all`; None reads the
+environment variables) and are checked when the module is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from cupysparse.algorithms import CONV, DEPTHWISE
+from cupysparse.coords import as_tuple
+from cupysparse.weight_conversion import from_spconv_weight
+
+from . import functional as F
+from .ops import algorithm_argument
+from .tensor import SparseTensor
+
+
+def _kernel_volume(kernel_size, spatial_dims: int) -> int:
+    return math.prod(as_tuple(kernel_size, spatial_dims, "kernel_size"))
+
+
+class SpatiallySparseConv(nn.Module):
+    """A sparse convolution: submanifold (stride 1), strided, transposed (back to the coordinates
+    the input was downsampled from) or generative transposed. See `cupysparse.spatially_sparse_conv`."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, dilation=1, transposed=False,
+                 generative=False, bias=True, fwd_algo=None, bwd_algo=None, *, spatial_dims=3, device=None,
+                 dtype=None):
+        super().__init__()
+        if in_channels < 1 or out_channels < 1:
+            raise ValueError(f"channel counts must be positive, got in_channels={in_channels}, "
+                             f"out_channels={out_channels}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
+        self.stride = as_tuple(stride, spatial_dims, "stride")
+        self.dilation = as_tuple(dilation, spatial_dims, "dilation")
+        self.transposed, self.generative = transposed, generative
+        algorithm_argument(fwd_algo, CONV, "forward")
+        algorithm_argument(bwd_algo, CONV, "backward")
+        self.fwd_algo, self.bwd_algo = fwd_algo, bwd_algo
+        volume = _kernel_volume(kernel_size, spatial_dims)
+        self.weight = nn.Parameter(torch.empty(volume, in_channels, out_channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.weight.shape[0] * self.in_channels)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return F.sparse_conv(input, self.weight, self.kernel_size, self.stride, self.dilation, self.transposed,
+                             self.generative, self.bias, self.fwd_algo, self.bwd_algo)
+
+    def extra_repr(self) -> str:
+        kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"dilation={self.dilation}, {kind}, bias={self.bias is not None}")
+
+
+class SubMConv3d(SpatiallySparseConv):
+    """Submanifold 3D convolution: the output has the input's coordinates."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, dilation=1, bias=True, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, 1, dilation, bias=bias, **kwargs)
+
+
+class SparseConv3d(SpatiallySparseConv):
+    """Strided 3D convolution: output coordinates floor(input / stride). Unlike spconv's
+    SparseConv3d, stride 1 keeps the input coordinates (submanifold)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, bias=bias, **kwargs)
+
+
+class SparseConvTranspose3d(SpatiallySparseConv):
+    """Transposed 3D convolution back to the coordinates the input was downsampled from;
+    `generative=True` creates every reachable coordinate instead."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, generative=False,
+                 **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, True, generative, bias, **kwargs)
+
+
+class SubMConv2d(SubMConv3d):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, spatial_dims=2, **kwargs)
+
+
+class SparseConv2d(SparseConv3d):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, spatial_dims=2, **kwargs)
+
+
+class SparseConvTranspose2d(SparseConvTranspose3d):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, spatial_dims=2, **kwargs)
+
+
+class SparseDepthwiseConv(nn.Module):
+    """A per-channel sparse convolution, weight `[K, C]`."""
+
+    def __init__(self, channels: int, kernel_size, stride=1, dilation=1, transposed=False, bias=True, fwd_algo=None,
+                 bwd_algo=None, *, spatial_dims=3, device=None, dtype=None):
+        super().__init__()
+        self.channels = channels
+        self.kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
+        self.stride = as_tuple(stride, spatial_dims, "stride")
+        self.dilation = as_tuple(dilation, spatial_dims, "dilation")
+        self.transposed = transposed
+        algorithm_argument(fwd_algo, DEPTHWISE, "forward")
+        algorithm_argument(bwd_algo, DEPTHWISE, "backward")
+        self.fwd_algo, self.bwd_algo = fwd_algo, bwd_algo
+        volume = _kernel_volume(kernel_size, spatial_dims)
+        self.weight = nn.Parameter(torch.empty(volume, channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
+        bound = 1.0 / math.sqrt(volume)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return F.sparse_depthwise_conv(input, self.weight, self.kernel_size, self.stride, self.dilation,
+                                       self.transposed, self.bias, self.fwd_algo, self.bwd_algo)
+
+
+class SparseMaxPool(nn.Module):
+    def __init__(self, kernel_size, stride=None, dilation=1):
+        super().__init__()
+        self.kernel_size, self.stride, self.dilation = kernel_size, stride, dilation
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return F.sparse_max_pool(input, self.kernel_size, self.stride, self.dilation)
+
+
+class SparseAvgPool(SparseMaxPool):
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return F.sparse_avg_pool(input, self.kernel_size, self.stride, self.dilation)
+
+
+class SparseUnpool(nn.Module):
+    def __init__(self, stride):
+        super().__init__()
+        self.stride = stride
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return F.sparse_unpool(input, self.stride)
+
+
+class GlobalMaxPool(nn.Module):
+    """`[B, C]`: the maximum of each batch item's features."""
+
+    def forward(self, input: SparseTensor) -> torch.Tensor:
+        return F.global_max_pool(input)
+
+
+class GlobalAvgPool(nn.Module):
+    """`[B, C]`: the mean of each batch item's features."""
+
+    def forward(self, input: SparseTensor) -> torch.Tensor:
+        return F.global_avg_pool(input)
+
+
+class PerVoxel(nn.Module):
+    """Applies `module` to the features `[N, C]` (each voxel a row), keeping coordinates and maps."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return input.replace_feature(self.module(input.features))
+
+
+class SparseBatchNorm(PerVoxel):
+    def __init__(self, num_features: int, **kwargs):
+        super().__init__(nn.BatchNorm1d(num_features, **kwargs))
+
+
+class SparseLayerNorm(PerVoxel):
+    def __init__(self, num_features: int, **kwargs):
+        super().__init__(nn.LayerNorm(num_features, **kwargs))
+
+
+class SparseReLU(PerVoxel):
+    def __init__(self, inplace: bool = False):
+        super().__init__(nn.ReLU(inplace))
+
+
+class SparseDropout(PerVoxel):
+    def __init__(self, p: float = 0.5):
+        super().__init__(nn.Dropout(p))
+
+
+def load_spconv_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> list[str]:
+    """Copy the convolution weights (and biases) of an spconv 2.x checkpoint into `model`, whose
+    convolution modules must have the same names as in the spconv model. spconv stores weights as
+    `[C_out, *kernel_size, C_in]`; they are converted to `[K, C_in, C_out]`. Returns the names of
+    the convolutions loaded; with `strict`, a convolution missing from `state_dict` raises KeyError."""
+    loaded = []
+    for name, module in model.named_modules():
+        if not isinstance(module, SpatiallySparseConv):
+            continue
+        key = f"{name}.weight" if name else "weight"
+        if key not in state_dict:
+            if strict:
+                raise KeyError(f"the spconv state dict has no {key!r} for {name or 'the model'}")
+            continue
+        weight = torch.as_tensor(from_spconv_weight(state_dict[key].detach().cpu().numpy()))
+        if tuple(weight.shape) != tuple(module.weight.shape):
+            raise ValueError(f"{key}: spconv weight converts to {tuple(weight.shape)} but {name} expects "
+                             f"{tuple(module.weight.shape)}")
+        with torch.no_grad():
+            module.weight.copy_(weight)
+            bias_key = key[: -len("weight")] + "bias"
+            if module.bias is not None and bias_key in state_dict:
+                module.bias.copy_(state_dict[bias_key])
+        loaded.append(name)
+    return loaded

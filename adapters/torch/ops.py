@@ -1,0 +1,196 @@
+"""The convolutions as `torch.library` custom ops, with fake implementations and autograd.
+
+In eager mode a convolution runs the same core calls through a `torch.autograd.Function`
+(`convolution` picks the path): the custom-op machinery costs a hundred microseconds or more per call,
+more than a 100K-voxel layer's kernels, while compilers need the op. Depthwise convolutions always
+use their op. A kernel map is not a tensor, so the ops take its pair table (a torch view of the
+core's array) and find the `KernelMap` it belongs to in a registry keyed by the table's memory: the
+map keeps its derived formats (CSR lists, masks, sorted rows, the reversed map) from call to call,
+while `torch.compile` and CUDA graphs only ever see tensors. The fake implementations give the
+output shapes from the tensors alone, so compiled graphs need no real data to trace.
+
+Algorithm choices travel as strings (`algorithm_argument`): "" is None (the environment
+variables), otherwise a name, `auto`, `all` or `[a,b]`. The backward op computes only the
+gradients autograd needs, in one call.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from cupysparse import functional
+from cupysparse.algorithm_modes import parse_algorithm_filter
+
+from cupysparse.kernel_map import KernelMap
+
+from .bridge import from_core, on_torch_stream, to_core
+
+_maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
+_tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def pair_table(kernel_map: KernelMap) -> torch.Tensor:
+    """The torch view of `kernel_map`'s pair table, through which the ops find the map."""
+    table = _tables_by_map.get(kernel_map)
+    if table is None:
+        table = _tables_by_map[kernel_map] = from_core(kernel_map.pair_table)
+        _maps_by_table[_table_key(table)] = kernel_map
+    return table
+
+
+def _table_key(table: torch.Tensor) -> tuple[str, int]:
+    return str(table.device), table.data_ptr()
+
+
+def _kernel_map(table: torch.Tensor) -> KernelMap:
+    kernel_map = _maps_by_table.get(_table_key(table))
+    if kernel_map is None:
+        raise ValueError("this pair table belongs to no live kernel map; pass tables from ops.pair_table(kernel_map)")
+    return kernel_map
+
+
+def algorithm_argument(algo, kind: str, phase: str) -> str:
+    """The op's string form of an algorithm argument (validated now, so errors name the caller's value)."""
+    if algo is None:
+        return ""
+    return _algorithm_argument(tuple(algo) if isinstance(algo, list) else algo, kind, phase)
+
+
+@functools.lru_cache(maxsize=256)
+def _algorithm_argument(algo, kind: str, phase: str) -> str:
+    search_space = parse_algorithm_filter(algo, kind, phase)
+    if search_space.mode == "names":
+        return "[" + ",".join(search_space.names) + "]"
+    return search_space.mode
+
+
+def _algorithm(argument: str):
+    return argument or None
+
+
+@torch.library.custom_op("cupysparse::conv_forward", mutates_args=())
+def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, fwd_algo: str,
+                 bwd_algo: str) -> torch.Tensor:
+    """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` → `[N_out, C_out]`."""
+    with on_torch_stream(features.device):
+        out = functional.conv_forward(to_core(features), to_core(weight), _kernel_map(table), _algorithm(fwd_algo))
+        return from_core(out)
+
+
+@conv_forward.register_fake
+def _(features, weight, table, fwd_algo, bwd_algo):
+    return features.new_empty((table.shape[1], weight.shape[2]))
+
+
+@torch.library.custom_op("cupysparse::conv_backward", mutates_args=())
+def conv_backward(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor,
+                  bwd_algo: str, needs_input_grad: bool, needs_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); an empty tensor for one not needed."""
+    with on_torch_stream(features.device):
+        grad_input, grad_weight = functional.conv_backward(
+            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo),
+            needs_input_grad, needs_weight_grad,
+        )
+        return (from_core(grad_input) if needs_input_grad else features.new_empty(0),
+                from_core(grad_weight) if needs_weight_grad else weight.new_empty(0))
+
+
+@conv_backward.register_fake
+def _(grad_output, features, weight, table, bwd_algo, needs_input_grad, needs_weight_grad):
+    return (torch.empty_like(features) if needs_input_grad else features.new_empty(0),
+            torch.empty_like(weight) if needs_weight_grad else weight.new_empty(0))
+
+
+def _save_inputs(ctx, inputs, output):
+    features, weight, table, _, bwd_algo = inputs
+    ctx.save_for_backward(features, weight, table)
+    ctx.bwd_algo = bwd_algo
+
+
+def _conv_backward(ctx, grad_output):
+    features, weight, table = ctx.saved_tensors
+    needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+    grad_input, grad_weight = conv_backward(
+        grad_output.contiguous(), features, weight, table, ctx.bwd_algo, needs_input_grad, needs_weight_grad
+    )
+    return (grad_input if needs_input_grad else None), (grad_weight if needs_weight_grad else None), None, None, None
+
+
+conv_forward.register_autograd(_conv_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op("cupysparse::depthwise_forward", mutates_args=())
+def depthwise_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, fwd_algo: str,
+                      bwd_algo: str) -> torch.Tensor:
+    """`out[i, c] = Σ_k weight[k, c] · features[table[k, i], c]` → `[N_out, C]`."""
+    kernel_map = _kernel_map(table)
+    with on_torch_stream(features.device):
+        out = functional.spatially_sparse_depthwise_conv(
+            to_core(features), to_core(weight), kernel_map, kernel_map.num_out, _algorithm(fwd_algo)
+        )
+        return from_core(out)
+
+
+@depthwise_forward.register_fake
+def _(features, weight, table, fwd_algo, bwd_algo):
+    return features.new_empty((table.shape[1], features.shape[1]))
+
+
+@torch.library.custom_op("cupysparse::depthwise_backward", mutates_args=())
+def depthwise_backward(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor,
+                       table: torch.Tensor, bwd_algo: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with on_torch_stream(features.device):
+        grad_input, grad_weight = functional.spatially_sparse_depthwise_conv_backward(
+            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo)
+        )
+        return from_core(grad_input), from_core(grad_weight)
+
+
+@depthwise_backward.register_fake
+def _(grad_output, features, weight, table, bwd_algo):
+    return torch.empty_like(features), torch.empty_like(weight)
+
+
+def _depthwise_backward(ctx, grad_output):
+    features, weight, table = ctx.saved_tensors
+    grad_input, grad_weight = depthwise_backward(grad_output.contiguous(), features, weight, table, ctx.bwd_algo)
+    return grad_input, grad_weight, None, None, None
+
+
+depthwise_forward.register_autograd(_depthwise_backward, setup_context=_save_inputs)
+
+
+
+class _Convolution(torch.autograd.Function):
+    """The eager path of `conv_forward` / `conv_backward`: the same core calls, without the op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, features, weight, table, fwd_algo, bwd_algo):
+        ctx.save_for_backward(features, weight, table)
+        ctx.bwd_algo = bwd_algo
+        with on_torch_stream(features.device):
+            out = functional.conv_forward(to_core(features), to_core(weight), _kernel_map(table), _algorithm(fwd_algo))
+            return from_core(out)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        features, weight, table = ctx.saved_tensors
+        needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+        with on_torch_stream(features.device):
+            grad_input, grad_weight = functional.conv_backward(
+                to_core(grad_output.contiguous()), to_core(features), to_core(weight), _kernel_map(table),
+                _algorithm(ctx.bwd_algo), needs_input_grad, needs_weight_grad,
+            )
+            grad_input = from_core(grad_input) if needs_input_grad else None
+            grad_weight = from_core(grad_weight) if needs_weight_grad else None
+        return grad_input, grad_weight, None, None, None
+
+
+def convolution(features, weight, table, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    """`conv_forward` with autograd: the custom op while compiling, a plain autograd function in eager mode."""
+    if torch.compiler.is_compiling():
+        return conv_forward(features, weight, table, fwd_algo, bwd_algo)
+    return _Convolution.apply(features, weight, table, fwd_algo, bwd_algo)

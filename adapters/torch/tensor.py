@@ -1,0 +1,159 @@
+"""`SparseTensor` for PyTorch: torch coordinates and features over the core's kernel-map cache.
+
+The coordinates and features are torch tensors (features carry autograd); a core
+`cupysparse.SparseTensor` over zero-copy views of the same memory holds the tensor stride and the
+kernel-map cache, so every tensor derived from one input (convolutions, `replace_feature`) shares
+the maps built for it and a U-Net's decoder reuses its encoder's maps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cupysparse
+from cupysparse.coords import as_tuple
+from cupysparse.kernel_map import MapResult
+
+from .bridge import from_core, to_core
+
+
+def _ints(value, dims: int, name: str) -> tuple[int, ...]:
+    values = (int(value),) * dims if isinstance(value, int) else tuple(int(v) for v in value)
+    if len(values) != dims:
+        raise ValueError(f"{name} must be an int or {dims} ints, got {value!r}")
+    return values
+
+
+def _require_tensor(value, name: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+class SparseTensor:
+    """Sparse voxels in torch: int32 coordinates `[N, 1 + D]` (column 0 the batch index), floating
+    features `[N, C]` on the same device, and a tensor stride.
+
+    `validate=False` skips the value checks of the coordinates (range, batch gaps, duplicates),
+    which synchronise the GPU; use it only for coordinates the library produced.
+    """
+
+    def __init__(self, coordinates: torch.Tensor, features: torch.Tensor, tensor_stride=1, *, validate=True):
+        _require_tensor(coordinates, "coordinates")
+        _require_tensor(features, "features")
+        if coordinates.device != features.device:
+            raise ValueError(f"coordinates are on {coordinates.device} but features on {features.device}")
+        if coordinates.dtype != torch.int32:
+            raise TypeError(f"coordinates must be int32, got {coordinates.dtype}; use coordinates.int()")
+        core = cupysparse.SparseTensor(
+            to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
+        )
+        self._init(coordinates, features, core)
+
+    def _init(self, coordinates: torch.Tensor | None, features: torch.Tensor, core: cupysparse.SparseTensor) -> None:
+        self._coordinates = coordinates  # None: the torch view of the core's is made when first asked for
+        self._features = features
+        self._core = core
+
+    @classmethod
+    def from_core(cls, core: cupysparse.SparseTensor, features: torch.Tensor) -> SparseTensor:
+        """A tensor over `core`'s coordinates, stride and map cache with torch `features`."""
+        tensor = cls.__new__(cls)
+        tensor._init(None, features, core)
+        return tensor
+
+    @classmethod
+    def collate(cls, coordinates: list[torch.Tensor], features: list[torch.Tensor], tensor_stride=1) -> SparseTensor:
+        """One batch from per-item coordinates `[N_b, D]` (no batch column) and features `[N_b, C]`."""
+        if len(coordinates) != len(features) or not coordinates:
+            raise ValueError(f"need as many feature as coordinate tensors, at least one; got {len(coordinates)} "
+                             f"and {len(features)}")
+        batched = [
+            torch.cat([torch.full((len(c), 1), b, dtype=torch.int32, device=c.device), c.int()], dim=1)
+            for b, c in enumerate(coordinates)
+        ]
+        return cls(torch.cat(batched), torch.cat(features), tensor_stride)
+
+    @property
+    def coordinates(self) -> torch.Tensor:
+        if self._coordinates is None:
+            self._coordinates = from_core(self._core.coordinates)
+        return self._coordinates
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._features
+
+    @property
+    def core(self) -> cupysparse.SparseTensor:
+        """The core tensor sharing these coordinates and the kernel-map cache."""
+        return self._core
+
+    @property
+    def tensor_stride(self) -> tuple[int, ...]:
+        return self._core.tensor_stride
+
+    @property
+    def spatial_dims(self) -> int:
+        return self._core.spatial_dims
+
+    @property
+    def num_points(self) -> int:
+        return self._core.num_points
+
+    @property
+    def batch_size(self) -> int:
+        return self._core.batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._features.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._features.dtype
+
+    def __len__(self) -> int:
+        return self.num_points
+
+    def __repr__(self) -> str:
+        return (f"SparseTensor(num_points={self.num_points}, channels={self._features.shape[1]}, "
+                f"tensor_stride={self.tensor_stride}, dtype={self.dtype}, device={self.device})")
+
+    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
+        """The core kernel map (built once per map cache; see `cupysparse.SparseTensor.kernel_map`)."""
+        return self._core.kernel_map(kernel_size, stride, dilation, transposed, generative)
+
+    def replace_feature(self, features: torch.Tensor) -> SparseTensor:
+        """The same coordinates, stride and map cache with new features `[N, C']`."""
+        _require_tensor(features, "features")
+        if features.device != self.device:
+            raise ValueError(f"features are on {features.device} but this tensor is on {self.device}")
+        return SparseTensor.from_core(self._core.replace_features(to_core(features)), features)
+
+    replace_features = replace_feature
+
+    def decompose(self) -> list[torch.Tensor]:
+        """The features of each batch item, in batch order (rows keep their order)."""
+        batch = self.coordinates[:, 0].long()
+        return [self._features[batch == b] for b in range(self.batch_size)]
+
+    def to_dense(self, origin=None, shape=None) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Scatter into a dense `[B, C, *shape]` tensor, differentiable in the features; returns
+        `(dense, origin)`. Dense index `i` along axis `d` holds coordinate `origin[d] + i`; `origin`
+        defaults to the per-axis minimum and `shape` to what reaches the maximum."""
+        dims = self.spatial_dims
+        spatial = self.coordinates[:, 1:].long()
+        if self.num_points:
+            lows, highs = spatial.min(0).values.tolist(), spatial.max(0).values.tolist()
+        else:
+            lows, highs = [0] * dims, [-1] * dims
+        origin = tuple(lows) if origin is None else _ints(origin, dims, "origin")
+        shape = tuple(h - o + 1 for h, o in zip(highs, origin)) if shape is None else as_tuple(shape, dims, "shape")
+        for axis in range(dims):
+            if self.num_points and (lows[axis] < origin[axis] or highs[axis] >= origin[axis] + shape[axis]):
+                raise ValueError(f"voxels span [{lows[axis]}, {highs[axis]}] along axis {axis}, outside the dense "
+                                 f"box origin={origin}, shape={shape}")
+        dense = self._features.new_zeros((self.batch_size, *shape, self._features.shape[1]))
+        index = (self.coordinates[:, 0].long(), *(spatial - torch.tensor(origin, device=self.device)).unbind(1))
+        dense = dense.index_put(index, self._features)
+        return dense.permute(0, dims + 1, *range(1, dims + 1)), origin

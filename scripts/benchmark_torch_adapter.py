@@ -1,0 +1,101 @@
+"""What the PyTorch adapter costs over calling the CuPy core directly, side by side in one run.
+
+On the indoor scene (default 100K voxels, one batch item), submanifold 3³ at 64 → 64 channels in
+fp16, with the kernel map built and the tuner warm, it times the core's `conv_forward` (and
+`conv_backward`) on CuPy arrays against the adapter's `SubMConv3d` on torch tensors over the
+same map, forward and forward + backward (autograd), by CUDA events, median of --repeats after
+--warmup runs. ratio = adapter / core (target ≤ 1.05).
+
+    cupysparse-benchmark-torch-adapter --num-voxels 100000 --channels 64 --csv adapter.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from cupysparse import backend
+from cupysparse.dtypes import as_feature_dtype
+from cupysparse.functional import conv_backward, conv_forward
+from cupysparse.scenes import make_scene
+from cupysparse.scripts.benchmarking import make_timer, write_csv
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-voxels", type=int, default=100_000)
+    parser.add_argument("--channels", type=int, default=64, help="input = output channels")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--csv", metavar="FILE")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("this benchmark needs PyTorch: pip install 'cupysparse[torch]'", file=sys.stderr)
+        return 2
+    if not (backend.gpu_available() and torch.cuda.is_available()):
+        print("this benchmark needs a CUDA GPU visible to both CuPy and PyTorch", file=sys.stderr)
+        return 2
+    from cupysparse.adapters import torch as cst
+
+    cupy = backend.cupy_module()
+    voxels = make_scene("indoor", args.num_voxels, seed=0).voxel_coordinates()[: args.num_voxels]
+    coords = torch.from_numpy(np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)).cuda()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    features = torch.randn(len(coords), args.channels, device="cuda", dtype=dtype, requires_grad=True)
+    x = cst.SparseTensor(coords, features)
+    conv = cst.SubMConv3d(args.channels, args.channels, 3, bias=False).cuda().to(dtype)
+    kernel_map = x.kernel_map(3).kernel_map.derive_formats()
+    dy = torch.randn(len(coords), args.channels, device="cuda", dtype=dtype)
+
+    core_x = cupy.asarray(features.detach().float().cpu().numpy()).astype(as_feature_dtype(args.dtype))
+    core_w = cupy.asarray(conv.weight.detach().float().cpu().numpy()).astype(as_feature_dtype(args.dtype))
+    core_dy = cupy.asarray(dy.float().cpu().numpy()).astype(as_feature_dtype(args.dtype))
+
+    def core_forward():
+        return conv_forward(core_x, core_w, kernel_map)
+
+    def core_step():
+        conv_forward(core_x, core_w, kernel_map)
+        return conv_backward(core_dy, core_x, core_w, kernel_map)
+
+    def adapter_forward():
+        with torch.no_grad():
+            return conv(x).features
+
+    def adapter_step():
+        out = conv(x).features
+        out.backward(dy)
+        return out
+
+    measure = make_timer("cuda")
+    rows = []
+    for phase, core_fn, adapter_fn in (("forward", core_forward, adapter_forward),
+                                       ("forward+backward", core_step, adapter_step)):
+        core_ms = measure(core_fn, args.warmup, args.repeats)
+        adapter_ms = measure(adapter_fn, args.warmup, args.repeats)
+        rows.append({"num_voxels": len(coords), "channels": args.channels, "dtype": args.dtype, "phase": phase,
+                     "core_ms": round(core_ms, 4), "adapter_ms": round(adapter_ms, 4),
+                     "ratio": round(adapter_ms / core_ms, 3)})
+        print(f"{phase:<17} core {core_ms:8.4f} ms   adapter {adapter_ms:8.4f} ms   ratio {adapter_ms / core_ms:.3f}",
+              flush=True)
+    print(f"on {backend.describe_device('cuda')}, {len(coords):,} voxels, {args.channels} -> {args.channels}, "
+          f"{args.dtype}")
+    if args.csv:
+        write_csv(rows, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

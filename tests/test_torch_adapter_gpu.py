@@ -1,0 +1,163 @@
+"""The PyTorch adapter on CUDA tensors: every algorithm and dtype against the fp64 core reference,
+torch.compile, CUDA-graph capture and replay, and a second stream."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupysparse  # noqa: E402
+from cupysparse.adapters import torch as cst  # noqa: E402
+from cupysparse.adapters.torch import ops  # noqa: E402
+from cupysparse.algorithms import CONV, ConvProblem, registered  # noqa: E402
+from cupysparse.backend import cupy_module, gpu_available  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (gpu_available() and torch.cuda.is_available()), reason="needs a CUDA GPU for torch"),
+]
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def coordinates(seed=0, side=14, density=0.3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    items = []
+    for b in range(2):
+        cells = np.argwhere(rng.random((side,) * 3) < density) - side // 2
+        items.append(np.concatenate([np.full((len(cells), 1), b), cells], axis=1))
+    return np.concatenate(items).astype(np.int32)
+
+
+def algorithm_cases():
+    capability = int(cupy_module().cuda.Device().compute_capability) if gpu_available() else 0
+    cases = []
+    for name, algorithm in registered(CONV).items():
+        for dtype in TORCH_DTYPES:
+            problem = ConvProblem(100, 100, 16, 16, 27, np.dtype(cupysparse.dtypes.as_feature_dtype(dtype)), "cuda",
+                                  capability)
+            if algorithm.supports(problem):
+                cases.append(pytest.param(name, dtype, id=f"{name}-{dtype}"))
+    return cases
+
+
+@pytest.mark.parametrize("stride", [1, 2], ids=["subm", "strided"])
+@pytest.mark.parametrize("name, dtype", algorithm_cases())
+def test_module_output_and_gradients_equal_the_fp64_reference(name, dtype, stride):
+    coords = coordinates()
+    rng = np.random.default_rng(1)
+    c_in, c_out, kernel = 19, 34, 3
+    x = rng.standard_normal((len(coords), c_in)).astype(np.float32)
+    w = (rng.standard_normal((27, c_in, c_out)) / np.sqrt(c_in)).astype(np.float32)
+    torch_dtype = TORCH_DTYPES[dtype]
+    features = torch.from_numpy(x).to("cuda", torch_dtype).requires_grad_()
+    conv = cst.SparseConv3d(c_in, c_out, kernel, stride=stride, bias=False, fwd_algo=name, bwd_algo=name).cuda()
+    with torch.no_grad():
+        conv.weight.copy_(torch.from_numpy(w).to(torch_dtype))
+    conv = conv.to(torch_dtype)
+    out = conv(cst.SparseTensor(torch.from_numpy(coords).cuda(), features))
+    dy = torch.from_numpy(rng.standard_normal(tuple(out.features.shape)).astype(np.float32)).to("cuda", torch_dtype)
+    out.features.backward(dy)
+
+    # fp64 core reference from the same rounded inputs, on the CPU
+    x64 = features.detach().double().cpu().numpy()
+    w64 = conv.weight.detach().double().cpu().numpy()
+    dy64 = dy.double().cpu().numpy()
+    core = cupysparse.SparseTensor(coords, x64)
+    expected = cupysparse.spatially_sparse_conv(core, w64, kernel, stride=stride)
+    grads = cupysparse.spatially_sparse_conv_backward(dy64, core, w64, kernel, stride=stride)
+    np.testing.assert_array_equal(out.coordinates.cpu().numpy(), expected.coordinates)
+    numpy_dtype = np.dtype(cupysparse.dtypes.as_feature_dtype(dtype))
+    terms = 27 * c_in
+    assert_close(out.features.detach().double().cpu().numpy(), expected.features, numpy_dtype, terms, x64, w64,
+                 f"{name} forward")
+    assert_close(features.grad.double().cpu().numpy(), grads.input, numpy_dtype, 27 * c_out, dy64, w64,
+                 f"{name} dgrad")
+    assert_close(conv.weight.grad.double().cpu().numpy(), grads.weight, numpy_dtype, len(coords), x64, dy64,
+                 f"{name} wgrad")
+
+
+def two_layer_inputs(dtype=torch.float16):
+    torch.manual_seed(0)
+    x = cst.SparseTensor(torch.from_numpy(coordinates()).cuda(),
+                         torch.randn(len(coordinates()), 16, device="cuda", dtype=dtype))
+    first = cst.SubMConv3d(16, 32, 3).cuda().to(dtype)
+    second = cst.SubMConv3d(32, 16, 3).cuda().to(dtype)
+    kernel_map = x.kernel_map(3).kernel_map.derive_formats()
+    return x, first, second, ops.pair_table(kernel_map)
+
+
+def test_compiled_two_layer_block_matches_eager_without_graph_breaks():
+    x, first, second, table = two_layer_inputs()
+
+    def block(features, w1, w2):
+        hidden = torch.relu(ops.convolution(features, w1, table, "", ""))
+        return ops.convolution(hidden, w2, table, "", "")
+
+    args = (x.features, first.weight, second.weight)
+    eager = block(*args)
+    compiled = torch.compile(block, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), eager, rtol=0, atol=0)
+
+
+def test_cuda_graph_capture_and_replay_of_a_training_step():
+    x, first, second, table = two_layer_inputs(torch.float32)
+    static_features = x.features.clone().requires_grad_()
+    params = (first.weight, second.weight)
+
+    def step():
+        hidden = torch.relu(ops.convolution(static_features, params[0], table, "", ""))
+        loss = ops.convolution(hidden, params[1], table, "", "").square().mean()
+        grads = torch.autograd.grad(loss, (static_features, *params))
+        return loss, grads
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # tunes, compiles and warms the allocator outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_grads = step()
+    new_features = torch.randn_like(static_features)
+    with torch.no_grad():
+        static_features.copy_(new_features)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_features = new_features.clone().requires_grad_()
+    hidden = torch.relu(ops.convolution(eager_features, params[0], table, "", ""))
+    loss = ops.convolution(hidden, params[1], table, "", "").square().mean()
+    expected = torch.autograd.grad(loss, (eager_features, *params))
+    torch.testing.assert_close(static_loss, loss, rtol=0, atol=0)
+    for got, want in zip(static_grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_second_stream_is_respected():
+    x, first, _, _ = two_layer_inputs(torch.float32)
+    expected = first(x).features
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: reading its result early would be wrong
+        features = x.features * 2  # made on the side stream
+        out = first(x.replace_feature(features)).features
+    torch.cuda.current_stream().wait_stream(side)
+    expected_doubled = first(x.replace_feature(x.features * 2)).features
+    torch.testing.assert_close(out, expected_doubled, rtol=0, atol=0)
+    assert not torch.equal(out, expected)
+
+
+def test_cupy_allocations_come_from_torchs_pool():
+    x, first, _, _ = two_layer_inputs(torch.float16)
+    first(x)  # tuned and compiled
+    torch.cuda.synchronize()
+    cupy_pool = cupy_module().get_default_memory_pool()
+    before = cupy_pool.total_bytes()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    first(x)
+    assert cupy_pool.total_bytes() == before
+    assert torch.cuda.max_memory_allocated() > baseline
