@@ -355,3 +355,16 @@ def test_bad_bias_and_input_raise():
         functional.spatially_sparse_conv(tensor.features, weight, 3)
     with pytest.raises(ValueError, match="generative"):
         functional.spatially_sparse_conv(tensor, weight, 3, stride=2, generative=True)
+
+
+def test_wmma_weight_is_padded_only_when_its_channels_are_not_multiples_of_16():
+    from cupysparse.algorithms.wmma_implicit_gemm import PaddedWeight
+
+    aligned = np.random.default_rng(0).standard_normal((27, 32, 48)).astype(np.float16)
+    assert PaddedWeight(aligned).padded is aligned
+    assert PaddedWeight(np.asfortranarray(aligned)).padded.flags.c_contiguous
+    ragged = aligned[:, :19, :33]
+    padded = PaddedWeight(ragged).padded
+    assert padded.shape == (27, 32, 48)
+    np.testing.assert_array_equal(padded[:, :19, :33], ragged)
+    assert not padded[:, 19:, :].any() and not padded[:, :, 33:].any()

@@ -93,8 +93,9 @@ _SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dty
 
 class PaddedWeight:
     """A weight `[K, C_in, C_out]` zero-padded to `[K, C_in_pad, C_out_pad]` (multiples of 16), the
-    form the forward kernel reads; `transposed` (`[K, C_out_pad, C_in_pad]`, for dgrad) is made on
-    first use. Build it with `WmmaImplicitGemm.prepare_weight`."""
+    form the forward kernel reads (a contiguous weight already of that shape is used as it is);
+    `transposed` (`[K, C_out_pad, C_in_pad]`, for dgrad) is made on first use. Build it with
+    `WmmaImplicitGemm.prepare_weight`."""
 
     def __init__(self, weight):
         if weight.ndim != 3:
@@ -102,8 +103,11 @@ class PaddedWeight:
         self.kernel_volume, self.in_channels, self.out_channels = (int(size) for size in weight.shape)
         self.dtype = np.dtype(weight.dtype)
         padded_shape = (self.kernel_volume, padded_channels(self.in_channels), padded_channels(self.out_channels))
-        self.padded = array_module(weight).zeros(padded_shape, dtype=weight.dtype)
-        self.padded[:, : self.in_channels, : self.out_channels] = weight
+        if tuple(weight.shape) == padded_shape and weight.flags.c_contiguous:
+            self.padded = weight  # already the kernel's layout: read in place, no copy per call
+        else:
+            self.padded = array_module(weight).zeros(padded_shape, dtype=weight.dtype)
+            self.padded[:, : self.in_channels, : self.out_channels] = weight
 
     @functools.cached_property
     def transposed(self):
