@@ -17,6 +17,7 @@ both backends, so results are deterministic without sorting.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -332,6 +333,7 @@ class KernelMapCache:
         self._coordinates = {tuple(tensor_stride): coordinates}
         self._indices = {}
         self._maps: dict[tuple, MapResult] = {}
+        self._by_arguments: dict[tuple, MapResult] = {}
 
     def coordinates(self, tensor_stride: tuple[int, ...]):
         try:
@@ -354,6 +356,17 @@ class KernelMapCache:
 
     def kernel_map(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
         """The `MapResult` of a convolution applied to the coordinates at `tensor_stride`, cached."""
+        arguments = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        try:  # a layer asks with the same arguments every call: one look-up, no normalising
+            return self._by_arguments[arguments]
+        except (KeyError, TypeError):  # TypeError: unhashable arguments (lists), normalised below
+            pass
+        result = self._normalised_kernel_map(tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        with contextlib.suppress(TypeError):
+            self._by_arguments[arguments] = result
+        return result
+
+    def _normalised_kernel_map(self, tensor_stride, kernel_size, stride, dilation, transposed, generative):
         coords = self.coordinates(tensor_stride)
         tensor_stride = tuple(tensor_stride)
         kernel_size, stride, dilation = _geometry(coords, kernel_size, stride, dilation)

@@ -150,10 +150,10 @@ def test_batch_utilities():
 def test_the_decoder_reuses_the_encoders_map():
     x = sparse(requires_grad=False)
     down = cst.SparseConv3d(3, 3, 2, stride=2).double()(x)
-    built = len(x.core.map_cache)
+    built = len(x.map_cache)
     cst.SparseConvTranspose3d(3, 3, 2, stride=2).double()(down)
-    assert len(x.core.map_cache) == built + 1  # the transposed map, inverted from the strided one
-    assert x.core.map_cache is down.core.map_cache
+    assert len(x.map_cache) == built + 1  # the transposed map, inverted from the strided one
+    assert x.map_cache is down.map_cache is down.core.map_cache
 
 
 def test_autocast_runs_the_convolution_in_the_autocast_dtype():

@@ -13,10 +13,8 @@ import torch
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.coords import as_tuple
-from cupysparse.sparse_tensor import SparseTensor as CoreSparseTensor
 
 from . import ops
-from .bridge import to_core
 from .tensor import SparseTensor
 
 
@@ -47,10 +45,8 @@ def _autocast(features: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return features, weight
 
 
-def _output(result, features: torch.Tensor) -> SparseTensor:
-    core = CoreSparseTensor(result.out_coordinates, to_core(features), result.out_tensor_stride, validate=False,
-                            map_cache=result.out_map_cache)
-    return SparseTensor.from_core(core, features)
+def _output(result, features: torch.Tensor, input: SparseTensor) -> SparseTensor:
+    return input.with_map_result(result, features)
 
 
 def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1, transposed=False,
@@ -71,7 +67,7 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     )
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return _output(result, out)
+    return _output(result, out, input)
 
 
 def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1,
@@ -93,7 +89,7 @@ def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size
     )
     if bias is not None:
         out = out + bias.to(out.dtype)
-    return _output(result, out)
+    return _output(result, out, input)
 
 
 def _gathered(features: torch.Tensor, table: torch.Tensor, fill: float) -> torch.Tensor:
@@ -112,7 +108,7 @@ def sparse_max_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -
     inputs tie for the maximum, the gradient is shared among them, as in `torch.amax`."""
     result = _pool_map(input, kernel_size, stride, dilation)
     table = ops.pair_table(result.kernel_map)
-    return _output(result, _gathered(input.features, table, -math.inf).amax(dim=0))
+    return _output(result, _gathered(input.features, table, -math.inf).amax(dim=0), input)
 
 
 def sparse_avg_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -> SparseTensor:
@@ -120,7 +116,7 @@ def sparse_avg_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -
     result = _pool_map(input, kernel_size, stride, dilation)
     table = ops.pair_table(result.kernel_map)
     counts = (table >= 0).sum(dim=0).clamp(min=1).unsqueeze(-1).to(input.features.dtype)
-    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0) / counts)
+    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0) / counts, input)
 
 
 def sparse_unpool(input: SparseTensor, stride) -> SparseTensor:
@@ -132,7 +128,7 @@ def sparse_unpool(input: SparseTensor, stride) -> SparseTensor:
         raise ValueError(f"sparse_unpool supports strides of 1 or 2 per axis, got {stride!r}; unpool in steps of 2")
     result = input.kernel_map(strides, strides, transposed=True)
     table = ops.pair_table(result.kernel_map)
-    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0))
+    return _output(result, _gathered(input.features, table, 0.0).sum(dim=0), input)
 
 
 def _batch_index(input: SparseTensor) -> torch.Tensor:

@@ -47,18 +47,23 @@ class SparseTensor:
         core = cupysparse.SparseTensor(
             to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
         )
-        self._init(coordinates, features, core)
+        self._set(coordinates, core.coordinates, features, core.tensor_stride, core.map_cache, None)
 
-    def _init(self, coordinates: torch.Tensor | None, features: torch.Tensor, core: cupysparse.SparseTensor) -> None:
+    def _set(self, coordinates, core_coordinates, features, tensor_stride, map_cache, batch_size) -> None:
         self._coordinates = coordinates  # None: the torch view of the core's is made when first asked for
+        self._core_coordinates = core_coordinates
         self._features = features
-        self._core = core
+        self._tensor_stride = tensor_stride
+        self._map_cache = map_cache
+        self._batch_size = batch_size  # None: counted when first asked for (that synchronises the GPU)
+        self._core = None
 
-    @classmethod
-    def from_core(cls, core: cupysparse.SparseTensor, features: torch.Tensor) -> SparseTensor:
-        """A tensor over `core`'s coordinates, stride and map cache with torch `features`."""
-        tensor = cls.__new__(cls)
-        tensor._init(None, features, core)
+    def with_map_result(self, result: MapResult, features: torch.Tensor) -> SparseTensor:
+        """The output of an operation on this tensor over `result`'s map: its coordinates, stride and
+        map cache with torch `features`, and this tensor's batch size."""
+        tensor = SparseTensor.__new__(SparseTensor)
+        tensor._set(None, result.out_coordinates, features, result.out_tensor_stride, result.out_map_cache,
+                    self._batch_size)
         return tensor
 
     @classmethod
@@ -76,7 +81,7 @@ class SparseTensor:
     @property
     def coordinates(self) -> torch.Tensor:
         if self._coordinates is None:
-            self._coordinates = from_core(self._core.coordinates)
+            self._coordinates = from_core(self._core_coordinates)
         return self._coordinates
 
     @property
@@ -85,24 +90,34 @@ class SparseTensor:
 
     @property
     def core(self) -> cupysparse.SparseTensor:
-        """The core tensor sharing these coordinates and the kernel-map cache."""
+        """The core tensor over the same memory, stride and kernel-map cache (made when first asked for)."""
+        if self._core is None:
+            self._core = cupysparse.SparseTensor(self._core_coordinates, to_core(self._features), self._tensor_stride,
+                                                 validate=False, map_cache=self._map_cache)
         return self._core
 
     @property
+    def map_cache(self):
+        """The kernel-map cache shared by every tensor derived from the same input."""
+        return self._map_cache
+
+    @property
     def tensor_stride(self) -> tuple[int, ...]:
-        return self._core.tensor_stride
+        return self._tensor_stride
 
     @property
     def spatial_dims(self) -> int:
-        return self._core.spatial_dims
+        return self._core_coordinates.shape[1] - 1
 
     @property
     def num_points(self) -> int:
-        return self._core.num_points
+        return self._core_coordinates.shape[0]
 
     @property
     def batch_size(self) -> int:
-        return self._core.batch_size
+        if self._batch_size is None:
+            self._batch_size = int(self._core_coordinates[:, 0].max()) + 1 if self.num_points else 0
+        return self._batch_size
 
     @property
     def device(self) -> torch.device:
@@ -121,14 +136,19 @@ class SparseTensor:
 
     def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
         """The core kernel map (built once per map cache; see `cupysparse.SparseTensor.kernel_map`)."""
-        return self._core.kernel_map(kernel_size, stride, dilation, transposed, generative)
+        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
 
     def replace_feature(self, features: torch.Tensor) -> SparseTensor:
         """The same coordinates, stride and map cache with new features `[N, C']`."""
         _require_tensor(features, "features")
         if features.device != self.device:
             raise ValueError(f"features are on {features.device} but this tensor is on {self.device}")
-        return SparseTensor.from_core(self._core.replace_features(to_core(features)), features)
+        if features.dim() != 2 or features.shape[0] != self.num_points or features.shape[1] < 1:
+            raise ValueError(f"features must have shape [{self.num_points}, C], got {tuple(features.shape)}")
+        tensor = SparseTensor.__new__(SparseTensor)
+        tensor._set(self._coordinates, self._core_coordinates, features, self._tensor_stride, self._map_cache,
+                    self._batch_size)
+        return tensor
 
     replace_features = replace_feature
 
