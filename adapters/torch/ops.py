@@ -23,7 +23,6 @@ import torch
 
 from cupysparse import functional
 from cupysparse.algorithm_modes import parse_algorithm_filter
-
 from cupysparse.kernel_map import KernelMap
 
 from .bridge import from_core, on_torch_stream, to_core
