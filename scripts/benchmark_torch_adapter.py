@@ -7,11 +7,16 @@ same map, forward and forward + backward (autograd), by CUDA events, median of -
 --warmup runs. ratio = adapter / core (target ≤ 1.05).
 
     cupysparse-benchmark-torch-adapter --num-voxels 100000 --channels 64 --csv adapter.csv
+
+`--profile FILE` also writes a cProfile of --repeats adapter forward + backward steps, with autograd's
+backward run in the calling thread (cProfile sees one thread only), and prints its top entries.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 
 import numpy as np
@@ -33,7 +38,17 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--csv", metavar="FILE")
+    parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the adapter's steps to FILE")
     return parser.parse_args(argv)
+
+
+def profile_steps(torch, step, repeats: int, path: str) -> None:
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.runcall(lambda: [step() for _ in range(repeats)])
+    profiler.dump_stats(path)
+    print(f"\nprofile of {repeats} adapter steps written to {path}; top entries by own time:")
+    pstats.Stats(path).sort_stats("tottime").print_stats(25)
 
 
 def main(argv=None) -> int:
@@ -94,6 +109,8 @@ def main(argv=None) -> int:
           f"{args.dtype}")
     if args.csv:
         write_csv(rows, args.csv)
+    if args.profile:
+        profile_steps(torch, adapter_step, args.repeats, args.profile)
     return 0
 
 

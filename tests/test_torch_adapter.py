@@ -218,3 +218,11 @@ def test_bad_inputs_give_clear_errors():
         cst.SubMConv3d(3, 4, 3, fwd_algo="not_an_algorithm")
     with pytest.raises(TypeError, match="SparseTensor"):
         conv(x.features)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_the_overhead_benchmark_says_it_needs_a_gpu(capsys):
+    from cupysparse.scripts import benchmark_torch_adapter
+
+    assert benchmark_torch_adapter.main(["--repeats", "3"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
