@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import ops  # noqa: E402
-from cupysparse.algorithms import CONV, ConvProblem, registered  # noqa: E402
+from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, registered  # noqa: E402
 from cupysparse.backend import cupy_module, gpu_available  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
@@ -31,10 +31,10 @@ def coordinates(seed=0, side=14, density=0.3) -> np.ndarray:
     return np.concatenate(items).astype(np.int32)
 
 
-def algorithm_cases():
+def algorithm_cases(kind=CONV):
     capability = int(cupy_module().cuda.Device().compute_capability) if gpu_available() else 0
     cases = []
-    for name, algorithm in registered(CONV).items():
+    for name, algorithm in registered(kind).items():
         for dtype in TORCH_DTYPES:
             problem = ConvProblem(100, 100, 16, 16, 27, np.dtype(cupysparse.dtypes.as_feature_dtype(dtype)), "cuda",
                                   capability)
@@ -77,6 +77,34 @@ def test_module_output_and_gradients_equal_the_fp64_reference(name, dtype, strid
                  f"{name} dgrad")
     assert_close(conv.weight.grad.double().cpu().numpy(), grads.weight, numpy_dtype, len(coords), x64, dy64,
                  f"{name} wgrad")
+
+
+@pytest.mark.parametrize("name, dtype", algorithm_cases(DEPTHWISE))
+def test_depthwise_module_output_and_gradients_equal_the_fp64_reference(name, dtype):
+    coords = coordinates(seed=2)
+    rng = np.random.default_rng(3)
+    channels = 37
+    torch_dtype = TORCH_DTYPES[dtype]
+    features = torch.from_numpy(rng.standard_normal((len(coords), channels)).astype(np.float32))
+    features = features.to("cuda", torch_dtype).requires_grad_()
+    conv = cst.SparseDepthwiseConv(channels, 3, bias=False, fwd_algo=name, bwd_algo=name).cuda().to(torch_dtype)
+    out = conv(cst.SparseTensor(torch.from_numpy(coords).cuda(), features))
+    dy = torch.from_numpy(rng.standard_normal(tuple(out.features.shape)).astype(np.float32)).to("cuda", torch_dtype)
+    out.features.backward(dy)
+
+    x64 = features.detach().double().cpu().numpy()
+    w64 = conv.weight.detach().double().cpu().numpy()
+    dy64 = dy.double().cpu().numpy()
+    kernel_map = cupysparse.SparseTensor(coords, x64).kernel_map(3).kernel_map
+    expected = cupysparse.spatially_sparse_depthwise_conv(x64, w64, kernel_map, kernel_map.num_out)
+    grad_input, grad_weight = cupysparse.spatially_sparse_depthwise_conv_backward(dy64, x64, w64, kernel_map)
+    numpy_dtype = np.dtype(cupysparse.dtypes.as_feature_dtype(dtype))
+    assert_close(out.features.detach().double().cpu().numpy(), expected, numpy_dtype, 27, x64, w64,
+                 f"depthwise {name} forward")
+    assert_close(features.grad.double().cpu().numpy(), grad_input, numpy_dtype, 27, dy64, w64,
+                 f"depthwise {name} dgrad")
+    assert_close(conv.weight.grad.double().cpu().numpy(), grad_weight, numpy_dtype, len(coords), x64, dy64,
+                 f"depthwise {name} wgrad")
 
 
 def two_layer_inputs(dtype=torch.float16):
