@@ -439,6 +439,13 @@ class BenchmarkCache:
             warnings.warn(str(error), RuntimeWarning, stacklevel=1)
 
 
+def open_for_reading(path: pathlib.Path) -> BenchmarkCache:
+    """The cache file at `path`, read now and never written; NotACacheFile when it is no cache."""
+    cache = BenchmarkCache(path=path, read_only=True)
+    cache.entries()
+    return cache
+
+
 _autosaving_caches: weakref.WeakSet[BenchmarkCache] = weakref.WeakSet()
 _default_cache: BenchmarkCache | None = None
 _default_cache_lock = threading.Lock()

@@ -53,17 +53,23 @@ def _check_features(features, name: str, num_rows: int, num_channels: int | None
         raise ValueError(f"{name} must have {num_channels} channels, got {features.shape[1]}")
 
 
-def _check_weight(weight, features, kernel_map) -> None:
-    _require_like(weight, "weight", features, "the input features")
-    if weight.ndim != 3:
-        raise ValueError(f"weight must have shape [K, C_in, C_out], got {tuple(weight.shape)}")
-    if weight.shape[0] != kernel_map.kernel_volume:
+def check_weight_shape(weight_shape, in_channels: int, kernel_map, features_name: str = "the input") -> None:
+    """ValueError unless a weight of `weight_shape` is `[K, C_in, C_out]` for `kernel_map` and
+    `in_channels` (shared with the adapters, whose arrays are not the core's)."""
+    if len(weight_shape) != 3:
+        raise ValueError(f"weight must have shape [K, C_in, C_out], got {tuple(weight_shape)}")
+    if weight_shape[0] != kernel_map.kernel_volume:
         raise ValueError(
-            f"weight has {weight.shape[0]} kernel offsets but kernel size {kernel_map.kernel_size} has "
+            f"weight has {weight_shape[0]} kernel offsets but kernel size {kernel_map.kernel_size} has "
             f"{kernel_map.kernel_volume}"
         )
-    if weight.shape[1] != features.shape[1]:
-        raise ValueError(f"weight expects {weight.shape[1]} input channels, the input has {features.shape[1]}")
+    if weight_shape[1] != in_channels:
+        raise ValueError(f"weight expects {weight_shape[1]} input channels, {features_name} has {in_channels}")
+
+
+def _check_weight(weight, features, kernel_map) -> None:
+    _require_like(weight, "weight", features, "the input features")
+    check_weight_shape(tuple(weight.shape), features.shape[1], kernel_map)
 
 
 def forward_runner(features, weight, kernel_map):

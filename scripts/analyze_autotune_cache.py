@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections import Counter
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path
+from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
 
 DEFAULT_NAMESPACES = ("sparse_conv_forward", "sparse_conv_backward")
 TOP_K = 3
@@ -361,9 +361,8 @@ def main(argv=None) -> int:
         print(f"No benchmark cache at {path} yet: nothing to analyse.")
         print("Tune some convolutions or run cupysparse-populate-benchmark-cache first.")
         return 0
-    cache = BenchmarkCache(path=path, read_only=True)
     try:
-        cache.entries()
+        cache = open_for_reading(path)
     except NotACacheFile as problem:
         print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ import json
 import pathlib
 import sys
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path
+from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
 
 RULE = "-" * 40
 SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters
@@ -166,9 +166,8 @@ def main(argv=None) -> int:
         print(f"No benchmark cache at {path} yet.")
         print("It is written the first time a convolution is tuned, or by cupysparse-populate-benchmark-cache.")
         return 0
-    cache = BenchmarkCache(path=path, read_only=True)
     try:
-        cache.entries()
+        cache = open_for_reading(path)
     except NotACacheFile as problem:
         print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
         return 1

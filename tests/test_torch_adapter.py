@@ -34,7 +34,7 @@ def through(module_factory, input_factory=sparse):
     return input_factory(), module_factory().double()
 
 
-def gradcheck_module(module, x, transform=None):
+def gradcheck_module(module, x):
     def fn(features, *params):
         out = module(x.replace_feature(features))
         return out if isinstance(out, torch.Tensor) else out.features

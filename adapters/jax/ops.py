@@ -88,15 +88,7 @@ def _check_same_dtype(weight, features) -> None:
 
 def _check_weight(weight, features, kernel_map: KernelMap) -> None:
     _check_same_dtype(weight, features)
-    if weight.ndim != 3:
-        raise ValueError(f"weight must have shape [K, C_in, C_out], got {tuple(weight.shape)}")
-    if weight.shape[0] != kernel_map.kernel_volume:
-        raise ValueError(
-            f"weight has {weight.shape[0]} kernel offsets but kernel size {kernel_map.kernel_size} has "
-            f"{kernel_map.kernel_volume}"
-        )
-    if weight.shape[1] != features.shape[1]:
-        raise ValueError(f"weight expects {weight.shape[1]} input channels, features has {features.shape[1]}")
+    functional.check_weight_shape(tuple(weight.shape), features.shape[1], kernel_map, "features")
 
 
 def _out_channels(spec: _Conv, weight) -> int:

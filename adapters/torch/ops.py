@@ -74,9 +74,25 @@ def _algorithm(argument: str):
 def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, fwd_algo: str,
                  bwd_algo: str) -> torch.Tensor:
     """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` → `[N_out, C_out]`."""
+    return _core_forward(features, weight, table, fwd_algo)
+
+
+def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
     with on_torch_stream(features.device):
         out = functional.conv_forward(to_core(features), to_core(weight), _kernel_map(table), _algorithm(fwd_algo))
         return from_core(out)
+
+
+def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_input_grad: bool,
+                   needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients asked for, None for the others."""
+    with on_torch_stream(features.device):
+        grad_input, grad_weight = functional.conv_backward(
+            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo),
+            needs_input_grad, needs_weight_grad,
+        )
+        return (from_core(grad_input) if needs_input_grad else None,
+                from_core(grad_weight) if needs_weight_grad else None)
 
 
 @conv_forward.register_fake
@@ -88,13 +104,10 @@ def _(features, weight, table, fwd_algo, bwd_algo):
 def conv_backward(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor,
                   bwd_algo: str, needs_input_grad: bool, needs_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); an empty tensor for one not needed."""
-    with on_torch_stream(features.device):
-        grad_input, grad_weight = functional.conv_backward(
-            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo),
-            needs_input_grad, needs_weight_grad,
-        )
-        return (from_core(grad_input) if needs_input_grad else features.new_empty(0),
-                from_core(grad_weight) if needs_weight_grad else weight.new_empty(0))
+    grad_input, grad_weight = _core_backward(grad_output, features, weight, table, bwd_algo, needs_input_grad,
+                                             needs_weight_grad)
+    return (features.new_empty(0) if grad_input is None else grad_input,
+            weight.new_empty(0) if grad_weight is None else grad_weight)
 
 
 @conv_backward.register_fake
@@ -162,7 +175,6 @@ def _depthwise_backward(ctx, grad_output):
 depthwise_forward.register_autograd(_depthwise_backward, setup_context=_save_inputs)
 
 
-
 class _Convolution(torch.autograd.Function):
     """The eager path of `conv_forward` / `conv_backward`: the same core calls, without the op's dispatch."""
 
@@ -170,21 +182,14 @@ class _Convolution(torch.autograd.Function):
     def forward(ctx, features, weight, table, fwd_algo, bwd_algo):
         ctx.save_for_backward(features, weight, table)
         ctx.bwd_algo = bwd_algo
-        with on_torch_stream(features.device):
-            out = functional.conv_forward(to_core(features), to_core(weight), _kernel_map(table), _algorithm(fwd_algo))
-            return from_core(out)
+        return _core_forward(features, weight, table, fwd_algo)
 
     @staticmethod
     def backward(ctx, grad_output):
         features, weight, table = ctx.saved_tensors
-        needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
-        with on_torch_stream(features.device):
-            grad_input, grad_weight = functional.conv_backward(
-                to_core(grad_output.contiguous()), to_core(features), to_core(weight), _kernel_map(table),
-                _algorithm(ctx.bwd_algo), needs_input_grad, needs_weight_grad,
-            )
-            grad_input = from_core(grad_input) if needs_input_grad else None
-            grad_weight = from_core(grad_weight) if needs_weight_grad else None
+        grad_input, grad_weight = _core_backward(
+            grad_output.contiguous(), features, weight, table, ctx.bwd_algo, *ctx.needs_input_grad[:2]
+        )
         return grad_input, grad_weight, None, None, None
 
 
