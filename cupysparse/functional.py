@@ -90,25 +90,36 @@ def backward_runner(grad_output, features, weight, kernel_map):
     return run
 
 
-def conv_forward(features, weight, kernel_map, algo=None):
-    """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`)."""
+def select_forward(features, weight, kernel_map, algo=None) -> Selection:
+    """The algorithm and parameters `conv_forward` runs on these arguments (the tuner measures the
+    candidates on them the first time it meets the problem); the arguments are checked."""
     _check_features(features, "features", kernel_map.num_in)
     _check_weight(weight, features, kernel_map)
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
     run = forward_runner(features, weight, kernel_map)
-    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem, run)
-    return run(selection.algorithm, selection.params)
+    return select_algorithm(parse_algorithm_filter(algo, CONV, "forward"), problem, run)
 
 
-def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
-    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed."""
+def select_backward(grad_output, features, weight, kernel_map, algo=None) -> Selection:
+    """The algorithm and parameters `conv_backward` runs on these arguments, as `select_forward`."""
     _check_features(features, "features", kernel_map.num_in)
     _check_weight(weight, features, kernel_map)
     _require_like(grad_output, "grad_output", features, "the input features")
     _check_features(grad_output, "grad_output", kernel_map.num_out, weight.shape[2])
     problem = ConvProblem.of(features, kernel_map, weight.shape[2])
     run = backward_runner(grad_output, features, weight, kernel_map)
-    selection = select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem, run)
+    return select_algorithm(parse_algorithm_filter(algo, CONV, "backward"), problem, run)
+
+
+def conv_forward(features, weight, kernel_map, algo=None):
+    """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`)."""
+    selection = select_forward(features, weight, kernel_map, algo)
+    return forward_runner(features, weight, kernel_map)(selection.algorithm, selection.params)
+
+
+def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
+    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed."""
+    selection = select_backward(grad_output, features, weight, kernel_map, algo)
     return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
 
 
@@ -241,6 +252,8 @@ __all__ = [
     "ConvGradients",
     "conv_backward",
     "conv_forward",
+    "select_backward",
+    "select_forward",
     "spatially_sparse_conv",
     "spatially_sparse_conv_backward",
     "spatially_sparse_depthwise_conv",

@@ -56,6 +56,7 @@ class KernelMap:
         self.dilation = tuple(dilation)
         self.transposed = transposed
         self.generative = generative
+        self._launch_plans = {}
 
     @property
     def kernel_volume(self) -> int:
@@ -148,6 +149,16 @@ class KernelMap:
         The input gradient is a forward pass over this map with the weights transposed.
         """
         return self._reversed
+
+    def launch_plan(self, key, build):
+        """What `build()` made for `key` on first use (None included), kept with the map: an
+        algorithm's launch settings for one layer over this map (kernels, grid, fixed arguments), so
+        that later calls only allocate and launch."""
+        try:
+            return self._launch_plans[key]
+        except KeyError:
+            plan = self._launch_plans[key] = build()
+            return plan
 
     def derive_formats(self) -> KernelMap:
         """Compute now every format the algorithms derive, for this map and its reversed one, so

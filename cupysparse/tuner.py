@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .algorithm_modes import AUTO, AlgorithmFilter
+from .algorithm_modes import ALL, AUTO, AlgorithmFilter
 from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm
 from .backend import array_module, cupy_module, is_cupy_array
 from .benchmark_cache import default_cache
 from .compile import source_digest
 from .dtypes import accumulation_dtype
-from .selection import Selection, rule_based_selection
+from .selection import Selection, describe_problem, rule_based_selection
 
 log = logging.getLogger("cupysparse.tuner")
 
@@ -168,6 +168,7 @@ class Tuner:
         self._chosen: dict[tuple, Selection] = {}  # by tuning key and candidate pool
         self._by_call: dict[tuple, Selection] = {}  # by filter and exact problem: a repeated call's one look-up
         self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
+        self.generation = 0  # bumped whenever remembered choices are dropped
 
     @property
     def cache(self):
@@ -178,6 +179,7 @@ class Tuner:
         cache again (and measures what it lacks)."""
         self._chosen.clear()
         self._by_call.clear()
+        self.generation += 1
 
     def select(self, search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
         """The algorithm and parameters for `problem`; `run(algorithm, params)` executes one
@@ -186,7 +188,29 @@ class Tuner:
         chosen = self._by_call.get(call_key)
         if chosen is None:
             chosen = self._by_call[call_key] = self._select(search_space, problem, run)
+        if not chosen.algorithm.capturable and _is_capturing(problem):
+            return self._capturable_selection(search_space, problem)
         return chosen
+
+    def _capturable_selection(self, search_space: AlgorithmFilter, problem: ConvProblem) -> Selection:
+        """During CUDA-graph capture, in place of a choice capture cannot record: the fastest
+        capturable candidate measured for the problem, else the priority rule among them (for
+        `auto`, among every algorithm when none of the first priority is capturable)."""
+        pool = [(a, p) for a, p in candidates(search_space, problem) if a.capturable]
+        if not pool and search_space.mode == AUTO:
+            everything = AlgorithmFilter(search_space.kind, search_space.phase, ALL)
+            pool = [(a, p) for a, p in candidates(everything, problem) if a.capturable]
+        if not pool:
+            raise RuntimeError(
+                f"no {search_space.phase} algorithm of {search_space} that CUDA-graph capture can record runs "
+                f"{describe_problem(problem)}"
+            )
+        entry = self.cache.get(NAMESPACES[(search_space.kind, search_space.phase)], tuning_key(problem))
+        allowed = {(a.name, _params_key(p)) for a, p in pool}
+        for name, params, _ in entry.results if entry is not None else ():
+            if (name, _params_key(params)) in allowed:
+                return Selection(get_algorithm(name, search_space.kind), dict(params))
+        return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
 
     def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> Selection:
         pool = candidates(search_space, problem)
@@ -316,6 +340,12 @@ _default_tuner = Tuner()
 
 def default_tuner() -> Tuner:
     return _default_tuner
+
+
+def choices_version() -> tuple[int, bool]:
+    """Changes whenever `select_algorithm` may answer a repeated call differently: what callers that
+    keep a selection (with its launch plans) check before reusing it."""
+    return _default_tuner.generation, tuning_enabled()
 
 
 def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:

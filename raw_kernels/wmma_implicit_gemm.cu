@@ -4,7 +4,7 @@
 // Forward (and dgrad, which is the forward over the reversed pair table with the transposed weight):
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
-// offset's compact pair list, fp32 partials into a workspace that the host sums.
+// offset's compact pair list, fp32 partials into a workspace that a second kernel sums in share order.
 //
 // STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
 // copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
@@ -451,4 +451,26 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
       wmma::store_matrix_sync(partial + row * out_channels_padded + col, acc[i][j], out_channels_padded,
                               wmma::mem_row_major);
     }
+}
+
+// grad_weight [kernel_volume, in_channels, out_channels] = the sum over the split_k shares of the wgrad
+// workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded], in share order (fp32,
+// deterministic), cropped to the unpadded channels and rounded once to T.
+template <typename T>
+__global__ void wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight, int split_k,
+                                        int kernel_volume, int in_channels, int in_channels_padded, int out_channels,
+                                        int out_channels_padded) {
+  const long long total = (long long)kernel_volume * in_channels * out_channels;
+  const long long share_stride = (long long)kernel_volume * in_channels_padded * out_channels_padded;
+  const long long step = (long long)gridDim.x * blockDim.x;
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += step) {
+    const int col = (int)(e % out_channels);
+    const long long k_row = e / out_channels;
+    const int row = (int)(k_row % in_channels);
+    const long long k = k_row / in_channels;
+    const float* partial = workspace + (k * in_channels_padded + row) * out_channels_padded + col;
+    float sum = 0.0f;
+    for (int share = 0; share < split_k; ++share) sum += partial[share * share_stride];
+    grad_weight[e] = from_float<T>(sum);
+  }
 }

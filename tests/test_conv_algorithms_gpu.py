@@ -11,7 +11,7 @@ checked once.
 import numpy as np
 import pytest
 
-from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 from cupysparse.kernel_map import KernelMap
@@ -145,6 +145,64 @@ def test_every_parameter_combination_is_correct(name, dtype, phase, params):
     actual = run_phase(get_algorithm(name), phase, kernel_map, x, w, dy, params)
     expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
     assert_close(actual, expected, dtype, terms, a, b, f"{name} {phase} {params}")
+
+
+def _has_launch_plans(algorithm) -> bool:
+    return type(algorithm).forward_plan is not Algorithm.forward_plan
+
+
+def _planned_phases(algorithm, kernel_map, x, w, dy, misaligned: bool):
+    """forward, dgrad and wgrad through the algorithm's launch plans on hand-allocated buffers.
+    `misaligned` shifts the feature and gradient buffers by one element."""
+    cupy = cupy_module()
+    problem = ConvProblem.of(cupy.asarray(x), kernel_map, w.shape[2])
+    forward = algorithm.forward_plan(kernel_map, problem, algorithm.default_params("forward"))
+    backward = algorithm.backward_plan(kernel_map, problem, algorithm.default_params("backward"))
+    assert forward is not None and backward is not None, f"{algorithm.name} plans only one direction"
+
+    def filled_with_nan(shape, dtype):
+        out = cupy.empty(shape, dtype=dtype)
+        out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(0x7FFF if out.itemsize == 2 else 0x7FC00000)
+        return out
+
+    def buffer(array):
+        shift = 1 if misaligned else 0
+        storage = cupy.zeros(array.size + shift, dtype=array.dtype)
+        view = storage[shift:].reshape(array.shape)
+        view[...] = cupy.asarray(array)
+        return view
+
+    def padded(weight, shape):
+        out = cupy.zeros(shape, dtype=weight.dtype)
+        out[:, : weight.shape[1], : weight.shape[2]] = cupy.asarray(weight)
+        return out
+
+    x_gpu, dy_gpu = buffer(x), buffer(dy)
+    out = filled_with_nan(forward.out_shape, x.dtype)
+    forward.launch(x_gpu.data.ptr, padded(w, forward.weight_shape).data.ptr, out.data.ptr)
+    grad_input = filled_with_nan(x.shape, x.dtype)
+    transposed = padded(w.transpose(0, 2, 1), backward.weight_transposed_shape)
+    backward.dgrad(dy_gpu.data.ptr, transposed.data.ptr, grad_input.data.ptr)
+    workspace = filled_with_nan(backward.workspace_shape, np.float32)
+    grad_weight = filled_with_nan(w.shape, x.dtype)
+    backward.wgrad(x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr)
+    return {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("channels", ((64, 64), (24, 40), (3, 17)), ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize(
+    ("name", "dtype"), [case for case in supported(CONV) if _has_launch_plans(get_algorithm(case.values[0]))]
+)
+def test_launch_plans_match_fp64_reference(name, dtype, channels, misaligned):
+    """The pointer-level plans the adapters launch, on buffers filled with NaN beforehand (so an
+    element left unwritten fails), on aligned and misaligned feature rows."""
+    kernel_map = gpu_map("strided")
+    x, w, dy = _inputs(kernel_map, *channels, dtype, seed=11)
+    results = _planned_phases(get_algorithm(name), kernel_map, x, w, dy, misaligned)
+    for phase, actual in results.items():
+        expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+        assert_close(actual, expected, dtype, terms, a, b, f"{name} planned {phase} {channels}")
 
 
 @pytest.mark.parametrize("phase", PHASES)

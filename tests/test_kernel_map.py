@@ -370,6 +370,26 @@ def test_offset_mask_and_mask_sorted_order(case):
     np.testing.assert_array_equal(kernel_map.mask_sorted_order(), stable_mask_order(masks))
 
 
+def test_a_launch_plan_is_built_once_per_key_and_kept_with_its_map():
+    _, _, kernel_map = library_map(SMALL_CASES[0], SMALL_CASES[0].coordinates())
+    builds = []
+
+    def build(result):
+        def make():
+            builds.append(result)
+            return result
+
+        return make
+
+    first = object()
+    assert kernel_map.launch_plan(("forward", 16), build(first)) is first
+    assert kernel_map.launch_plan(("forward", 16), build(object())) is first
+    assert kernel_map.launch_plan(("none", 16), build(None)) is None  # "no plan" is remembered too
+    assert kernel_map.launch_plan(("none", 16), build(object())) is None
+    assert builds == [first, None]
+    assert kernel_map.reversed().launch_plan(("forward", 16), build(None)) is None  # each map its own plans
+
+
 @pytest.mark.parametrize("case", SMALL_CASES[:4], ids=str)
 def test_derive_formats_computes_every_format_of_the_map_and_its_reverse_up_front(case, monkeypatch):
     _, _, kernel_map = library_map(case, case.coordinates())

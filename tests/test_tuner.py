@@ -160,6 +160,32 @@ def test_tuning_refuses_to_run_during_graph_capture(algorithms, timings, tmp_pat
         Tuner(cache_file(tmp_path / "c.msgpack")).select(space("all"), PROBLEM, run)
 
 
+def test_during_capture_a_choice_capture_cannot_record_gives_way_to_the_next_best(algorithms, timings, tmp_path,
+                                                                                   monkeypatch):
+    tuner = Tuner(cache_file(tmp_path / "c.msgpack"))
+    run, _ = runner(algorithms)
+    assert tuner.select(space("all"), PROBLEM, run).algorithm.name == "slow"
+    algorithms["slow"].capturable = False
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: True)
+    chosen = tuner.select(space("all"), PROBLEM, run)
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2})  # next in the recorded ranking
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
+    assert tuner.select(space("all"), PROBLEM, run).algorithm.name == "slow"  # outside capture: the choice
+
+
+def test_during_capture_an_unmeasured_problem_falls_back_to_the_rule_among_capturable(algorithms, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
+    algorithms["fast"].capturable = algorithms["broken"].capturable = algorithms["wrong"].capturable = False
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: True)
+    chosen = Tuner(cache_file(tmp_path / "c.msgpack")).select(space("auto"), PROBLEM)
+    assert chosen.algorithm.name == "slow"
+    for algorithm in algorithms.values():
+        algorithm.capturable = False
+    with pytest.raises(RuntimeError, match="capture can record"):
+        Tuner(cache_file(tmp_path / "d.msgpack")).select(space("auto"), PROBLEM)
+
+
 def test_autotune_off_uses_the_priority_rule(algorithms, timings, tmp_path, monkeypatch):
     _, timed = timings
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
@@ -258,3 +284,14 @@ def test_auto_tries_the_tensor_core_kernel_with_a_channel_dependent_reduced_grid
     assert {p["tile"] for p in wmma.auto_param_grid("forward", problem(64, 256))} == {(64, 128), (128, 64)}
     pool = candidates(AlgorithmFilter(CONV, "forward", "auto", ()), problem(64, 64))
     assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm"}
+
+
+def test_the_choices_version_changes_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "1")
+    before = tuner_module.choices_version()
+    assert tuner_module.choices_version() == before
+    tuner_module.default_tuner().forget_choices()
+    after_forgetting = tuner_module.choices_version()
+    assert after_forgetting != before
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
+    assert tuner_module.choices_version() not in (before, after_forgetting)

@@ -110,6 +110,16 @@ def _external_stream(stream_ptr: int, device_id: int):
         return cupy_module().cuda.ExternalStream(stream_ptr, device_id)
 
 
+def _device_id(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def cupy_stream(device: torch.device):
+    """torch's current stream on CUDA `device` as a CuPy stream, for launches."""
+    device_id = _device_id(device)
+    return _external_stream(torch.cuda.current_stream(device_id).cuda_stream, device_id)
+
+
 @contextlib.contextmanager
 def on_torch_stream(device: torch.device):
     """Run the core on `device`'s torch stream and allocator; a no-op for CPU tensors."""
@@ -117,11 +127,5 @@ def on_torch_stream(device: torch.device):
         yield
         return
     cupy = cupy_module()
-    device_id = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device_id)
-    with (
-        cupy.cuda.Device(device_id),
-        _external_stream(stream.cuda_stream, device_id),
-        cupy.cuda.using_allocator(_torch_allocation),
-    ):
+    with cupy.cuda.Device(_device_id(device)), cupy_stream(device), cupy.cuda.using_allocator(_torch_allocation):
         yield

@@ -12,20 +12,28 @@ output shapes from the tensors alone, so compiled graphs need no real data to tr
 Algorithm choices travel as strings (`algorithm_argument`): "" is None (the environment
 variables), otherwise a name, `auto`, `all` or `[a,b]`. The backward op computes only the
 gradients autograd needs, in one call.
+
+Where the selected algorithm has launch plans (`Algorithm.forward_plan` / `backward_plan`), a
+layer's first call selects and keeps them with the map; later calls allocate their outputs with
+torch and launch on device addresses, skipping the core's checks, views and selection: a
+100K-voxel layer's kernels take about as long as the Python around a full core call.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 
 import torch
 
 from cupysparse import functional
-from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
+from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
+from cupysparse.tuner import choices_version
 
-from .bridge import from_core, on_torch_stream, to_core
+from .bridge import cupy_stream, from_core, on_torch_stream, to_core
 
 _maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
 _tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -77,22 +85,110 @@ def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tens
     return _core_forward(features, weight, table, fwd_algo)
 
 
+def _plannable(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> bool:
+    """Whether launch plans can run these tensors: contiguous features on the current CUDA device
+    (whose kernels the plans hold), of the map's rows and the weight's dtype, device and input
+    channels. Anything else takes the core's path, which explains what is wrong."""
+    return (
+        features.is_cuda and features.is_contiguous() and features.device.index == torch.cuda.current_device()
+        and features.dim() == 2 and weight.dim() == 3 and features.shape[0] == kernel_map.num_in
+        and features.shape[1] == weight.shape[1] and features.dtype == weight.dtype
+        and features.device == weight.device
+    )
+
+
+def _plannable_gradient(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor,
+                        kernel_map: KernelMap) -> bool:
+    return (
+        _plannable(features, weight, kernel_map) and grad_output.is_contiguous()
+        and grad_output.shape == (kernel_map.num_out, weight.shape[2]) and grad_output.dtype == features.dtype
+        and grad_output.device == features.device
+    )
+
+
+def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
+    """The launch plan of `phase` for this layer, or None: selected (measuring on these tensors the
+    first time the tuner meets the problem) on first use and kept with the map until the tuner's
+    choices or, for algo "", the environment variable change."""
+    choice = algo or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
+    key = ("torch", phase, features.dtype, weight.shape, choice, choices_version())
+    return kernel_map.launch_plan(key, select)
+
+
+def _padded(weight: torch.Tensor, shape) -> torch.Tensor:
+    """`weight` `[K, A, B]` zero-padded at the end of its last two dimensions to `shape`, contiguous."""
+    if weight.shape == shape:
+        return weight.contiguous()
+    return torch.nn.functional.pad(weight, (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1]))
+
+
+def _forward_plan(features, weight, kernel_map, fwd_algo: str):
+    def select():
+        with on_torch_stream(features.device):
+            core_features, core_weight = to_core(features), to_core(weight)
+            selection = functional.select_forward(core_features, core_weight, kernel_map, _algorithm(fwd_algo))
+            problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
+            return selection.algorithm.forward_plan(kernel_map, problem, selection.params)
+
+    return _layer_plan("forward", features, weight, kernel_map, fwd_algo, select)
+
+
+def _backward_plan(grad_output, features, weight, kernel_map, bwd_algo: str):
+    def select():
+        with on_torch_stream(features.device):
+            core_features, core_weight = to_core(features), to_core(weight)
+            selection = functional.select_backward(
+                to_core(grad_output), core_features, core_weight, kernel_map, _algorithm(bwd_algo)
+            )
+            problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
+            return selection.algorithm.backward_plan(kernel_map, problem, selection.params)
+
+    return _layer_plan("backward", features, weight, kernel_map, bwd_algo, select)
+
+
 def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
+    kernel_map = _kernel_map(table)
+    plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
+    if plan is not None:
+        out = features.new_empty(plan.out_shape)
+        padded = _padded(weight, plan.weight_shape)
+        plan.launch(features.data_ptr(), padded.data_ptr(), out.data_ptr(), cupy_stream(features.device))
+        return out
     with on_torch_stream(features.device):
-        out = functional.conv_forward(to_core(features), to_core(weight), _kernel_map(table), _algorithm(fwd_algo))
+        out = functional.conv_forward(to_core(features), to_core(weight), kernel_map, _algorithm(fwd_algo))
         return from_core(out)
 
 
 def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_input_grad: bool,
                    needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients asked for, None for the others."""
+    kernel_map = _kernel_map(table)
+    plannable = _plannable_gradient(grad_output, features, weight, kernel_map)
+    plan = _backward_plan(grad_output, features, weight, kernel_map, bwd_algo) if plannable else None
+    if plan is not None:
+        return _planned_backward(plan, grad_output, features, weight, needs_input_grad, needs_weight_grad)
     with on_torch_stream(features.device):
         grad_input, grad_weight = functional.conv_backward(
-            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo),
+            to_core(grad_output), to_core(features), to_core(weight), kernel_map, _algorithm(bwd_algo),
             needs_input_grad, needs_weight_grad,
         )
         return (from_core(grad_input) if needs_input_grad else None,
                 from_core(grad_weight) if needs_weight_grad else None)
+
+
+def _planned_backward(plan, grad_output, features, weight, needs_input_grad: bool, needs_weight_grad: bool):
+    stream = cupy_stream(features.device)
+    grad_input = grad_weight = None
+    if needs_input_grad:
+        transposed = _padded(weight.transpose(1, 2), plan.weight_transposed_shape)
+        grad_input = torch.empty_like(features)
+        plan.dgrad(grad_output.data_ptr(), transposed.data_ptr(), grad_input.data_ptr(), stream)
+    if needs_weight_grad:
+        # Every element of the workspace is written before it is read: no clearing.
+        workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=features.device)
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+        plan.wgrad(features.data_ptr(), grad_output.data_ptr(), workspace.data_ptr(), grad_weight.data_ptr(), stream)
+    return grad_input, grad_weight
 
 
 @conv_forward.register_fake

@@ -12,11 +12,17 @@ through offset k (or -1):
 - wgrad:   `dW_k   = Σ_i x[table[k, i]]^T · dy[i]` (outer product) → `[K, C_in, C_out]`
 forward and dgrad receive the weight as returned by `prepare_weight`; wgrad returns a plain array.
 Depthwise replaces the matrix products by per-channel ones (`W_k` is a vector `[C]`).
+
+An algorithm may also offer launch plans (`forward_plan`, `backward_plan`): the same phases for one
+layer, computed once and kept with the kernel map, launched on device addresses and the current
+stream. Framework adapters call them with buffers their framework allocated, at a cost of a few
+launches per call.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -71,6 +77,33 @@ class ConvProblem:
         )
 
 
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forward of one layer on device addresses: `launch(features, weight, out, stream)` with
+    features `[N_in, C_in]` and out `out_shape`, row-major, and the weight in `weight_shape`
+    (`[K, C_in, C_out]` zero-padded at the end of both channel dimensions); `stream` is a CuPy
+    stream, None for the current one. The kernels are those of the device the plan was made on."""
+
+    weight_shape: tuple[int, int, int]
+    out_shape: tuple[int, int]
+    launch: Callable[..., None]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """dgrad and wgrad of one layer on device addresses, as `ForwardPlan`:
+    `dgrad(grad_output, weight_transposed, grad_input, stream)` with the weight transposed to
+    `weight_transposed_shape` (`[K, C_out, C_in]` zero-padded at the end of both channel
+    dimensions), and `wgrad(features, grad_output, workspace, grad_weight, stream)` with an fp32
+    workspace of `workspace_shape` (no initialisation needed). Arrays row-major, in the features'
+    dtype."""
+
+    weight_transposed_shape: tuple[int, int, int]
+    workspace_shape: tuple[int, ...]
+    dgrad: Callable[..., None]
+    wgrad: Callable[..., None]
+
+
 class Algorithm:
     """Base of every algorithm. Subclasses set the class attributes and the three phases.
 
@@ -86,6 +119,8 @@ class Algorithm:
     kernel_sources: ClassVar[tuple[str, ...]] = ()
     # The benchmark-cache namespace of its own parameter sweep, per phase ("forward", "backward").
     tuning_namespaces: ClassVar[dict[str, str]]
+    # Whether CUDA-graph capture can record its GPU work (the tuner substitutes one that can).
+    capturable: ClassVar[bool] = True
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         """Why this algorithm cannot run `problem`, or None when it can."""
@@ -111,6 +146,15 @@ class Algorithm:
 
     def wgrad(self, features, grad_output, kernel_map, **params):
         raise NotImplementedError
+
+    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+        """The forward's launch plan for `problem` over `kernel_map` with `params`, or None (default):
+        this algorithm runs through `forward` only."""
+        return None
+
+    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+        """dgrad's and wgrad's launch plan, or None (default): only through `dgrad` and `wgrad`."""
+        return None
 
     def tuning_namespace(self, phase: str) -> str:
         return self.tuning_namespaces[phase]

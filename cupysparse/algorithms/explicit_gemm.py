@@ -45,6 +45,7 @@ class ExplicitGemm(Algorithm):
         "forward": "explicit_gemm_gather_mm_scatter",
         "backward": "explicit_gemm_trAB_gather_mm",
     }
+    capturable = False  # CuPy refuses cuBLAS calls during stream capture
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         if problem.dtype not in FEATURE_DTYPES:

@@ -10,11 +10,13 @@ offset-mask order (`sort_rows`) so that a tile's rows share offsets and more off
 dgrad is the same kernel over the reversed map with the transposed weight, always in the reversed
 map's mask order (computed once per map and cached, like the forward's). wgrad runs over the
 per-offset pair lists (`KernelMap.csr`), each offset's list split into shares sized so that about
-`wgrad_warps_per_sm` warps per SM are launched; their fp32 partial weight gradients are summed here
-in a fixed order.
+`wgrad_warps_per_sm` warps per SM are launched; a second kernel sums their fp32 partial weight
+gradients in a fixed order.
 
 `prepare_weight` pads the weight once to multiples of 16 channels on both sides (the fragment size)
-and makes the transposed copy dgrad reads on first use; features stay unpadded.
+and makes the transposed copy dgrad reads on first use; features stay unpadded. Each layer's launch
+settings (kernels, grid, fixed arguments) are computed once and kept with its kernel map
+(`KernelMap.launch_plan`), so a call costs its allocations and launches.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import array_module, cupy_module, is_cupy_array
-from ..compile import KernelSource
+from ..compile import KernelSource, launch_config
 from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
-from .base import Algorithm, ConvProblem, gpu_only_reason, register
+from .base import Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
 FRAGMENT = 16  # the m, n and k of a WMMA fragment
 WARP_SIZE = 32
@@ -70,6 +72,10 @@ def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], stages: int) -> st
     return f"wmma_conv_wgrad<{type_name}, {tile[0]}, {tile[1]}, {stages}>"
 
 
+def _sum_kernel_name(type_name: str) -> str:
+    return f"wmma_sum_wgrad_partials<{type_name}>"
+
+
 def _kernel_source(dtype) -> KernelSource:
     type_name = cuda_type_name(dtype)
     forward = tuple(
@@ -83,7 +89,7 @@ def _kernel_source(dtype) -> KernelSource:
         for tile in WGRAD_TILES
         for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
     )
-    return KernelSource("wmma_implicit_gemm.cu", forward + wgrad)
+    return KernelSource("wmma_implicit_gemm.cu", (*forward, *wgrad, _sum_kernel_name(type_name)))
 
 
 # One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
@@ -161,9 +167,10 @@ def _check_weight(weight: PaddedWeight, kernel_map) -> None:
         )
 
 
-def _vector_loads(*arrays) -> bool:
-    """Whether every row of every (C-contiguous) array starts on a 16-byte boundary."""
-    return all(a.shape[1] * a.itemsize % VECTOR_BYTES == 0 and a.data.ptr % VECTOR_BYTES == 0 for a in arrays)
+def _empty(problem: ConvProblem) -> bool:
+    """Whether the convolution has no work (its result is zeros, which the phases return directly)."""
+    sizes = (problem.num_in, problem.num_out, problem.kernel_volume, problem.in_channels, problem.out_channels)
+    return 0 in sizes
 
 
 def _threads(tile: tuple[int, int]) -> int:
@@ -184,43 +191,134 @@ def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
     return rows, cols
 
 
-def _implicit_gemm(features, pair_table, row_order, padded_weight, in_channels: int, out_channels: int, tile, stages):
-    """`out[i] = Σ_k padded_weight[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]`, with
-    the output rows visited in `row_order` (None: in order), pipelined `stages` deep when the feature
-    rows allow 16-byte copies."""
-    cupy = cupy_module()
-    kernel_volume, num_out = pair_table.shape
-    num_in = features.shape[0]
-    if num_out == 0 or out_channels == 0 or num_in == 0 or kernel_volume == 0 or in_channels == 0:
-        return cupy.zeros((num_out, out_channels), dtype=features.dtype)
-    features = cupy.ascontiguousarray(features)
-    pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
-    row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
-    in_padded, out_padded = padded_weight.shape[1:]
-    block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
-    stages = stages if _vector_loads(features) else SYNCHRONOUS_STAGES
-    name = _forward_kernel_name(cuda_type_name(features.dtype), tile, block_k, stages)
-    kernel = _SOURCES[np.dtype(features.dtype)].get(name)
-    out = cupy.empty((num_out, out_channels), dtype=features.dtype)  # every element is written once
-    tiles = -(-num_out // tile[0]) * -(-out_padded // tile[1])
-    kernel(
-        (tiles,),
-        (_threads(tile),),
-        (
-            features,
-            pair_table,
-            row_order,
-            padded_weight,
-            out,
-            np.int32(num_out),
-            np.int32(kernel_volume),
-            np.int32(in_channels),
-            np.int32(in_padded),
-            np.int32(out_channels),
-            np.int32(out_padded),
-        ),
+class _GemmPlan:
+    """The launch of `_implicit_gemm` for one pair table (a map's or its reverse's), row order, dtype,
+    channel counts, tile and pipeline depth: computed once per layer and kept with the map, so that a
+    call only allocates its output and launches."""
+
+    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, in_padded, out_padded, tile, stages):
+        cupy = cupy_module()
+        kernel_volume, num_out = pair_table.shape
+        self.pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
+        self.row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
+        self.dtype = dtype
+        self.out_shape = (num_out, out_channels)
+        block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
+        type_name = cuda_type_name(dtype)
+        self.pipelined = _SOURCES[dtype].get(_forward_kernel_name(type_name, tile, block_k, stages))
+        self.synchronous = _SOURCES[dtype].get(_forward_kernel_name(type_name, tile, block_k, SYNCHRONOUS_STAGES))
+        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+        self.grid = (-(-num_out // tile[0]) * -(-out_padded // tile[1]),)
+        self.block = (_threads(tile),)
+        sizes = (num_out, kernel_volume, in_channels, in_padded, out_channels, out_padded)
+        self.sizes = tuple(np.int32(size) for size in sizes)
+
+    def launch(self, features: int, padded_weight: int, out: int, stream=None) -> None:
+        """Launch on device addresses (row-major arrays), on `stream` (a CuPy stream; None: the current one)."""
+        # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
+        kernel = self.pipelined if self.vector_rows and features % VECTOR_BYTES == 0 else self.synchronous
+        kernel(self.grid, self.block, (np.uint64(features), self.pair_table, self.row_order, np.uint64(padded_weight),
+                                       np.uint64(out), *self.sizes), stream=stream)
+
+    def __call__(self, features, padded_weight):
+        out = cupy_module().empty(self.out_shape, dtype=self.dtype)  # every element is written once
+        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr)
+        return out
+
+
+def _gemm_plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages) -> _GemmPlan:
+    """`_GemmPlan` over `kernel_map`, made on first use and kept with the map."""
+    in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+    return kernel_map.launch_plan(
+        (_GemmPlan, dtype, in_channels, out_channels, tile, stages, sort_rows),
+        lambda: _GemmPlan(kernel_map.pair_table, kernel_map.mask_sorted_order() if sort_rows else None, dtype,
+                          in_channels, out_channels, in_padded, out_padded, tile, stages),
     )
-    return out
+
+
+def _implicit_gemm(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile,
+                   stages):
+    """`out[i] = Σ_k padded_weight[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]` over
+    `kernel_map`'s pair table, with the output rows visited in the map's mask order when `sort_rows`,
+    pipelined `stages` deep when the feature rows allow 16-byte copies."""
+    cupy = cupy_module()
+    kernel_volume, num_out = kernel_map.pair_table.shape
+    if num_out == 0 or out_channels == 0 or features.shape[0] == 0 or kernel_volume == 0 or in_channels == 0:
+        return cupy.zeros((num_out, out_channels), dtype=features.dtype)
+    if not features.flags.c_contiguous:
+        features = cupy.ascontiguousarray(features)
+    plan = _gemm_plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages)
+    return plan(features, padded_weight)
+
+
+class _WgradPlan:
+    """wgrad's two launches for one map, dtype, channel counts and occupancy target, computed once per
+    layer and kept with the map: the split-K gather-gather GEMMs into an fp32 workspace, then the sum
+    of its shares into the weight gradient."""
+
+    def __init__(self, kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
+        cupy = cupy_module()
+        kernel_volume, num_out = kernel_map.kernel_volume, kernel_map.num_out
+        pairs = kernel_map.csr()
+        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+        tile = _wgrad_tile(in_padded, out_padded)
+        tiles = -(-in_padded // tile[0]) * -(-out_padded // tile[1])
+        # Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
+        # MIN_PAIRS_PER_SHARE pairs (an offset has at most num_out), grid z in range. Their pair
+        # ranges are computed on the device from the CSR offsets: no synchronisation here.
+        wanted_warps = wgrad_warps_per_sm * _multiprocessors(cupy.cuda.Device().id)
+        warps_per_share = kernel_volume * tiles * _threads(tile) // WARP_SIZE
+        shares = max(
+            1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
+        )
+        self.pairs = (
+            cupy.ascontiguousarray(pairs.in_idx, dtype=np.int32),
+            cupy.ascontiguousarray(pairs.out_idx, dtype=np.int32),
+            cupy.ascontiguousarray(pairs.offsets, dtype=np.int64),
+        )
+        self.dtype = dtype
+        self.workspace_shape = (shares, kernel_volume, in_padded, out_padded)
+        self.out_shape = (kernel_volume, in_channels, out_channels)
+        type_name = cuda_type_name(dtype)
+        self.pipelined = _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, WGRAD_STAGES))
+        self.synchronous = _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, SYNCHRONOUS_STAGES))
+        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
+            out_channels * dtype.itemsize % VECTOR_BYTES == 0
+        )
+        self.grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
+        self.block = (_threads(tile),)
+        self.sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded,
+                                                       shares))
+        self.sum_kernel = _SOURCES[dtype].get(_sum_kernel_name(type_name))
+        self.sum_grid, self.sum_block = launch_config(kernel_volume * in_channels * out_channels)
+        self.sum_sizes = tuple(np.int32(size) for size in (shares, kernel_volume, in_channels, in_padded, out_channels,
+                                                           out_padded))
+
+    def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream=None) -> None:
+        """Launch on device addresses (row-major arrays, the fp32 workspace of `workspace_shape`), on
+        `stream` (a CuPy stream; None: the current one)."""
+        vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
+        kernel = self.pipelined if vectors else self.synchronous
+        kernel(self.grid, self.block, (np.uint64(features), np.uint64(grad_output), *self.pairs, *self.sizes,
+                                       np.uint64(workspace)), stream=stream)
+        self.sum_kernel(self.sum_grid, self.sum_block, (np.uint64(workspace), np.uint64(grad_weight), *self.sum_sizes),
+                        stream=stream)
+
+    def __call__(self, features, grad_output):
+        cupy = cupy_module()
+        # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
+        workspace = cupy.empty(self.workspace_shape, dtype=np.float32)
+        grad_weight = cupy.empty(self.out_shape, dtype=self.dtype)
+        self.launch(features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr)
+        return grad_weight
+
+
+def _wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int) -> _WgradPlan:
+    """`_WgradPlan` over `kernel_map`, made on first use and kept with the map."""
+    return kernel_map.launch_plan(
+        (_WgradPlan, dtype, in_channels, out_channels, wgrad_warps_per_sm),
+        lambda: _WgradPlan(kernel_map, dtype, in_channels, out_channels, wgrad_warps_per_sm),
+    )
 
 
 @register
@@ -288,17 +386,8 @@ class WmmaImplicitGemm(Algorithm):
         _check_choice("stages", stages, PIPELINE_STAGES)
         _check_weight(weight, kernel_map)
         _check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
-        sizes = (kernel_map.num_out, kernel_map.num_in, weight.kernel_volume, weight.in_channels, weight.out_channels)
-        row_order = kernel_map.mask_sorted_order() if sort_rows and 0 not in sizes else None
         return _implicit_gemm(
-            features,
-            kernel_map.pair_table,
-            row_order,
-            weight.padded,
-            weight.in_channels,
-            weight.out_channels,
-            tile,
-            stages,
+            features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile, stages
         )
 
     def dgrad(
@@ -317,18 +406,9 @@ class WmmaImplicitGemm(Algorithm):
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         _check_weight(weight, kernel_map)
         _check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
-        reverse = kernel_map.reversed()
-        sizes = (kernel_map.num_out, kernel_map.num_in, weight.kernel_volume, weight.in_channels, weight.out_channels)
-        row_order = reverse.mask_sorted_order() if 0 not in sizes else None
         return _implicit_gemm(
-            grad_output,
-            reverse.pair_table,
-            row_order,
-            weight.transposed,
-            weight.out_channels,
-            weight.in_channels,
-            tile,
-            PIPELINE_STAGES[0],
+            grad_output, kernel_map.reversed(), True, weight.transposed, weight.out_channels, weight.in_channels,
+            tile, PIPELINE_STAGES[0],
         )
 
     def wgrad(
@@ -340,53 +420,42 @@ class WmmaImplicitGemm(Algorithm):
         wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0],
     ):
         """Per-offset gather-gather GEMMs over `kernel_map.csr()`; `tile` only tunes dgrad."""
-        cupy = cupy_module()
         _check_tile(tile, "wgrad")
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
-        kernel_volume = kernel_map.kernel_volume
         _check_kernel_map(kernel_map)
         _check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
         _check_operand("grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
-        num_in, in_channels = features.shape
-        num_out, out_channels = grad_output.shape
-        if num_out == 0 or num_in == 0 or kernel_volume == 0 or in_channels == 0 or out_channels == 0:
-            return cupy.zeros((kernel_volume, in_channels, out_channels), dtype=features.dtype)
-        features = cupy.ascontiguousarray(features)
-        grad_output = cupy.ascontiguousarray(grad_output)
-        pairs = kernel_map.csr()
-        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        wgrad_tile = _wgrad_tile(in_padded, out_padded)
-        tiles = -(-in_padded // wgrad_tile[0]) * -(-out_padded // wgrad_tile[1])
-        # Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
-        # MIN_PAIRS_PER_SHARE pairs (an offset has at most num_out), grid z in range. Their pair
-        # ranges are computed on the device from the CSR offsets: no synchronisation here.
-        wanted_warps = wgrad_warps_per_sm * _multiprocessors(cupy.cuda.Device().id)
-        warps_per_share = kernel_volume * tiles * _threads(wgrad_tile) // WARP_SIZE
-        shares = max(
-            1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
+        in_channels, out_channels = features.shape[1], grad_output.shape[1]
+        if 0 in (kernel_map.num_out, kernel_map.num_in, kernel_map.kernel_volume, in_channels, out_channels):
+            return cupy_module().zeros((kernel_map.kernel_volume, in_channels, out_channels), dtype=features.dtype)
+        if not features.flags.c_contiguous:
+            features = cupy_module().ascontiguousarray(features)
+        if not grad_output.flags.c_contiguous:
+            grad_output = cupy_module().ascontiguousarray(grad_output)
+        return _wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm)(
+            features, grad_output
         )
-        # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
-        partials = cupy.empty((shares, kernel_volume, in_padded, out_padded), dtype=np.float32)
-        stages = WGRAD_STAGES if _vector_loads(features, grad_output) else SYNCHRONOUS_STAGES
-        name = _wgrad_kernel_name(cuda_type_name(features.dtype), wgrad_tile, stages)
-        kernel = _SOURCES[np.dtype(features.dtype)].get(name)
-        grid = (-(-in_padded // wgrad_tile[0]), -(-out_padded // wgrad_tile[1]), kernel_volume * shares)
-        kernel(
-            grid,
-            (_threads(wgrad_tile),),
-            (
-                features,
-                grad_output,
-                cupy.ascontiguousarray(pairs.in_idx, dtype=np.int32),
-                cupy.ascontiguousarray(pairs.out_idx, dtype=np.int32),
-                cupy.ascontiguousarray(pairs.offsets, dtype=np.int64),
-                np.int32(kernel_volume),
-                np.int32(in_channels),
-                np.int32(in_padded),
-                np.int32(out_channels),
-                np.int32(out_padded),
-                np.int32(shares),
-                partials,
-            ),
-        )
-        return partials.sum(axis=0)[:, :in_channels, :out_channels].astype(features.dtype, order="C")
+
+    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+        if self.unsupported_reason(problem) or _empty(problem):
+            return None
+        params = {**self.default_params("forward"), **params}
+        _check_tile(params["tile"], "forward")
+        plan = _gemm_plan(kernel_map, params["sort_rows"], problem.dtype, problem.in_channels, problem.out_channels,
+                          tuple(params["tile"]), params["stages"])
+        weight_shape = (problem.kernel_volume, padded_channels(problem.in_channels),
+                        padded_channels(problem.out_channels))
+        return ForwardPlan(weight_shape, plan.out_shape, plan.launch)
+
+    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+        if self.unsupported_reason(problem) or _empty(problem):
+            return None
+        params = {**self.default_params("backward"), **params}
+        _check_tile(params["tile"], "dgrad")
+        dgrad = _gemm_plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels,
+                           tuple(params["tile"]), PIPELINE_STAGES[0])
+        wgrad = _wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
+                            params["wgrad_warps_per_sm"])
+        weight_shape = (problem.kernel_volume, padded_channels(problem.out_channels),
+                        padded_channels(problem.in_channels))
+        return BackwardPlan(weight_shape, wgrad.workspace_shape, dgrad.launch, wgrad.launch)
