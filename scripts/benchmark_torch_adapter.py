@@ -3,8 +3,12 @@
 On the indoor scene (default 100K voxels, one batch item), submanifold 3³ at 64 → 64 channels in
 fp16, with the kernel map built and the tuner warm, it times the core's `conv_forward` (and
 `conv_backward`) on CuPy arrays against the adapter's `SubMConv3d` on torch tensors over the
-same map, forward and forward + backward (autograd), by CUDA events, median of --repeats after
---warmup runs. ratio = adapter / core (target ≤ 1.05).
+same map, forward and forward + backward (autograd), by CUDA events, median of --repeats samples
+after --warmup runs. ratio = adapter / core (target ≤ 1.05). Two ways, both reported:
+- steady: --calls calls back to back between two events, per call, as a network issues its layers
+  (the host queues work while the GPU runs it; host time shows only where it exceeds GPU time);
+- isolated: one call between two events, synchronised after each (the latency of a lone call:
+  every microsecond of host work before the first launch shows).
 
     cupysparse-benchmark-torch-adapter --num-voxels 100000 --channels 64 --csv adapter.csv
 
@@ -37,9 +41,27 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--calls", type=int, default=20, help="calls per steady sample")
     parser.add_argument("--csv", metavar="FILE")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the adapter's steps to FILE")
     return parser.parse_args(argv)
+
+
+def steady_time_ms(torch, fn, warmup: int, repeats: int, calls: int) -> float:
+    """Median over `repeats` samples of the time per call of `calls` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) / calls)
+    return float(np.median(samples))
 
 
 def profile_steps(torch, step, repeats: int, path: str) -> None:
@@ -90,21 +112,28 @@ def main(argv=None) -> int:
             return conv(x).features
 
     def adapter_step():
+        # Gradients start from None each step, as after `optimizer.zero_grad()`: the core step
+        # accumulates nothing either.
+        features.grad = conv.weight.grad = None
         out = conv(x).features
         out.backward(dy)
         return out
 
-    measure = make_timer("cuda")
+    isolated = make_timer("cuda")
+    timers = {
+        "steady": lambda fn: steady_time_ms(torch, fn, args.warmup, args.repeats, args.calls),
+        "isolated": lambda fn: isolated(fn, args.warmup, args.repeats),
+    }
     rows = []
-    for phase, core_fn, adapter_fn in (("forward", core_forward, adapter_forward),
-                                       ("forward+backward", core_step, adapter_step)):
-        core_ms = measure(core_fn, args.warmup, args.repeats)
-        adapter_ms = measure(adapter_fn, args.warmup, args.repeats)
-        rows.append({"num_voxels": len(coords), "channels": args.channels, "dtype": args.dtype, "phase": phase,
-                     "core_ms": round(core_ms, 4), "adapter_ms": round(adapter_ms, 4),
-                     "ratio": round(adapter_ms / core_ms, 3)})
-        print(f"{phase:<17} core {core_ms:8.4f} ms   adapter {adapter_ms:8.4f} ms   ratio {adapter_ms / core_ms:.3f}",
-              flush=True)
+    for mode, measure in timers.items():
+        for phase, core_fn, adapter_fn in (("forward", core_forward, adapter_forward),
+                                           ("forward+backward", core_step, adapter_step)):
+            core_ms, adapter_ms = measure(core_fn), measure(adapter_fn)
+            rows.append({"num_voxels": len(coords), "channels": args.channels, "dtype": args.dtype, "mode": mode,
+                         "phase": phase, "core_ms": round(core_ms, 4), "adapter_ms": round(adapter_ms, 4),
+                         "ratio": round(adapter_ms / core_ms, 3)})
+            print(f"{mode:<9} {phase:<17} core {core_ms:8.4f} ms   adapter {adapter_ms:8.4f} ms   "
+                  f"ratio {adapter_ms / core_ms:.3f}", flush=True)
     print(f"on {backend.describe_device('cuda')}, {len(coords):,} voxels, {args.channels} -> {args.channels}, "
           f"{args.dtype}")
     if args.csv:
