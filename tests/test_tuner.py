@@ -182,7 +182,7 @@ def test_during_capture_an_unmeasured_problem_falls_back_to_the_rule_among_captu
     assert chosen.algorithm.name == "slow"
     for algorithm in algorithms.values():
         algorithm.capturable = False
-    with pytest.raises(RuntimeError, match="capture can record"):
+    with pytest.raises(RuntimeError, match="capture cannot record"):
         Tuner(cache_file(tmp_path / "d.msgpack")).select(space("auto"), PROBLEM)
 
 
@@ -295,3 +295,13 @@ def test_the_choices_version_changes_when_choices_are_forgotten_or_tuning_is_swi
     assert after_forgetting != before
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
     assert tuner_module.choices_version() not in (before, after_forgetting)
+
+
+def test_the_agreement_check_allows_rounding_in_the_subnormal_range_and_nothing_more():
+    reference = np.linspace(-1.5e-5, 1.5e-5, 64).astype(np.float16)  # fp16 subnormals: steps of 2**-24
+    step = np.float16(2.0**-24)
+    assert tuner_module.disagreement(reference + 4 * step, reference, np.float16) is None
+    assert "differs" in tuner_module.disagreement(reference + 64 * step, reference, np.float16)
+    normal = np.linspace(-1, 1, 64).astype(np.float16)
+    assert tuner_module.disagreement(normal + np.float16(0.005), normal, np.float16) is None
+    assert "differs" in tuner_module.disagreement(normal + np.float16(0.02), normal, np.float16)
