@@ -25,43 +25,18 @@ from cupysparse import backend
 from cupysparse.algorithms import ConvProblem, registered
 from cupysparse.dtypes import as_feature_dtype, short_name
 from cupysparse.scenes import make_scene
-from cupysparse.scripts.benchmarking import make_timer, write_csv
+from cupysparse.scripts.benchmarking import (
+    make_timer,
+    peak_extra_bytes,
+    route_cupy_through_torch,
+    spconv_layer,
+    torch_cuda,
+    write_csv,
+)
 from cupysparse.sparse_tensor import SparseTensor
 
 PHASES = ("forward", "forward+backward")  # the phases compared with spconv
 KERNEL_SIZE = 3
-
-
-def _torch_cuda():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def route_cupy_through_torch(torch) -> None:
-    """One memory pool: CuPy allocates from torch's caching allocator, so its statistics see both."""
-    import cupy
-
-    allocator = cupy.cuda.PythonFunctionAllocator(
-        lambda size, device: torch.cuda.caching_allocator_alloc(size, device),
-        lambda pointer, device: torch.cuda.caching_allocator_delete(pointer),
-    )
-    cupy.cuda.set_allocator(allocator.malloc)
-
-
-def peak_extra_bytes(torch, fn) -> int | None:
-    if torch is None:
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del result
-    return peak
 
 
 class Ours:
@@ -99,39 +74,6 @@ def best_time(measure, candidates, warmup, repeats):
     return best
 
 
-def spconv_layer(torch, coords_numpy, features, weight, grad):
-    """(forward fn, forward+backward fn, output features) of spconv's SubMConv3d, or None."""
-    try:
-        import spconv.pytorch as spconv
-    except Exception as error:  # spconv absent or broken: the benchmark still runs without it
-        print(f"spconv not importable ({type(error).__name__}: {error}); cupysparse only", file=sys.stderr)
-        return None
-    shifted = coords_numpy.copy()
-    shifted[:, 1:] -= shifted[:, 1:].min(axis=0)
-    spatial_shape = (shifted[:, 1:].max(axis=0) + 2).tolist()
-    c_in, c_out = weight.shape[1], weight.shape[2]
-    layer = spconv.SubMConv3d(c_in, c_out, KERNEL_SIZE, bias=False, indice_key="subm").cuda().half()
-    with torch.no_grad():
-        # Ours [K, C_in, C_out] with offsets lexicographic over the coordinate columns; spconv's
-        # [C_out, k0, k1, k2, C_in] over the same columns.
-        k = KERNEL_SIZE
-        ours = torch.as_tensor(backend.to_numpy(weight)).reshape(k, k, k, c_in, c_out)
-        layer.weight.copy_(ours.permute(4, 0, 1, 2, 3))
-    x = torch.as_tensor(features, device="cuda").requires_grad_(True)
-    dy = torch.as_tensor(grad, device="cuda")
-    tensor = spconv.SparseConvTensor(x, torch.from_numpy(shifted).cuda(), spatial_shape, 1)
-
-    def forward():
-        return layer(tensor).features
-
-    def forward_backward():
-        out = layer(tensor).features
-        out.backward(dy)
-
-    out = forward()  # builds and caches the indice pairs in the tensor's indice_dict
-    return forward, forward_backward, out.detach()
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-voxels", type=int, default=1_000_000)
@@ -162,7 +104,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = args.device
-    torch = _torch_cuda() if device == "cuda" else None
+    torch = torch_cuda() if device == "cuda" else None
     if torch is not None:
         route_cupy_through_torch(torch)
     measure = make_timer(device)
@@ -199,7 +141,7 @@ def main(argv=None) -> int:
 
         theirs = None
         if not args.no_spconv and torch is not None and args.dtype.name in ("float16", "float32"):
-            theirs = spconv_layer(torch, coords_numpy, features, weight, grad)
+            theirs = spconv_layer(torch, coords_numpy, features, weight, grad, KERNEL_SIZE)
         for name, algorithm in registered().items():
             if name not in args.algorithms or not algorithm.supports(problem):
                 continue
@@ -215,7 +157,7 @@ def main(argv=None) -> int:
             difference = None
             if theirs is not None:
                 out = backend.to_numpy(ours.forward(algorithm, forward_params)()).astype(np.float32)
-                difference = float(np.abs(out - theirs[2].float().cpu().numpy()).max())
+                difference = float(np.abs(out - theirs.output.float().cpu().numpy()).max())
             # The backward's parts, at the parameters that were best for the two together.
             dgrad_ms = measure(ours.dgrad(algorithm, backward_params), args.warmup, args.repeats)
             wgrad_ms = measure(ours.wgrad(algorithm, backward_params), args.warmup, args.repeats)
@@ -226,9 +168,8 @@ def main(argv=None) -> int:
                 rows.append(layer_row(phase, "cupysparse", name, params, ms, peak, difference))
                 print_row(rows[-1])
         if theirs is not None:
-            spconv_forward, spconv_both, _ = theirs
-            peak = peak_extra_bytes(torch, spconv_forward)
-            for phase, fn in (("forward", spconv_forward), ("forward+backward", spconv_both)):
+            peak = peak_extra_bytes(torch, theirs.forward)
+            for phase, fn in (("forward", theirs.forward), ("forward+backward", theirs.forward_backward)):
                 ms = measure(fn, args.warmup, args.repeats)
                 rows.append(layer_row(phase, "spconv", "SubMConv3d", {}, ms, peak, None))
                 print_row(rows[-1])

@@ -1,11 +1,17 @@
 """What the benchmark scripts share: timing (the tuner's own: CUDA events on the GPU, the host clock
-on the CPU) and CSV output."""
+on the CPU), peak-memory meters, spconv 2.x's layer as the external baseline, and CSV output."""
 
 from __future__ import annotations
 
 import csv
+import sys
+import tracemalloc
 
+import numpy as np
+
+from cupysparse import backend
 from cupysparse.tuner import median_time_ms
+from cupysparse.weight_conversion import to_spconv_weight
 
 
 def make_timer(device: str):
@@ -13,10 +19,212 @@ def make_timer(device: str):
     return lambda fn, warmup, repeats: median_time_ms(fn, device == "cuda", warmup, repeats)
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    """Write `rows` (dicts with the same keys) to `path` and say so."""
+def time_samples_ms(fn, device: str, warmup: int, repeats: int, iterations: int) -> list[float]:
+    """`repeats` samples of the mean time of one call, each timed over `iterations` back-to-back
+    calls (CUDA events around the whole batch on the GPU, so short kernels are not dominated by
+    the event resolution), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+
+    def batch():
+        for _ in range(iterations):
+            fn()
+
+    return [median_time_ms(batch, device == "cuda", warmup=0, repeats=1) / iterations for _ in range(repeats)]
+
+
+def write_csv(rows: list[dict], path: str, fieldnames=None) -> None:
+    """Write `rows` (dicts with the same keys; `fieldnames` when there may be none) to `path` and say so."""
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(fieldnames or rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")
+
+
+def torch_module():
+    """The torch module, or None when it is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def torch_cuda():
+    """The torch module when it is importable and sees a GPU, else None."""
+    torch = torch_module()
+    return torch if torch is not None and torch.cuda.is_available() else None
+
+
+def route_cupy_through_torch(torch) -> None:
+    """One memory pool: CuPy allocates from torch's caching allocator, so its statistics see both."""
+    import cupy
+
+    allocator = cupy.cuda.PythonFunctionAllocator(
+        lambda size, device: torch.cuda.caching_allocator_alloc(size, device),
+        lambda pointer, device: torch.cuda.caching_allocator_delete(pointer),
+    )
+    cupy.cuda.set_allocator(allocator.malloc)
+
+
+def peak_extra_bytes(torch, fn) -> int | None:
+    """Peak bytes allocated by one call of `fn` beyond what was allocated before (torch's allocator
+    statistics); None without torch."""
+    if torch is None:
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak
+
+
+class TorchAllocatorMeter:
+    """GPU peak through torch's caching allocator, with CuPy routed through it: one pool, both libraries."""
+
+    source = "torch allocator (CuPy routed through it)"
+
+    def __init__(self, torch):
+        self._torch = torch
+        route_cupy_through_torch(torch)
+
+    def peak_extra_bytes(self, fn) -> int | None:
+        return peak_extra_bytes(self._torch, fn)
+
+    def limit(self, max_bytes: int) -> None:
+        total = self._torch.cuda.get_device_properties(self._torch.cuda.current_device()).total_memory
+        self._torch.cuda.set_per_process_memory_fraction(min(1.0, max_bytes / total))
+
+    def release(self) -> None:
+        self._torch.cuda.empty_cache()
+
+
+class CupyPoolMeter:
+    """GPU peak without torch: an allocator hook in front of CuPy's pool samples the bytes in use at
+    every allocation (the peak can only rise at an allocation, so this sees it exactly)."""
+
+    source = "CuPy allocator hook"
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+        self._pool = cupy.get_default_memory_pool()
+        self._peak = 0
+        cupy.cuda.set_allocator(self._malloc)
+
+    def _malloc(self, size: int):
+        memory = self._pool.malloc(size)
+        self._peak = max(self._peak, self._pool.used_bytes())
+        return memory
+
+    def peak_extra_bytes(self, fn) -> int:
+        stream = self._cupy.cuda.get_current_stream()
+        stream.synchronize()
+        base = self._peak = self._pool.used_bytes()
+        result = fn()
+        stream.synchronize()
+        del result
+        return self._peak - base
+
+    def limit(self, max_bytes: int) -> None:
+        self._pool.set_limit(size=max_bytes)
+
+    def release(self) -> None:
+        self._pool.free_all_blocks()
+
+
+class TracemallocMeter:
+    """CPU peak of the NumPy allocations one call makes (NumPy reports them to tracemalloc; torch's
+    CPU allocator does not, so torch's own memory is not seen)."""
+
+    source = "tracemalloc (NumPy allocations)"
+
+    def peak_extra_bytes(self, fn) -> int:
+        was_tracing = tracemalloc.is_tracing()
+        if not was_tracing:
+            tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            result = fn()
+            peak = tracemalloc.get_traced_memory()[1] - base
+            del result
+        finally:
+            if not was_tracing:
+                tracemalloc.stop()
+        return peak
+
+    def limit(self, max_bytes: int) -> None:
+        """Nothing to enforce on the host: the estimated footprint is checked before each run instead."""
+
+    def release(self) -> None:
+        """NumPy returns its memory on its own."""
+
+
+def memory_meter(device: str):
+    """The peak-memory meter of `device`: torch's allocator when torch sees the GPU, else a CuPy
+    allocator hook; tracemalloc on the CPU."""
+    if device == "cpu":
+        return TracemallocMeter()
+    torch = torch_cuda()
+    return TorchAllocatorMeter(torch) if torch is not None else CupyPoolMeter(backend.cupy_module())
+
+
+class SpconvLayer:
+    """spconv 2.x's convolution of one layer, on the same voxels and weights as ours: `SubMConv3d` at
+    stride 1, else `SparseConv3d` with padding 0, whose output voxels and pairs are ours only for a
+    2³ kernel at stride 2 (`spconv_matches_geometry`). Its kernel map is built by the first forward
+    (in `__init__`) and cached on the input tensor, as both libraries do within a network pass."""
+
+    def __init__(self, spconv, torch, coords_numpy, features, weight, grad, kernel_size: int, stride: int = 1,
+                 batch_size: int = 1):
+        shift = coords_numpy[:, 1:].min(axis=0) // stride * stride  # keeps floor(coordinate / stride) ours
+        shifted = coords_numpy.copy()
+        shifted[:, 1:] -= shift
+        spatial_shape = ((shifted[:, 1:].max(axis=0) // stride + 2) * stride).tolist()
+        c_in, c_out = weight.shape[1], weight.shape[2]
+        x = torch.as_tensor(features, device="cuda").requires_grad_(True)
+        if stride == 1:
+            layer = spconv.SubMConv3d(c_in, c_out, kernel_size, bias=False, indice_key="subm")
+        else:
+            layer = spconv.SparseConv3d(c_in, c_out, kernel_size, stride=stride, padding=0, bias=False)
+        self.layer = layer.cuda().to(x.dtype)
+        with torch.no_grad():
+            self.layer.weight.copy_(torch.as_tensor(to_spconv_weight(backend.to_numpy(weight), kernel_size)))
+        self.grad = torch.as_tensor(grad, device="cuda")
+        self.tensor = spconv.SparseConvTensor(x, torch.from_numpy(shifted).cuda(), spatial_shape, batch_size)
+        self.output = self.forward().detach()
+        self._graph_output = None
+
+    def forward(self):
+        return self.layer(self.tensor).features
+
+    def backward(self):
+        """Both gradients of one forward graph, kept for repeated calls."""
+        if self._graph_output is None:
+            self._graph_output = self.forward()
+        self._graph_output.backward(self.grad, retain_graph=True)
+
+    def forward_backward(self):
+        self.forward().backward(self.grad)
+
+
+def spconv_matches_geometry(kernel_size: int, stride: int) -> bool:
+    """Whether spconv's layer of this size and stride has our output voxels and pairs: submanifold,
+    or kernel size = stride with offsets 0..k-1 on both sides (ours start at -((k - 1) // 2))."""
+    return stride == 1 or (kernel_size == stride and (kernel_size - 1) // 2 == 0)
+
+
+def spconv_layer(torch, coords_numpy, features, weight, grad, kernel_size: int, stride: int = 1,
+                 batch_size: int = 1) -> SpconvLayer | None:
+    """spconv's layer (see `SpconvLayer`), or None with a message when spconv is not importable."""
+    try:
+        import spconv.pytorch as spconv
+    except Exception as error:  # spconv absent or broken: the benchmark still runs without it
+        print(f"spconv not importable ({type(error).__name__}: {error}); cupysparse only", file=sys.stderr)
+        return None
+    return SpconvLayer(spconv, torch, np.asarray(coords_numpy), features, weight, grad, kernel_size, stride,
+                       batch_size)

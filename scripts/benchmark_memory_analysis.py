@@ -1,0 +1,1062 @@
+"""Speed and memory of sparse convolutions over a grid of layers, every backend, every phase.
+
+For each configuration (voxel count, channel pair, kernel size, stride, dtype) it builds the scene
+(`--scene`, `--batch-size` items), the kernel map with every derived format (timed: kernel-map
+build), seeded random features, weight and output gradient, then for each backend and phase records
+one row: the first call (host clock, including the tuner's choice and kernel loading; for spconv
+and torch, building their layer), then the median and quartiles of `--repeats` samples, each the
+mean of `--iterations` back-to-back calls (CUDA events on the GPU, the host clock on the CPU) after
+`--warmup` calls, TFLOP/s on the sparse work (2 · pairs · C_in · C_out per GEMM: forward, dgrad
+and wgrad one each, backward two, both three), and the peak memory of one call.
+
+    cupysparse-benchmark-memory-analysis --num-voxels 100K,1M --channels 32,32 64,64 --dtypes fp16
+    cupysparse-benchmark-memory-analysis --backends auto,spconv,torch --phases forward,backward --max-memory-gb 40
+    cupysparse-benchmark-memory-analysis --precompile --cold --output-dir cold-start
+
+Backends: every registered algorithm by name (the tuner picks its parameters, as for
+`algo=name`), `auto` (the tuner's choice among algorithms, as for `algo="auto"`), `spconv` (2.x,
+GPU, fp16/fp32, submanifold and 2³ stride-2 layers) and `torch` (a dense convolution of the batch's
+bounding box, for grids of at most `--dense-max-cells` cells). Phases: forward, dgrad, wgrad,
+backward (dgrad + wgrad), both (forward + backward).
+
+Statuses: `ok`; `not_supported` (with the backend's reason); `oom` (out of memory, or an estimated
+footprint above `--max-memory-gb`, which on the GPU also caps the memory pool); `error` (with the
+message); `not_tested`: at least as large in every dimension (voxels, channels, kernel size, dtype
+width) as a configuration that ran out of memory for the same backend, phase, scene and stride.
+
+Memory: the peak bytes one call allocates (torch's allocator with CuPy routed through it when torch
+sees the GPU, else a CuPy allocator hook; tracemalloc on the CPU, which sees NumPy but not torch)
+plus what the call reads that already lives in memory (inputs, weight, kernel map: their exact
+sizes). `memory_breakdown.csv` sets the measured peak next to a formula estimate of features,
+outputs, weights, kernel map and workspace.
+
+Files in `--output-dir`: `benchmark_full.csv` (a row per configuration × backend × phase),
+`memory_breakdown.csv`, `heatmap_data.json` (status, time and memory per voxel count × channel
+pair, for OOM frontiers, and the run's metadata: command, device, versions) and, with
+`--precompile` on the GPU, `compile_times.csv` (one row per kernel module: NVRTC compiles a source
+file's template instantiations together). `--cold` starts from empty kernel and tuning caches, so
+`first_call_ms` (or `compile_ms` with `--precompile`) shows a fresh install's first-call latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import importlib
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from cupysparse import backend, compile
+from cupysparse.algorithm_modes import AUTO, parse_algorithm_filter
+from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms.wmma_implicit_gemm import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
+from cupysparse.dtypes import BFLOAT16, accumulation_dtype, as_feature_dtype, cuda_type_name, short_name
+from cupysparse.functional import backward_runner, forward_runner
+from cupysparse.kernel_map import KernelMapCache
+from cupysparse.scenes import make_scene
+from cupysparse.scripts.benchmark_first_call import host_ms, synchronize
+from cupysparse.scripts.benchmarking import (
+    memory_meter,
+    spconv_layer,
+    spconv_matches_geometry,
+    time_samples_ms,
+    torch_cuda,
+    torch_module,
+    write_csv,
+)
+from cupysparse.scripts.populate_benchmark_cache import _comma_items, _parse_channel_pair, _parse_voxel_count
+from cupysparse.tuner import candidates, default_tuner
+from cupysparse.weight_conversion import to_torch_conv_weight
+
+SPCONV = "spconv"
+TORCH_DENSE = "torch"
+PHASES = ("forward", "dgrad", "wgrad", "backward", "both")
+GEMMS_PER_PHASE = {"forward": 1, "dgrad": 1, "wgrad": 1, "backward": 2, "both": 3}
+PHASE_INPUTS = {
+    "forward": ("features",),
+    "dgrad": ("grad_output",),
+    "wgrad": ("features", "grad_output"),
+    "backward": ("features", "grad_output"),
+    "both": ("features", "grad_output"),
+}
+PHASE_OUTPUTS = {
+    "forward": ("output",),
+    "dgrad": ("grad_input",),
+    "wgrad": ("grad_weight",),
+    "backward": ("grad_input", "grad_weight"),
+    "both": ("output", "grad_input", "grad_weight"),
+}
+# The tuner's choice a phase runs with: dgrad and wgrad are parts of the tuned backward.
+TUNING_PHASES = {
+    "forward": ("forward",), "dgrad": ("backward",), "wgrad": ("backward",), "backward": ("backward",),
+    "both": ("forward", "backward"),
+}
+OK, OOM, NOT_SUPPORTED, ERROR, NOT_TESTED = "ok", "oom", "not_supported", "error", "not_tested"
+STATUSES = (OK, OOM, NOT_SUPPORTED, ERROR, NOT_TESTED)
+KEY_COLUMNS = ("scene", "batch_size", "num_voxels", "in_channels", "out_channels", "kernel_size", "stride", "dtype")
+FULL_COLUMNS = (
+    "device", *KEY_COLUMNS, "backend", "phase", "status", "error", "dispatched", "num_in", "num_out", "pairs",
+    "kernel_map_ms", "first_call_ms", "median_ms", "q25_ms", "q75_ms", "samples", "iterations", "tflops",
+    "resident_mb", "call_peak_mb", "peak_memory_mb", "estimated_mb", "memory_source",
+)
+BREAKDOWN_PARTS = ("features", "output", "weights", "kernel_map", "workspace")
+BREAKDOWN_COLUMNS = (
+    *KEY_COLUMNS, "backend", "phase", "status", "dispatched", *(f"{part}_mb" for part in BREAKDOWN_PARTS),
+    "estimated_mb", "peak_memory_mb",
+)
+COMPILE_COLUMNS = ("source", "dtype", "instantiations", "needed_by", "compiled", "compile_ms", "error")
+DEFAULT_NUM_VOXELS = ("30K", "100K", "300K", "1M")
+DEFAULT_CHANNELS = ("32,32", "64,64", "128,128", "256,256")
+DTYPE_CHOICES = ("fp16", "bf16", "fp32", "fp64", "float16", "bfloat16", "float32", "float64")
+DEFAULT_DENSE_MAX_CELLS = 2**24
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One layer of the grid; its fields are the configuration key of every output file."""
+
+    scene: str
+    batch_size: int
+    num_voxels: int
+    in_channels: int
+    out_channels: int
+    kernel_size: int
+    stride: int
+    dtype: str  # short name: fp16, bf16, fp32, fp64
+
+    def sizes(self) -> tuple[int, ...]:
+        return (self.num_voxels, self.in_channels, self.out_channels, self.kernel_size,
+                as_feature_dtype(self.dtype).itemsize)
+
+    def at_least_as_large_as(self, other: Configuration) -> bool:
+        """Whether this layer needs at least the memory of `other`: same scene, batch and stride,
+        and no size smaller (voxels, channels, kernel size, dtype width)."""
+        same_kind = (self.scene, self.batch_size, self.stride) == (other.scene, other.batch_size, other.stride)
+        return same_kind and all(mine >= theirs for mine, theirs in zip(self.sizes(), other.sizes()))
+
+    def label(self) -> str:
+        return (f"{self.num_voxels:>9,} vox {self.in_channels:>3}->{self.out_channels:<3} k{self.kernel_size} "
+                f"s{self.stride} {self.dtype}")
+
+
+def configurations(args) -> list[Configuration]:
+    """The grid in run order: voxel counts ascending and outermost (one scene at a time), then
+    kernel size and stride (one kernel map at a time), dtype, channels; small before large, so an
+    out-of-memory frontier is found before the layers beyond it."""
+    return [
+        Configuration(args.scene, args.batch_size, count, c_in, c_out, kernel_size, stride, dtype)
+        for count in sorted(args.num_voxels)
+        for kernel_size in args.kernel_sizes
+        for stride in args.strides
+        for dtype in args.dtypes
+        for c_in, c_out in args.channels
+    ]
+
+
+def _positive_ints(values, flag: str) -> tuple[int, ...]:
+    numbers = tuple(dict.fromkeys(int(value) for value in _comma_items(values)))
+    if not numbers or min(numbers) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {values}")
+    return numbers
+
+
+def backend_names() -> tuple[str, ...]:
+    return (*registered(CONV), AUTO, SPCONV, TORCH_DENSE)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--num-voxels", nargs="+", default=DEFAULT_NUM_VOXELS, metavar="N",
+                        help="voxel counts, comma list (30000,100K,1M)")
+    parser.add_argument("--channels", nargs="+", default=DEFAULT_CHANNELS, metavar="C_in,C_out",
+                        help="channel pairs, e.g. 32,32 64,128")
+    parser.add_argument("--kernel-sizes", nargs="+", default=("3",), metavar="K", help="kernel sizes, e.g. 3 5")
+    parser.add_argument("--strides", nargs="+", default=("1",), metavar="S", help="strides (1: submanifold)")
+    parser.add_argument("--dtypes", nargs="+", default=("fp16",), choices=DTYPE_CHOICES, metavar="DTYPE",
+                        help="fp16, bf16, fp32, fp64")
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
+    parser.add_argument("--batch-size", type=int, default=1, help="scenes per batch, sharing the voxel count")
+    parser.add_argument("--backends", default=",".join(backend_names()),
+                        help=f"comma list of {', '.join(backend_names())}")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    parser.add_argument("--repeats", type=int, default=10, help="timed samples per measurement")
+    parser.add_argument("--iterations", type=int, default=5, help="calls per timed sample")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls before the samples")
+    parser.add_argument("--max-memory-gb", type=float, default=None,
+                        help="skip (as oom) layers whose estimated footprint exceeds this; caps the GPU pool too")
+    parser.add_argument("--dense-max-cells", type=int, default=DEFAULT_DENSE_MAX_CELLS,
+                        help="largest dense grid (batch x bounding box) the torch baseline runs")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile every kernel module the grid needs before timing (compile_times.csv)")
+    parser.add_argument("--kernel-cache-dir", default=None, help="the kernel cache folder (CUPY_CACHE_DIR)")
+    parser.add_argument("--cold", action="store_true",
+                        help="start from empty kernel and tuning caches (a temporary folder, or an empty "
+                             "--kernel-cache-dir) to measure first-call latency")
+    parser.add_argument("--output-dir", default="bench-results")
+    args = parser.parse_args(argv)
+    try:
+        args.num_voxels = tuple(dict.fromkeys(_parse_voxel_count(v) for v in _comma_items(args.num_voxels)))
+        args.channels = tuple(dict.fromkeys(_parse_channel_pair(pair) for pair in args.channels))
+        args.kernel_sizes = _positive_ints(args.kernel_sizes, "--kernel-sizes")
+        args.strides = _positive_ints(args.strides, "--strides")
+        args.dtypes = tuple(dict.fromkeys(short_name(dtype) for dtype in args.dtypes))
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    args.backends = tuple(dict.fromkeys(name.strip() for name in args.backends.split(",") if name.strip()))
+    if unknown := [name for name in args.backends if name not in backend_names()]:
+        parser.error(f"unknown backends {unknown}; valid: {', '.join(backend_names())}")
+    args.phases = tuple(dict.fromkeys(phase.strip() for phase in args.phases.split(",") if phase.strip()))
+    if not args.backends or not args.phases or set(args.phases) - set(PHASES):
+        parser.error(f"--backends and --phases need valid names; phases: {', '.join(PHASES)}")
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--repeats", args.repeats, 1),
+                             ("--iterations", args.iterations, 1), ("--warmup", args.warmup, 0)):
+        if value < low:
+            parser.error(f"{flag} must be at least {low}")
+    if args.max_memory_gb is not None and args.max_memory_gb <= 0:
+        parser.error("--max-memory-gb must be positive")
+    if args.cold and args.kernel_cache_dir and os.path.isdir(args.kernel_cache_dir) and os.listdir(
+            args.kernel_cache_dir):
+        parser.error(f"--cold needs an empty --kernel-cache-dir; {args.kernel_cache_dir} has files")
+    args.command = shlex.join(["cupysparse-benchmark-memory-analysis", *(sys.argv[1:] if argv is None else argv)])
+    return args
+
+
+@contextlib.contextmanager
+def cache_folders(args):
+    """Point the kernel cache (and with `--cold` the tuning cache) where asked for the duration of
+    the run, before CuPy is imported; temporary folders made here are removed afterwards."""
+    variables = ("CUPY_CACHE_DIR", "CUPYSPARSE_BENCHMARK_CACHE_DIR")
+    saved = {name: os.environ.get(name) for name in variables}
+    temporary = tempfile.mkdtemp(prefix="cupysparse-cold-") if args.cold else None
+    try:
+        if args.kernel_cache_dir or temporary:
+            os.environ["CUPY_CACHE_DIR"] = args.kernel_cache_dir or os.path.join(temporary, "kernels")
+        if temporary:
+            os.environ["CUPYSPARSE_BENCHMARK_CACHE_DIR"] = os.path.join(temporary, "tuning")
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def scene_coordinates(kind: str, num_voxels: int, batch_size: int) -> np.ndarray:
+    """int32 `[N, 4]`, N ≤ num_voxels: `batch_size` scenes of `kind` (seeds 0, 1, …), batch index first."""
+    per_item = num_voxels // batch_size
+    items = [make_scene(kind, per_item, seed=seed).voxel_coordinates()[:per_item] for seed in range(batch_size)]
+    batch_index = np.repeat(np.arange(batch_size, dtype=np.int32), [len(voxels) for voxels in items])
+    return np.concatenate([batch_index[:, None], np.concatenate(items)], axis=1)
+
+
+def kernel_map_bytes(kernel_map) -> int:
+    """The bytes of a map with every derived format, in both directions, as built."""
+    total = 0
+    for direction in (kernel_map, kernel_map.reversed()):
+        csr = direction.csr()
+        arrays = (direction.pair_table, direction.offset_mask(), direction.mask_sorted_order(), csr.in_idx,
+                  csr.out_idx, csr.offsets)
+        total += sum(int(array.nbytes) for array in arrays)
+    return total
+
+
+@dataclass
+class MapCase:
+    """The kernel map of one (voxel count, kernel size, stride), its build time and size."""
+
+    kernel_map: object
+    build_ms: float
+    pairs: int
+    nbytes: int
+    max_offset_pairs: int  # the pairs of the busiest offset: what explicit GEMM gathers at once
+
+
+def build_map(coordinates, kernel_size: int, stride: int, device: str, warmup: bool) -> MapCase:
+    """Build the map (index, pairs, every derived format) from scratch, timed by the host clock up to
+    the synchronised result, after one untimed build when `warmup` (kernel loading)."""
+
+    def build():
+        result = KernelMapCache(coordinates, (1, 1, 1)).kernel_map((1, 1, 1), kernel_size, stride).kernel_map
+        built = result.derive_formats()
+        synchronize(device)
+        return built
+
+    if warmup:
+        build()
+    begin = time.perf_counter()
+    kernel_map = build()
+    build_ms = (time.perf_counter() - begin) * 1e3
+    csr_bounds = backend.to_numpy(kernel_map.csr().offsets)
+    return MapCase(kernel_map, build_ms, kernel_map.num_pairs, kernel_map_bytes(kernel_map),
+                   int(np.diff(csr_bounds).max(initial=0)))
+
+
+class LayerArrays:
+    """Seeded random features `[N_in, C_in]`, weight `[K, C_in, C_out]` and output gradient
+    `[N_out, C_out]` of one configuration on `device`."""
+
+    def __init__(self, config: Configuration, case: MapCase, device: str):
+        kernel_map = case.kernel_map
+        dtype = as_feature_dtype(config.dtype)
+        rng = np.random.default_rng([config.num_voxels, config.in_channels, config.out_channels, config.kernel_size])
+        scale = 1.0 / math.sqrt(config.in_channels * kernel_map.kernel_volume)  # keeps fp16 outputs O(1)
+        self.host = {
+            "features": rng.standard_normal((kernel_map.num_in, config.in_channels), np.float32).astype(dtype),
+            "weight": (rng.standard_normal((kernel_map.kernel_volume, config.in_channels, config.out_channels),
+                                           np.float32) * scale).astype(dtype),
+            "grad_output": rng.standard_normal((kernel_map.num_out, config.out_channels), np.float32).astype(dtype),
+        }
+        self.features, self.weight, self.grad_output = (
+            backend.to_device(self.host[name], device) for name in ("features", "weight", "grad_output"))
+        self.kernel_map = kernel_map
+        self.problem = ConvProblem.of(self.features, kernel_map, config.out_channels)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes the memory formulas need."""
+
+    num_in: int
+    num_out: int
+    in_channels: int
+    out_channels: int
+    kernel_volume: int
+    max_offset_pairs: int
+    dtype: np.dtype
+    device: str
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    def bytes_of(self, name: str) -> int:
+        elements = {
+            "features": self.num_in * self.in_channels,
+            "grad_input": self.num_in * self.in_channels,
+            "grad_output": self.num_out * self.out_channels,
+            "output": self.num_out * self.out_channels,
+            "grad_weight": self.kernel_volume * self.in_channels * self.out_channels,
+            "weight": self.kernel_volume * self.in_channels * self.out_channels,
+        }[name]
+        return elements * self.itemsize
+
+
+def _multiprocessors(device: str) -> int:
+    if device != "cuda":
+        return 1
+    runtime = backend.cupy_module().cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, 0))
+
+
+def _explicit_gemm_workspace(shape: LayerShape, phase: str) -> int:
+    """Accumulator and cast copies in the accumulation dtype, plus the busiest offset's gathered rows
+    and product (GEMMs in the input dtype on the GPU, except bf16; in the accumulation dtype on the CPU)."""
+    wide = accumulation_dtype(shape.dtype).itemsize
+    gemm = shape.itemsize if shape.device == "cuda" and shape.dtype != BFLOAT16 else wide
+    cast = wide if gemm != shape.itemsize else 0
+    total = 0
+    if phase in ("forward", "both"):
+        total = max(total, shape.num_out * shape.out_channels * wide
+                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
+                    + shape.num_in * shape.in_channels * cast)
+    if phase in ("dgrad", "backward", "both"):
+        total = max(total, shape.num_in * shape.in_channels * wide
+                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
+                    + shape.num_out * shape.out_channels * cast)
+    if phase in ("wgrad", "backward", "both"):  # its GEMMs run in the accumulation dtype everywhere
+        inputs_cast = wide if shape.itemsize != wide else 0
+        total = max(total, shape.kernel_volume * shape.in_channels * shape.out_channels * wide
+                    + (shape.num_in * shape.in_channels + shape.num_out * shape.out_channels) * inputs_cast
+                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * wide)
+    return total
+
+
+def _implicit_gemm_workspace(shape: LayerShape, phase: str, params: dict) -> int:
+    """wgrad's fp32 split-K partials and their sum."""
+    if phase in ("forward", "dgrad"):
+        return 0
+    split = params.get("split_k_factor", 1)
+    return (split + 1) * shape.kernel_volume * shape.in_channels * shape.out_channels * 4
+
+
+def _wmma_workspace(shape: LayerShape, phase: str, params: dict) -> int:
+    """The padded weight (and for dgrad its transposed copy) made per call, and wgrad's fp32 partials:
+    about `wgrad_warps_per_sm` warps per SM over the offsets' 32x32 warp tiles, at least 256 pairs each."""
+    in_padded, out_padded = padded_channels(shape.in_channels), padded_channels(shape.out_channels)
+    padded_weight = shape.kernel_volume * in_padded * out_padded * shape.itemsize
+    total = 0
+    if phase in ("forward", "both"):
+        total += padded_weight
+    if phase in ("dgrad", "backward", "both"):
+        total += 2 * padded_weight
+    if phase in ("wgrad", "backward", "both"):
+        warp_tiles = shape.kernel_volume * -(-in_padded // WARP_TILE) * -(-out_padded // WARP_TILE)
+        wanted = params.get("wgrad_warps_per_sm", 32) * _multiprocessors(shape.device)
+        shares = max(1, min(-(-wanted // warp_tiles), -(-shape.num_out // MIN_PAIRS_PER_SHARE)))
+        total += shares * shape.kernel_volume * in_padded * out_padded * 4
+    return total
+
+
+def workspace_bytes(algorithm_name: str, shape: LayerShape, phase: str, params: dict) -> int:
+    """Estimated temporary bytes of one call of `phase` by `algorithm_name` (formulas above)."""
+    if algorithm_name == "explicit_gemm":
+        return _explicit_gemm_workspace(shape, phase)
+    if algorithm_name == "implicit_gemm":
+        return _implicit_gemm_workspace(shape, phase, params)
+    if algorithm_name == "wmma_implicit_gemm":
+        return _wmma_workspace(shape, phase, params)
+    return 0
+
+
+@dataclass
+class MemoryEstimate:
+    features: int
+    output: int
+    weights: int
+    kernel_map: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.features + self.output + self.weights + self.kernel_map + self.workspace
+
+
+def sparse_estimate(shape: LayerShape, phase: str, weights: int, kernel_map: int, workspace: int) -> MemoryEstimate:
+    return MemoryEstimate(
+        features=sum(shape.bytes_of(name) for name in PHASE_INPUTS[phase]),
+        output=sum(shape.bytes_of(name) for name in PHASE_OUTPUTS[phase]),
+        weights=weights, kernel_map=kernel_map, workspace=workspace,
+    )
+
+
+def describe_selection(selection) -> str:
+    settings = ",".join(f"{key}={value}" for key, value in selection.params.items())
+    return f"{selection.algorithm.name}({settings})"
+
+
+class OursRunner:
+    """One of our algorithms, or `auto`, on one layer: what `conv_forward` / `conv_backward` run with
+    `algo=name` (the tuner's choice, measured on this data when not cached)."""
+
+    memory_note = None
+
+    def __init__(self, name: str, layer: LayerArrays, case: MapCase, shape: LayerShape):
+        self.name, self.layer, self.case, self.shape = name, layer, case, shape
+        self._selections = {}
+
+    def unsupported_reason(self, phase: str) -> str | None:
+        if self.name == AUTO:
+            return None
+        return get_algorithm(self.name).unsupported_reason(self.layer.problem)
+
+    def _runner(self, tuning_phase: str):
+        layer = self.layer
+        if tuning_phase == "forward":
+            return forward_runner(layer.features, layer.weight, layer.kernel_map)
+        return backward_runner(layer.grad_output, layer.features, layer.weight, layer.kernel_map)
+
+    def selection(self, tuning_phase: str):
+        """The tuner's choice for the forward or the backward (dgrad and wgrad share it)."""
+        if tuning_phase not in self._selections:
+            run = self._runner(tuning_phase)
+            search_space = parse_algorithm_filter(self.name, CONV, tuning_phase)
+            chosen = default_tuner().select(search_space, self.layer.problem, run)
+            if self.name != AUTO and chosen.algorithm.name != self.name:
+                # The tuner fell back to the reference: run the algorithm itself so its failure (out
+                # of memory, compile error) is what the row reports.
+                algorithm = get_algorithm(self.name)
+                run(algorithm, algorithm.default_params(tuning_phase))
+                raise RuntimeError(f"the tuner rejected every {tuning_phase} parameter set of {self.name} "
+                                   "(a disagreement with explicit_gemm; see its log)")
+            self._selections[tuning_phase] = chosen
+        return self._selections[tuning_phase]
+
+    def _predicted(self, tuning_phase: str):
+        """The choice before anything runs (the priority rule), for the memory check."""
+        return self._selections.get(tuning_phase) or default_tuner().select(
+            parse_algorithm_filter(self.name, CONV, tuning_phase), self.layer.problem)
+
+    def prepare(self, phase: str):
+        layer = self.layer
+        if phase in ("forward", "both"):
+            forward = self.selection("forward")
+            run_forward = self._runner("forward")
+
+            def forward_call():
+                return run_forward(forward.algorithm, forward.params)
+
+            if phase == "forward":
+                return forward_call
+        chosen = self.selection("backward")
+        algorithm, params = chosen.algorithm, chosen.params
+        if phase == "dgrad":
+            return lambda: algorithm.dgrad(layer.grad_output, algorithm.prepare_weight(layer.weight),
+                                           layer.kernel_map, **params)
+        if phase == "wgrad":
+            return lambda: algorithm.wgrad(layer.features, layer.grad_output, layer.kernel_map, **params)
+        run_backward = self._runner("backward")
+        if phase == "backward":
+            return lambda: run_backward(algorithm, params)
+        return lambda: (forward_call(), run_backward(algorithm, params))
+
+    def dispatched(self, phase: str) -> str:
+        chosen = [(part, self._selections[part]) for part in TUNING_PHASES[phase] if part in self._selections]
+        if phase != "both":
+            return describe_selection(chosen[0][1]) if chosen else ""
+        return "; ".join(f"{part}: {describe_selection(selection)}" for part, selection in chosen)
+
+    def resident_bytes(self, phase: str) -> int:
+        arrays = [getattr(self.layer, name) for name in PHASE_INPUTS[phase]] + [self.layer.weight]
+        return sum(int(array.nbytes) for array in arrays) + self.case.nbytes
+
+    def estimate(self, phase: str) -> MemoryEstimate:
+        workspace = 0
+        for tuning_phase in TUNING_PHASES[phase]:
+            chosen = self._predicted(tuning_phase)
+            part = tuning_phase if phase == "both" else phase
+            workspace = max(workspace, workspace_bytes(chosen.algorithm.name, self.shape, part, chosen.params))
+        weights = self.shape.bytes_of("weight")
+        return sparse_estimate(self.shape, phase, weights, self.case.nbytes, workspace)
+
+
+@functools.cache
+def spconv_import_error() -> str | None:
+    """Why spconv 2.x cannot be imported, or None."""
+    try:
+        importlib.import_module("spconv.pytorch")
+    except Exception as error:  # absent or broken (a wheel for another CUDA): the backend is not_supported
+        return f"spconv is not importable ({type(error).__name__}: {error})"
+    return None
+
+
+class SpconvRunner:
+    """spconv 2.x's layer (see `benchmarking.SpconvLayer`); its backward computes both gradients at
+    once, so dgrad and wgrad alone are not measured."""
+
+    memory_note = None
+
+    def __init__(self, config: Configuration, coordinates_numpy, layer: LayerArrays, shape: LayerShape, torch):
+        self.config, self.coordinates, self.layer, self.shape, self.torch = (
+            config, coordinates_numpy, layer, shape, torch)
+        self._layer = None
+
+    def unsupported_reason(self, phase: str) -> str | None:
+        config = self.config
+        if config.dtype not in ("fp16", "fp32"):
+            return f"spconv 2.x runs fp16 and fp32, not {config.dtype}"
+        if phase in ("dgrad", "wgrad"):
+            return "spconv's backward computes both gradients at once: see the backward phase"
+        if not spconv_matches_geometry(config.kernel_size, config.stride):
+            return (f"spconv's kernel size {config.kernel_size}, stride {config.stride} layer has other output "
+                    "voxels than ours (only submanifold and 2^3 stride-2 layers match)")
+        if self.torch is None:
+            return "spconv runs on CUDA GPUs with torch only"
+        return spconv_import_error()
+
+    def prepare(self, phase: str):
+        if self._layer is None:
+            host = self.layer.host
+            self._layer = spconv_layer(self.torch, self.coordinates, host["features"], host["weight"],
+                                       host["grad_output"], self.config.kernel_size, self.config.stride,
+                                       self.config.batch_size)
+        layer = self._layer
+        return {"forward": layer.forward, "backward": layer.backward, "both": layer.forward_backward}[phase]
+
+    def dispatched(self, phase: str) -> str:
+        return "spconv.SubMConv3d" if self.config.stride == 1 else "spconv.SparseConv3d"
+
+    def resident_bytes(self, phase: str) -> int:
+        arrays = [self.layer.host[name] for name in PHASE_INPUTS[phase]] + [self.layer.host["weight"]]
+        return sum(array.nbytes for array in arrays) + self._pairs_bytes()
+
+    def _pairs_bytes(self) -> int:
+        """spconv's pair lists, about [2, K, N_out] int32 (its own layout, not measured)."""
+        return 2 * self.shape.kernel_volume * self.shape.num_out * 4
+
+    def estimate(self, phase: str) -> MemoryEstimate:
+        return sparse_estimate(self.shape, phase, self.shape.bytes_of("weight"), self._pairs_bytes(), 0)
+
+
+class DenseTorchLayer:
+    """A dense `torch.nn.functional.conv3d` over the batch's bounding box: the same offsets and weights
+    as ours (input padded by the offsets' reach; origin on a multiple of the stride, so output cell q
+    is our coarse voxel q), every cell computed."""
+
+    def __init__(self, torch, coordinates_numpy, features, weight, config: Configuration, device: str):
+        """`features` `[N, C_in]` and `weight` `[K, C_in, C_out]`: ours, NumPy."""
+        kernel_size, stride = config.kernel_size, config.stride
+        dtype = getattr(torch, as_feature_dtype(config.dtype).name)
+        self.torch, self.stride, self.device = torch, stride, device
+        self.origin, shape = dense_grid(coordinates_numpy, kernel_size, stride)
+        before = (kernel_size - 1) // 2  # the offsets run from -before to kernel_size - 1 - before
+        self.input = torch.zeros((config.batch_size, config.in_channels, *shape), dtype=dtype, device=device)
+        index = self._index(coordinates_numpy[:, 0], coordinates_numpy[:, 1:] - self.origin + before)
+        # Through the accumulation dtype (exact): torch takes no ml_dtypes bfloat16 arrays.
+        self.input[index] = torch.as_tensor(features.astype(accumulation_dtype(features.dtype))).to(
+            device=device, dtype=dtype)
+        dense_weight = to_torch_conv_weight(weight.astype(accumulation_dtype(weight.dtype)), kernel_size)
+        self.weight = torch.as_tensor(dense_weight).to(device=device, dtype=dtype)
+        output = self.forward()
+        generator = torch.Generator().manual_seed(0)
+        self.grad_output = torch.randn(output.shape, generator=generator).to(device=device, dtype=dtype)
+
+    def forward(self):
+        return self.torch.nn.functional.conv3d(self.input, self.weight, stride=self.stride)
+
+    def dgrad(self):
+        return self.torch.nn.grad.conv3d_input(self.input.shape, self.weight, self.grad_output, stride=self.stride)
+
+    def wgrad(self):
+        return self.torch.nn.grad.conv3d_weight(self.input, self.weight.shape, self.grad_output, stride=self.stride)
+
+    def _index(self, batch, cells):
+        """The advanced index of rows `[N, C]` at `batch`, `cells` of a `[B, C, *grid]` tensor."""
+        columns = [self.torch.as_tensor(column, device=self.device) for column in (batch, *cells.T)]
+        return columns[0], slice(None), *columns[1:]
+
+    def output_rows(self, output, out_coordinates_numpy):
+        """`output` `[B, C, *grid]` at our output voxels → `[N_out, C]` (for comparing with ours)."""
+        cells = out_coordinates_numpy[:, 1:].astype(np.int64) - self.origin // self.stride
+        return output[self._index(out_coordinates_numpy[:, 0], cells)]
+
+
+def dense_grid(coordinates_numpy, kernel_size: int, stride: int) -> tuple[np.ndarray, list[int]]:
+    """(origin, shape) of the dense input grid of a layer: the bounding box, its origin on a multiple
+    of the stride, padded by the kernel offsets' reach on both sides."""
+    spatial = coordinates_numpy[:, 1:].astype(np.int64)
+    origin = spatial.min(axis=0) // stride * stride
+    return origin, (spatial.max(axis=0) - origin + kernel_size).tolist()
+
+
+class DenseTorchRunner:
+    """torch's dense convolution of the layer (cuDNN on the GPU), for grids up to `--dense-max-cells`."""
+
+    def __init__(self, config: Configuration, coordinates_numpy, layer: LayerArrays, shape: LayerShape, device,
+                 max_cells: int):
+        self.config, self.coordinates, self.layer, self.shape, self.device = (
+            config, coordinates_numpy, layer, shape, device)
+        self.torch = torch_module()
+        self.grid_shape = dense_grid(coordinates_numpy, config.kernel_size, config.stride)[1]
+        self.cells = config.batch_size * math.prod(self.grid_shape)
+        self.max_cells = max_cells
+        self._dense = None
+        self.memory_note = "not measured (torch's CPU allocator is not traced)" if device == "cpu" else None
+
+    def unsupported_reason(self, phase: str) -> str | None:
+        if self.torch is None:
+            return "torch is not importable"
+        if self.device == "cuda" and not self.torch.cuda.is_available():
+            return "this torch build sees no CUDA GPU"
+        if self.cells > self.max_cells:
+            return f"the dense grid has {self.cells:,} cells, more than --dense-max-cells {self.max_cells:,}"
+        return None
+
+    def dense(self) -> DenseTorchLayer:
+        if self._dense is None:
+            host = self.layer.host
+            self._dense = DenseTorchLayer(self.torch, self.coordinates, host["features"], host["weight"], self.config,
+                                          self.device)
+        return self._dense
+
+    def prepare(self, phase: str):
+        dense = self.dense()
+        return {
+            "forward": dense.forward,
+            "dgrad": dense.dgrad,
+            "wgrad": dense.wgrad,
+            "backward": lambda: (dense.dgrad(), dense.wgrad()),
+            "both": lambda: (dense.forward(), dense.dgrad(), dense.wgrad()),
+        }[phase]
+
+    def dispatched(self, phase: str) -> str:
+        return "torch.nn.functional.conv3d (dense)"
+
+    def _dense_shape(self) -> LayerShape:
+        """The layer's shape with every cell a row: what the dense convolution moves."""
+        out_cells = self.config.batch_size * math.prod(
+            (size - self.config.kernel_size) // self.config.stride + 1 for size in self.grid_shape)
+        return LayerShape(self.cells, out_cells, self.config.in_channels, self.config.out_channels,
+                          self.shape.kernel_volume, 0, self.shape.dtype, self.device)
+
+    def resident_bytes(self, phase: str) -> int:
+        shape = self._dense_shape()
+        return sum(shape.bytes_of(name) for name in PHASE_INPUTS[phase]) + shape.bytes_of("weight")
+
+    def estimate(self, phase: str) -> MemoryEstimate:
+        shape = self._dense_shape()
+        return sparse_estimate(shape, phase, shape.bytes_of("weight"), 0, 0)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """MemoryError (CuPy's OutOfMemoryError is one), torch.OutOfMemoryError, or a message saying so."""
+    torch = sys.modules.get("torch")
+    kinds = (MemoryError, *((torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else ()))
+    return isinstance(error, kinds) or "out of memory" in str(error).lower()
+
+
+def significant(value: float | None, digits: int = 6) -> float | None:
+    """`value` rounded to `digits` significant digits (for the CSV), None kept."""
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
+def _mib(nbytes: int | None):
+    return None if nbytes is None else round(nbytes / MIB, 3)
+
+
+@dataclass
+class Measurement:
+    status: str
+    error: str = ""
+    dispatched: str = ""
+    first_call_ms: float | None = None
+    samples_ms: tuple[float, ...] = ()
+    call_peak_bytes: int | None = None
+    resident_bytes: int | None = None
+    estimate: MemoryEstimate | None = None
+
+
+def not_tested(smaller: Configuration) -> Measurement:
+    return Measurement(NOT_TESTED, f"at least as large as {smaller.label().strip()}, which ran out of memory")
+
+
+class Harness:
+    """Runs the grid: one measurement per configuration × backend × phase, rows as they finish."""
+
+    def __init__(self, args, meter):
+        self.args, self.meter = args, meter
+        self.device = args.device
+        self.max_bytes = None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30)
+        self.out_of_memory: dict[tuple[str, str], list[Configuration]] = {}
+        self.full_rows: list[dict] = []
+        self.breakdown_rows: list[dict] = []
+        self.total = 0
+        self.described = backend.describe_device(self.device)
+
+    def runners(self, config: Configuration, coordinates_numpy, layer: LayerArrays, case: MapCase):
+        kernel_map = case.kernel_map
+        shape = LayerShape(kernel_map.num_in, kernel_map.num_out, config.in_channels, config.out_channels,
+                           kernel_map.kernel_volume, case.max_offset_pairs, as_feature_dtype(config.dtype),
+                           self.device)
+        torch_gpu = torch_cuda() if self.device == "cuda" else None
+        for name in self.args.backends:
+            if name == SPCONV:
+                yield name, SpconvRunner(config, coordinates_numpy, layer, shape, torch_gpu)
+            elif name == TORCH_DENSE:
+                yield name, DenseTorchRunner(config, coordinates_numpy, layer, shape, self.device,
+                                             self.args.dense_max_cells)
+            else:
+                yield name, OursRunner(name, layer, case, shape)
+
+    def skipped_by_frontier(self, name: str, phase: str, config: Configuration) -> Configuration | None:
+        return next((smaller for smaller in self.out_of_memory.get((name, phase), ())
+                     if config.at_least_as_large_as(smaller)), None)
+
+    def measure(self, name: str, runner, phase: str, config: Configuration) -> Measurement:
+        reason = runner.unsupported_reason(phase)
+        if reason:
+            return Measurement(NOT_SUPPORTED, reason)
+        smaller = self.skipped_by_frontier(name, phase, config)
+        if smaller is not None:
+            return not_tested(smaller)
+        try:
+            return self._run(name, runner, phase, config)
+        except Exception as error:  # noqa: BLE001 - one failing measurement must not stop the grid
+            status = OOM if is_out_of_memory(error) else ERROR
+            message = f"{type(error).__name__}: {error}".strip()
+        self.meter.release()  # here, once the traceback and the arrays its frames held are gone
+        if status == OOM:
+            self.out_of_memory.setdefault((name, phase), []).append(config)
+        return Measurement(status, message, runner.dispatched(phase))
+
+    def _run(self, name: str, runner, phase: str, config: Configuration) -> Measurement:
+        estimate = runner.estimate(phase)
+        if self.max_bytes is not None and estimate.total > self.max_bytes:
+            self.out_of_memory.setdefault((name, phase), []).append(config)
+            return Measurement(OOM, f"estimated {estimate.total / 2**30:.3g} GB > --max-memory-gb "
+                                    f"{self.args.max_memory_gb}", estimate=estimate)
+        prepared = {}
+
+        def first_call():
+            prepared["fn"] = runner.prepare(phase)
+            prepared["fn"]()
+            synchronize(self.device)
+
+        first_ms = host_ms(first_call)
+        fn = prepared["fn"]
+        samples = time_samples_ms(fn, self.device, self.args.warmup, self.args.repeats, self.args.iterations)
+        peak = None if runner.memory_note else self.meter.peak_extra_bytes(fn)
+        return Measurement(OK, "", runner.dispatched(phase), first_ms, tuple(samples), peak,
+                           runner.resident_bytes(phase), runner.estimate(phase))
+
+    def record(self, config: Configuration, name: str, phase: str, case: MapCase | None, measured: Measurement,
+               runner) -> dict:
+        """Add the rows of one measurement (`case` None: the layer could not be built) and return it."""
+        ok = measured.status == OK
+        median = q25 = q75 = tflops = None
+        if ok:
+            q25, median, q75 = (float(value) for value in np.percentile(measured.samples_ms, [25, 50, 75]))
+            work = GEMMS_PER_PHASE[phase] * 2.0 * case.pairs * config.in_channels * config.out_channels
+            tflops = work / median / 1e9
+        resident = measured.resident_bytes if ok else None
+        call_peak = measured.call_peak_bytes if ok else None
+        peak = None if resident is None or call_peak is None else resident + call_peak
+        estimate = measured.estimate
+        row = {
+            "device": self.described, **asdict(config), "backend": name, "phase": phase, "status": measured.status,
+            "error": measured.error, "dispatched": measured.dispatched,
+            "num_in": case.kernel_map.num_in if case else None, "num_out": case.kernel_map.num_out if case else None,
+            "pairs": case.pairs if case else None, "kernel_map_ms": significant(case.build_ms) if case else None,
+            "first_call_ms": significant(measured.first_call_ms), "median_ms": significant(median),
+            "q25_ms": significant(q25), "q75_ms": significant(q75), "samples": len(measured.samples_ms) if ok else 0,
+            "iterations": self.args.iterations if ok else 0, "tflops": significant(tflops, 4),
+            "resident_mb": _mib(resident), "call_peak_mb": _mib(call_peak), "peak_memory_mb": _mib(peak),
+            "estimated_mb": _mib(estimate.total if estimate else None),
+            "memory_source": (runner.memory_note or self.meter.source) if ok else "",
+        }
+        self.full_rows.append(row)
+        if estimate is not None:
+            self.breakdown_rows.append({
+                **asdict(config), "backend": name, "phase": phase, "status": measured.status,
+                "dispatched": measured.dispatched,
+                **{f"{part}_mb": _mib(getattr(estimate, part)) for part in BREAKDOWN_PARTS},
+                "estimated_mb": _mib(estimate.total), "peak_memory_mb": _mib(peak),
+            })
+        return row
+
+    def run(self, grid: list[Configuration]) -> None:
+        self.total = len(grid) * len(self.args.backends) * len(self.args.phases)
+        print(f"{len(grid)} configuration(s) x {len(self.args.backends)} backend(s) x {len(self.args.phases)} "
+              f"phase(s) = {self.total} measurements on {self.described}; memory: {self.meter.source}", flush=True)
+        count = coordinates_numpy = None
+        cases = {}
+        for config in grid:
+            if config.num_voxels != count:
+                cases.clear()  # frees the previous voxel count's maps before building the next
+                count = config.num_voxels
+                coordinates_numpy = scene_coordinates(config.scene, count, config.batch_size)
+            measurements = list(itertools.product(self.args.backends, self.args.phases))
+            if all(self.skipped_by_frontier(name, phase, config) for name, phase in measurements):
+                self.record_failure(config, measurements, None)  # nothing left to run: not even the map
+                continue
+            try:
+                map_key = (config.kernel_size, config.stride)
+                if map_key not in cases:
+                    cases[map_key] = build_map(backend.to_device(coordinates_numpy, self.device), config.kernel_size,
+                                               config.stride, self.device, warmup=self.args.warmup > 0)
+                case = cases[map_key]
+                layer = LayerArrays(config, case, self.device)
+            except Exception as error:  # noqa: BLE001 - a layer too large to build is a result as well
+                failure = (OOM if is_out_of_memory(error) else ERROR,
+                           f"building the layer: {type(error).__name__}: {error}")
+                self.meter.release()
+                self.record_failure(config, measurements, failure)
+                continue
+            for name, runner in self.runners(config, coordinates_numpy, layer, case):
+                for phase in self.args.phases:
+                    row = self.record(config, name, phase, case, self.measure(name, runner, phase, config), runner)
+                    print_row(len(self.full_rows), self.total, config, row)
+            layer = runner = None  # frees this layer's arrays before the next one allocates
+
+    def record_failure(self, config: Configuration, measurements, failure: tuple[str, str] | None) -> None:
+        """Rows for a layer that was not built: `failure` (status, message) for each measurement not
+        already beyond an out-of-memory frontier (those are `not_tested`)."""
+        for name, phase in measurements:
+            smaller = self.skipped_by_frontier(name, phase, config)
+            if smaller is not None:
+                measured = not_tested(smaller)
+            else:
+                measured = Measurement(*failure)
+                if failure[0] == OOM:
+                    self.out_of_memory.setdefault((name, phase), []).append(config)
+            row = self.record(config, name, phase, None, measured, None)
+            print_row(len(self.full_rows), self.total, config, row)
+
+    def heatmaps(self) -> list[dict]:
+        """Per backend, phase, dtype, kernel size and stride: status, median ms and peak MiB on a
+        grid of voxel counts (rows) × channel pairs (columns)."""
+        channels = [f"{c_in},{c_out}" for c_in, c_out in self.args.channels]
+        counts = sorted(self.args.num_voxels)
+        groups: dict[tuple, dict] = {}
+        for row in self.full_rows:
+            group_key = (row["backend"], row["phase"], row["dtype"], row["kernel_size"], row["stride"])
+            group = groups.setdefault(group_key, {
+                "backend": row["backend"], "phase": row["phase"], "dtype": row["dtype"],
+                "kernel_size": row["kernel_size"], "stride": row["stride"], "num_voxels": counts,
+                "channels": channels, **{field: [[None] * len(channels) for _ in counts]
+                                         for field in ("status", "median_ms", "peak_memory_mb")},
+            })
+            i = counts.index(row["num_voxels"])
+            j = channels.index(f"{row['in_channels']},{row['out_channels']}")
+            for field in ("status", "median_ms", "peak_memory_mb"):
+                group[field][i][j] = row[field]
+        return list(groups.values())
+
+
+def print_row(index: int, total: int, config: Configuration, row: dict) -> None:
+    width = len(str(total))
+    if row["status"] == OK:
+        peak = "?" if row["peak_memory_mb"] is None else f"{row['peak_memory_mb']:.1f}"
+        result = (f"{row['median_ms']:>10.4f} ms [{row['q25_ms']:.4f}, {row['q75_ms']:.4f}] "
+                  f"{row['tflops']:>8.3g} TFLOP/s  peak {peak} MiB  {row['dispatched']}")
+    else:
+        result = row["error"]
+    print(f"[{index:>{width}}/{total}] {config.label()}  {row['backend']:<18} {row['phase']:<8} {row['status']:<13} "
+          f"{result}", flush=True)
+
+
+def print_summary(rows: list[dict], backends, output_dir: str) -> None:
+    print("\nstatus counts per backend:")
+    print(f"  {'backend':<20}" + "".join(f"{status:>14}" for status in STATUSES))
+    for name in backends:
+        counts = [sum(1 for row in rows if row["backend"] == name and row["status"] == status) for status in STATUSES]
+        print(f"  {name:<20}" + "".join(f"{count:>14}" for count in counts))
+    print(f"results in {output_dir}")
+
+
+def kernel_sources_needed(backends, problems) -> dict:
+    """The kernel modules (`compile.KernelSource`s, each one NVRTC compilation of a file's template
+    instantiations) that running `backends` on `problems` (GPU `ConvProblem`s) may launch, with the
+    backends needing each: a named algorithm's sources of the problem's dtype, `auto`'s candidates'
+    (forward and backward), and explicit GEMM (the tuner's reference) needs none."""
+    needed: dict = {}
+    for problem in problems:
+        type_name = re.escape(cuda_type_name(problem.dtype))
+        of_dtype = re.compile(rf"[<,]\s*{type_name}\s*[,>]")
+        for name in backends:
+            if name in (SPCONV, TORCH_DENSE):
+                continue
+            if name == AUTO:
+                algorithms = {algorithm for phase in ("forward", "backward")
+                              for algorithm, _ in candidates(parse_algorithm_filter(AUTO, CONV, phase), problem)}
+            else:
+                algorithm = get_algorithm(name)
+                algorithms = {algorithm} if algorithm.supports(problem) else set()
+            for algorithm in algorithms:
+                for source in compile.registered_sources():
+                    if source.filename in algorithm.kernel_sources and any(
+                            of_dtype.search(expression) for expression in source.name_expressions):
+                        need = needed.setdefault(source, {"dtypes": set(), "needed_by": set()})
+                        need["dtypes"].add(short_name(problem.dtype))
+                        need["needed_by"].add(name)
+    return needed
+
+
+def grid_problems(grid: list[Configuration]) -> list[ConvProblem]:
+    """A GPU `ConvProblem` per distinct layer of the grid (sizes as requested), for `kernel_sources_needed`."""
+    capability = int(backend.cupy_module().cuda.Device().compute_capability)
+    return list(dict.fromkeys(
+        ConvProblem(config.num_voxels, config.num_voxels, config.in_channels, config.out_channels,
+                    config.kernel_size**3, as_feature_dtype(config.dtype), "cuda", capability,
+                    (config.stride,) * 3)
+        for config in grid))
+
+
+def precompile(grid: list[Configuration], backends, device: str) -> list[dict]:
+    """Load every kernel module the grid needs before timing (from the kernel cache, or compiled by
+    NVRTC), the map kernels by building a small map of each kernel size and stride; a row per module."""
+    if device != "cuda":
+        print("--precompile: the NumPy path compiles nothing", flush=True)
+        return []
+    loads_before = len(compile.module_loads())
+    small = backend.to_device(scene_coordinates(grid[0].scene, 2_000, 1), device)
+    for kernel_size, stride in dict.fromkeys((config.kernel_size, config.stride) for config in grid):
+        build_map(small, kernel_size, stride, device, warmup=False)
+    rows = [{"source": load.filename, "dtype": "", "instantiations": "", "needed_by": "kernel maps",
+             "compiled": load.compiled, "compile_ms": significant(load.seconds * 1e3), "error": ""}
+            for load in compile.module_loads()[loads_before:]]
+    for source, need in kernel_sources_needed(backends, grid_problems(grid)).items():
+        loads_before = len(compile.module_loads())
+        row = {"source": source.filename, "dtype": " ".join(sorted(need["dtypes"])),
+               "instantiations": len(source.name_expressions), "needed_by": " ".join(sorted(need["needed_by"])),
+               "compiled": "", "compile_ms": None, "error": ""}
+        try:
+            source.get(source.name_expressions[0])  # loads (and if need be compiles) the whole module
+            loads = compile.module_loads()[loads_before:]
+            row["compiled"] = any(load.compiled for load in loads)
+            row["compile_ms"] = significant(sum(load.seconds for load in loads) * 1e3)
+        except Exception as error:  # noqa: BLE001 - a module that fails to compile is recorded, not fatal
+            row["error"] = f"{type(error).__name__}: {error}"
+        rows.append(row)
+        print(f"precompile {row['source']:<26} {row['dtype'] or '':<5} {row['needed_by']:<24} "
+              f"{'compiled' if row['compiled'] else 'cached'} {row['compile_ms']} ms {row['error']}", flush=True)
+    return rows
+
+
+def library_versions(device: str) -> dict:
+    """Versions of what ran, as far as it is loaded in this process."""
+    versions = {"python": sys.version.split()[0]}
+    for module_name in ("cupysparse", "numpy", "cupy", "torch", "spconv"):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            versions[module_name] = str(getattr(module, "__version__", "unknown"))
+    if device == "cuda":
+        runtime = backend.cupy_module().cuda.runtime
+        versions["cuda_runtime"] = str(runtime.runtimeGetVersion())
+        versions["cuda_driver"] = str(runtime.driverGetVersion())
+    return versions
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with cache_folders(args):
+        if args.device == "auto":
+            args.device = backend.default_device()
+        elif args.device == "cuda" and not backend.gpu_available():
+            print("--device cuda: no CUDA GPU is usable (see `python -m cupysparse info`)", file=sys.stderr)
+            return 2
+        grid = configurations(args)
+        meter = memory_meter(args.device)
+        if args.max_memory_gb is not None:
+            meter.limit(int(args.max_memory_gb * 2**30))
+        compile_rows = precompile(grid, args.backends, args.device) if args.precompile else []
+        harness = Harness(args, meter)
+        harness.run(grid)
+        os.makedirs(args.output_dir, exist_ok=True)
+        write_csv(harness.full_rows, os.path.join(args.output_dir, "benchmark_full.csv"), FULL_COLUMNS)
+        write_csv(harness.breakdown_rows, os.path.join(args.output_dir, "memory_breakdown.csv"), BREAKDOWN_COLUMNS)
+        if compile_rows:
+            write_csv(compile_rows, os.path.join(args.output_dir, "compile_times.csv"), COMPILE_COLUMNS)
+        metadata = {
+            "command": args.command,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": harness.described,
+            "versions": library_versions(args.device),
+            "memory_source": meter.source,
+            "settings": {"repeats": args.repeats, "iterations": args.iterations, "warmup": args.warmup,
+                         "max_memory_gb": args.max_memory_gb, "dense_max_cells": args.dense_max_cells,
+                         "cold": args.cold, "precompile": args.precompile,
+                         "kernel_cache_dir": args.kernel_cache_dir or ("empty temporary folder" if args.cold
+                                                                       else "default")},
+            "precompile": compile_rows,
+        }
+        path = os.path.join(args.output_dir, "heatmap_data.json")
+        with open(path, "w") as handle:
+            json.dump({"metadata": metadata, "heatmaps": harness.heatmaps()}, handle, indent=1, default=str)
+        print(f"wrote {path}")
+        print_summary(harness.full_rows, args.backends, args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
