@@ -29,7 +29,7 @@ from cupysparse import backend
 from cupysparse.dtypes import as_feature_dtype
 from cupysparse.functional import conv_backward, conv_forward
 from cupysparse.scenes import make_scene
-from cupysparse.scripts.benchmarking import make_timer, write_csv
+from cupysparse.scripts.benchmarking import make_timer, time_samples_ms, write_csv
 
 
 def parse_args(argv):
@@ -45,23 +45,6 @@ def parse_args(argv):
     parser.add_argument("--csv", metavar="FILE")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the adapter's steps to FILE")
     return parser.parse_args(argv)
-
-
-def steady_time_ms(torch, fn, warmup: int, repeats: int, calls: int) -> float:
-    """Median over `repeats` samples of the time per call of `calls` back-to-back calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / calls)
-    return float(np.median(samples))
 
 
 def profile_steps(torch, step, repeats: int, path: str) -> None:
@@ -121,7 +104,7 @@ def main(argv=None) -> int:
 
     isolated = make_timer("cuda")
     timers = {
-        "steady": lambda fn: steady_time_ms(torch, fn, args.warmup, args.repeats, args.calls),
+        "steady": lambda fn: float(np.median(time_samples_ms(fn, "cuda", args.warmup, args.repeats, args.calls))),
         "isolated": lambda fn: isolated(fn, args.warmup, args.repeats),
     }
     rows = []
