@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
-from .backend import cupy_module, kernel_cache_dir
+from .backend import cupy_module, is_cupy_array, kernel_cache_dir
 
 KERNEL_DIR = Path(__file__).resolve().parent / "raw_kernels"
 if not KERNEL_DIR.is_dir():  # editable install: the folder stays at the repository root
@@ -336,3 +337,43 @@ def get_kernel(source: KernelSource, name_expression: str):
 def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], tuple[int]]:
     """Grid and block for a one-thread-per-item kernel (at least one block)."""
     return (max(1, -(-num_threads // block_size)),), (block_size,)
+
+
+class PreparedLaunch:
+    """One kernel's launch with its grid, block and arguments fixed, except the arguments given as None
+    (device addresses, filled in per call): `launch(stream, *addresses)`, `stream` a raw CUDA stream
+    handle (0: the legacy default stream). A CuPy `Function` call converts every argument again on
+    every launch, about a microsecond each; this costs one driver call.
+
+    Every argument sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes, which
+    is all the kernel reads of it), with a second buffer holding the slots' addresses, which is what
+    cuLaunchKernel takes; it copies the values before it returns, so the buffers are refilled under
+    a lock and reused. Arrays among `arguments` (e.g. a pair table) are kept alive with the launch."""
+
+    def __init__(self, kernel, grid, block, arguments):
+        self._launch_kernel = cupy_module().cuda.driver.launchKernel
+        self._function = kernel.ptr
+        self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
+        self._values = np.zeros(len(arguments), dtype=np.uint64)
+        self._free = tuple(i for i, argument in enumerate(arguments) if argument is None)
+        self._arrays = []
+        for i, argument in enumerate(arguments):
+            if argument is None:
+                continue
+            if is_cupy_array(argument):
+                self._arrays.append(argument)
+                self._values[i] = argument.data.ptr
+            else:
+                scalar = np.asarray(argument)
+                self._values[i : i + 1].view(np.uint8)[: scalar.itemsize] = scalar.reshape(1).view(np.uint8)
+        self._slots = self._values.ctypes.data + 8 * np.arange(len(arguments), dtype=np.uint64)
+        self._slots_address = self._slots.ctypes.data
+        self._lock = threading.Lock()
+
+    def launch(self, stream: int, *addresses: int) -> None:
+        if len(addresses) != len(self._free):
+            raise TypeError(f"this launch takes {len(self._free)} addresses, got {len(addresses)}")
+        with self._lock:
+            for slot, address in zip(self._free, addresses):
+                self._values[slot] = address
+            self._launch_kernel(self._function, *self._dims, 0, stream, self._slots_address, 0)

@@ -1,7 +1,7 @@
 // Implicit GEMM on tensor cores through nvcuda::wmma: 16x16x16 fragments of fp16 or bf16 inputs,
 // fp32 accumulation, operands staged in shared memory.
 //
-// Forward (and dgrad, which is the forward over the reversed pair table with the transposed weight):
+// Forward (and dgrad, which is the forward over the reversed pair table reading the weight transposed):
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
 // offset's compact pair list, fp32 partials into a workspace that a second kernel sums in share order.
@@ -41,6 +41,16 @@ constexpr int ROW_TABLE_LIMIT = 16 * 1024;
 using Fragment = wmma::fragment<wmma::accumulator, FRAGMENT, FRAGMENT, FRAGMENT, float>;
 
 __host__ __device__ constexpr int smaller(int a, int b) { return a < b ? a : b; }
+
+// The layout of a weight tile staged as it lies in memory: row-major K x N, or N x K read as col-major.
+template <bool TRANSPOSED>
+struct WeightLayout {
+  using type = wmma::row_major;
+};
+template <>
+struct WeightLayout<true> {
+  using type = wmma::col_major;
+};
 
 template <typename T>
 __device__ __forceinline__ T from_float(float value);
@@ -127,9 +137,11 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // The tile first reads its pair-table entries for a batch of offsets into shared memory, with a mask of
 // the offsets any of its rows has; the pipeline then runs over the steps (offset in the mask, chunk of
 // BLOCK_K input channels) of that batch, so skipped offsets cost no step.
-// x [num_in, in_channels]; weight [kernel_volume, in_channels_padded, out_channels_padded];
-// out [num_out, out_channels]. in_channels_padded is a multiple of BLOCK_K.
-template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES>
+// x [num_in, in_channels]; weight [kernel_volume, in_channels_padded, out_channels_padded], or with
+// WEIGHT_TRANSPOSED [kernel_volume, out_channels_padded, in_channels_padded] read as its transpose (dgrad
+// reads the layer's weight as it is); out [num_out, out_channels]. in_channels_padded is a multiple of
+// BLOCK_K.
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
@@ -142,10 +154,12 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   constexpr int WARPS = (BLOCK_M / WARP_TILE) * WARPS_N;
   constexpr int THREADS = WARPS * WARP_SIZE;
   constexpr int LDA = BLOCK_K + HALF_ROW_PAD;
-  constexpr int LDB = BLOCK_N + HALF_ROW_PAD;
+  // The weight tile is staged as it lies in memory: BLOCK_K x BLOCK_N, or BLOCK_N x BLOCK_K transposed.
+  constexpr int LDB = (WEIGHT_TRANSPOSED ? BLOCK_K : BLOCK_N) + HALF_ROW_PAD;
+  constexpr int B_ROWS = WEIGHT_TRANSPOSED ? BLOCK_N : BLOCK_K;
   constexpr int LDC = BLOCK_N + FLOAT_ROW_PAD;
   constexpr int A_BYTES = BLOCK_M * LDA * (int)sizeof(T);
-  constexpr int STAGE_BYTES = A_BYTES + BLOCK_K * LDB * (int)sizeof(T);
+  constexpr int STAGE_BYTES = A_BYTES + B_ROWS * LDB * (int)sizeof(T);
   constexpr int C_BYTES = BLOCK_M * LDC * (int)sizeof(float);
   // The fp32 result tile reuses the operand buffers once the main loop is over.
   constexpr int SHARED_BYTES = STAGES * STAGE_BYTES > C_BYTES ? STAGES * STAGE_BYTES : C_BYTES;
@@ -192,8 +206,10 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
 #pragma unroll
       for (int j = 0; j < WARP_FRAGMENTS; ++j) {
         if (j >= active_col_fragments) continue;
-        wmma::fragment<wmma::matrix_b, FRAGMENT, FRAGMENT, FRAGMENT, T, wmma::row_major> b;
-        wmma::load_matrix_sync(b, b_tile + kk * LDB + warp_col + j * FRAGMENT, LDB);
+        using Layout = typename WeightLayout<WEIGHT_TRANSPOSED>::type;
+        wmma::fragment<wmma::matrix_b, FRAGMENT, FRAGMENT, FRAGMENT, T, Layout> b;
+        const int n = warp_col + j * FRAGMENT;
+        wmma::load_matrix_sync(b, b_tile + (WEIGHT_TRANSPOSED ? n * LDB + kk : kk * LDB + n), LDB);
 #pragma unroll
         for (int i = 0; i < WARP_FRAGMENTS; ++i) wmma::mma_sync(acc[i][j], a[i], b, acc[i][j]);
       }
@@ -234,10 +250,18 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
       T* b_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES + A_BYTES);
       const int* gathered = in_rows[offset];
       const auto gathered_row = [&](int m) -> long long { return gathered[m]; };
-      const auto weight_row = [](int r) -> long long { return r; };
-      const T* weight_rows = weight + ((long long)(batch_start + offset) * in_channels_padded + c0) * out_channels_padded;
+      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
       stage_tile<BLOCK_M, BLOCK_K, THREADS, PIPELINED>(x, in_channels, c0, gathered_row, a_tile, LDA);
-      stage_tile<BLOCK_K, BLOCK_N, THREADS, true>(weight_rows, out_channels_padded, col_base, weight_row, b_tile, LDB);
+      if constexpr (WEIGHT_TRANSPOSED) {
+        // The stored weight's rows col_base.. (this call's output channels), columns c0.. (its inputs).
+        const auto weight_row = [&](int r) -> long long {
+          return col_base + r < out_channels_padded ? col_base + r : -1;
+        };
+        stage_tile<BLOCK_N, BLOCK_K, THREADS, true>(weight_k, in_channels_padded, c0, weight_row, b_tile, LDB);
+      } else {
+        const auto weight_row = [&](int r) -> long long { return c0 + r; };
+        stage_tile<BLOCK_K, BLOCK_N, THREADS, true>(weight_k, out_channels_padded, col_base, weight_row, b_tile, LDB);
+      }
       c0 += BLOCK_K;
     };
 

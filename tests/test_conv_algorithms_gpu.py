@@ -177,15 +177,15 @@ def _planned_phases(algorithm, kernel_map, x, w, dy, misaligned: bool):
         out[:, : weight.shape[1], : weight.shape[2]] = cupy.asarray(weight)
         return out
 
+    stream = cupy.cuda.get_current_stream().ptr
     x_gpu, dy_gpu = buffer(x), buffer(dy)
     out = filled_with_nan(forward.out_shape, x.dtype)
-    forward.launch(x_gpu.data.ptr, padded(w, forward.weight_shape).data.ptr, out.data.ptr)
+    forward.launch(x_gpu.data.ptr, padded(w, forward.weight_shape).data.ptr, out.data.ptr, stream)
     grad_input = filled_with_nan(x.shape, x.dtype)
-    transposed = padded(w.transpose(0, 2, 1), backward.weight_transposed_shape)
-    backward.dgrad(dy_gpu.data.ptr, transposed.data.ptr, grad_input.data.ptr)
+    backward.dgrad(dy_gpu.data.ptr, padded(w, backward.weight_shape).data.ptr, grad_input.data.ptr, stream)
     workspace = filled_with_nan(backward.workspace_shape, np.float32)
     grad_weight = filled_with_nan(w.shape, x.dtype)
-    backward.wgrad(x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr)
+    backward.wgrad(x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
     return {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
 
 

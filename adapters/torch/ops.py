@@ -33,7 +33,7 @@ from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
 from cupysparse.tuner import choices_version
 
-from .bridge import cupy_stream, from_core, on_torch_stream, to_core
+from .bridge import from_core, on_torch_stream, stream_handle, to_core
 
 _maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
 _tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -152,7 +152,7 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
     if plan is not None:
         out = features.new_empty(plan.out_shape)
         padded = _padded(weight, plan.weight_shape)
-        plan.launch(features.data_ptr(), padded.data_ptr(), out.data_ptr(), cupy_stream(features.device))
+        plan.launch(features.data_ptr(), padded.data_ptr(), out.data_ptr(), stream_handle(features.device))
         return out
     with on_torch_stream(features.device):
         out = functional.conv_forward(to_core(features), to_core(weight), kernel_map, _algorithm(fwd_algo))
@@ -177,12 +177,12 @@ def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_in
 
 
 def _planned_backward(plan, grad_output, features, weight, needs_input_grad: bool, needs_weight_grad: bool):
-    stream = cupy_stream(features.device)
+    stream = stream_handle(features.device)
     grad_input = grad_weight = None
     if needs_input_grad:
-        transposed = _padded(weight.transpose(1, 2), plan.weight_transposed_shape)
+        padded = _padded(weight, plan.weight_shape)
         grad_input = torch.empty_like(features)
-        plan.dgrad(grad_output.data_ptr(), transposed.data_ptr(), grad_input.data_ptr(), stream)
+        plan.dgrad(grad_output.data_ptr(), padded.data_ptr(), grad_input.data_ptr(), stream)
     if needs_weight_grad:
         # Every element of the workspace is written before it is read: no clearing.
         workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=features.device)

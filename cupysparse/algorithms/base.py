@@ -81,8 +81,8 @@ class ConvProblem:
 class ForwardPlan:
     """The forward of one layer on device addresses: `launch(features, weight, out, stream)` with
     features `[N_in, C_in]` and out `out_shape`, row-major, and the weight in `weight_shape`
-    (`[K, C_in, C_out]` zero-padded at the end of both channel dimensions); `stream` is a CuPy
-    stream, None for the current one. The kernels are those of the device the plan was made on."""
+    (`[K, C_in, C_out]` zero-padded at the end of both channel dimensions); `stream` is a raw CUDA
+    stream handle. The kernels are those of the device the plan was made on."""
 
     weight_shape: tuple[int, int, int]
     out_shape: tuple[int, int]
@@ -92,13 +92,12 @@ class ForwardPlan:
 @dataclass(frozen=True)
 class BackwardPlan:
     """dgrad and wgrad of one layer on device addresses, as `ForwardPlan`:
-    `dgrad(grad_output, weight_transposed, grad_input, stream)` with the weight transposed to
-    `weight_transposed_shape` (`[K, C_out, C_in]` zero-padded at the end of both channel
-    dimensions), and `wgrad(features, grad_output, workspace, grad_weight, stream)` with an fp32
-    workspace of `workspace_shape` (no initialisation needed). Arrays row-major, in the features'
-    dtype."""
+    `dgrad(grad_output, weight, grad_input, stream)` with the weight in `weight_shape` (as the
+    forward's: `[K, C_in, C_out]` zero-padded at the end of both channel dimensions), and
+    `wgrad(features, grad_output, workspace, grad_weight, stream)` with an fp32 workspace of
+    `workspace_shape` (no initialisation needed). Arrays row-major, in the features' dtype."""
 
-    weight_transposed_shape: tuple[int, int, int]
+    weight_shape: tuple[int, int, int]
     workspace_shape: tuple[int, ...]
     dgrad: Callable[..., None]
     wgrad: Callable[..., None]

@@ -7,16 +7,17 @@ through the pair table into shared memory and writes each output once, so result
 deterministic. With channel counts that are multiples of 8 the gathers run `stages` deep through
 cp.async (sm_80+), overlapping the tensor-core work. Forward may visit the output rows in
 offset-mask order (`sort_rows`) so that a tile's rows share offsets and more offsets are skipped.
-dgrad is the same kernel over the reversed map with the transposed weight, always in the reversed
-map's mask order (computed once per map and cached, like the forward's). wgrad runs over the
+dgrad is the same kernel over the reversed map reading the weight transposed (a template flag: no
+transposed copy), always in the reversed map's mask order (computed once per map and cached, like the
+forward's). wgrad runs over the
 per-offset pair lists (`KernelMap.csr`), each offset's list split into shares sized so that about
 `wgrad_warps_per_sm` warps per SM are launched; a second kernel sums their fp32 partial weight
 gradients in a fixed order.
 
-`prepare_weight` pads the weight once to multiples of 16 channels on both sides (the fragment size)
-and makes the transposed copy dgrad reads on first use; features stay unpadded. Each layer's launch
-settings (kernels, grid, fixed arguments) are computed once and kept with its kernel map
-(`KernelMap.launch_plan`), so a call costs its allocations and launches.
+`prepare_weight` pads the weight to multiples of 16 channels on both sides (the fragment size) when
+it is not already; features stay unpadded. Each layer's launches (kernels, grid, fixed arguments) are
+prepared once and kept with its kernel map (`KernelMap.launch_plan`), so a call costs its allocations
+and one driver call per kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import array_module, cupy_module, is_cupy_array
-from ..compile import KernelSource, launch_config
+from ..compile import KernelSource, PreparedLaunch, launch_config
 from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
 from .base import Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
@@ -43,6 +44,7 @@ FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
 # Depth of the forward / dgrad cp.async pipeline; 1 is the synchronous kernel for any channel count.
 PIPELINE_STAGES = (3, 2)
 SYNCHRONOUS_STAGES = 1
+DGRAD_STAGES = PIPELINE_STAGES[0]
 WGRAD_STAGES = 3
 # Resident warps per SM the wgrad shares aim at (the gathers are latency-bound: more warps hide more).
 WGRAD_WARPS_PER_SM = (32, 16, 64, 128)
@@ -64,8 +66,10 @@ def padded_channels(channels: int) -> int:
     return -(-channels // FRAGMENT) * FRAGMENT
 
 
-def _forward_kernel_name(type_name: str, tile: tuple[int, int], block_k: int, stages: int) -> str:
-    return f"wmma_conv_forward<{type_name}, {tile[0]}, {tile[1]}, {block_k}, {stages}>"
+def _forward_kernel_name(type_name: str, tile: tuple[int, int], block_k: int, stages: int,
+                         weight_transposed: bool) -> str:
+    flag = "true" if weight_transposed else "false"
+    return f"wmma_conv_forward<{type_name}, {tile[0]}, {tile[1]}, {block_k}, {stages}, {flag}>"
 
 
 def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], stages: int) -> str:
@@ -79,17 +83,23 @@ def _sum_kernel_name(type_name: str) -> str:
 def _kernel_source(dtype) -> KernelSource:
     type_name = cuda_type_name(dtype)
     forward = tuple(
-        _forward_kernel_name(type_name, tile, block_k, stages)
+        _forward_kernel_name(type_name, tile, block_k, stages, False)
         for tile in FORWARD_TILES
         for block_k in BLOCK_KS
         for stages in (*PIPELINE_STAGES, SYNCHRONOUS_STAGES)
+    )
+    dgrad = tuple(
+        _forward_kernel_name(type_name, tile, block_k, stages, True)
+        for tile in FORWARD_TILES
+        for block_k in BLOCK_KS
+        for stages in (DGRAD_STAGES, SYNCHRONOUS_STAGES)
     )
     wgrad = tuple(
         _wgrad_kernel_name(type_name, tile, stages)
         for tile in WGRAD_TILES
         for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
     )
-    return KernelSource("wmma_implicit_gemm.cu", (*forward, *wgrad, _sum_kernel_name(type_name)))
+    return KernelSource("wmma_implicit_gemm.cu", (*forward, *dgrad, *wgrad, _sum_kernel_name(type_name)))
 
 
 # One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
@@ -99,9 +109,8 @@ _SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dty
 
 class PaddedWeight:
     """A weight `[K, C_in, C_out]` zero-padded to `[K, C_in_pad, C_out_pad]` (multiples of 16), the
-    form the forward kernel reads (a contiguous weight already of that shape is used as it is);
-    `transposed` (`[K, C_out_pad, C_in_pad]`, for dgrad) is made on first use. Build it with
-    `WmmaImplicitGemm.prepare_weight`."""
+    form forward and dgrad read (a contiguous weight already of that shape is used as it is). Build it
+    with `WmmaImplicitGemm.prepare_weight`."""
 
     def __init__(self, weight):
         if weight.ndim != 3:
@@ -114,10 +123,6 @@ class PaddedWeight:
         else:
             self.padded = array_module(weight).zeros(padded_shape, dtype=weight.dtype)
             self.padded[:, : self.in_channels, : self.out_channels] = weight
-
-    @functools.cached_property
-    def transposed(self):
-        return array_module(self.padded).ascontiguousarray(self.padded.transpose(0, 2, 1))
 
     def __repr__(self) -> str:
         return (
@@ -191,63 +196,76 @@ def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
     return rows, cols
 
 
-class _GemmPlan:
-    """The launch of `_implicit_gemm` for one pair table (a map's or its reverse's), row order, dtype,
-    channel counts, tile and pipeline depth: computed once per layer and kept with the map, so that a
-    call only allocates its output and launches."""
+def _current_stream() -> int:
+    return cupy_module().cuda.get_current_stream().ptr
 
-    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, in_padded, out_padded, tile, stages):
+
+class _GemmPlan:
+    """The launches of `_implicit_gemm` for one pair table (a map's or its reverse's), row order, dtype,
+    channel counts, tile, pipeline depth and weight layout: prepared once per layer and kept with the
+    map, so that a call only allocates its output and launches."""
+
+    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, in_padded, out_padded, tile, stages,
+                 weight_transposed: bool):
         cupy = cupy_module()
         kernel_volume, num_out = pair_table.shape
-        self.pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
-        self.row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
+        pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
+        row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
         self.dtype = dtype
         self.out_shape = (num_out, out_channels)
         block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
         type_name = cuda_type_name(dtype)
-        self.pipelined = _SOURCES[dtype].get(_forward_kernel_name(type_name, tile, block_k, stages))
-        self.synchronous = _SOURCES[dtype].get(_forward_kernel_name(type_name, tile, block_k, SYNCHRONOUS_STAGES))
-        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
-        self.grid = (-(-num_out // tile[0]) * -(-out_padded // tile[1]),)
-        self.block = (_threads(tile),)
-        sizes = (num_out, kernel_volume, in_channels, in_padded, out_channels, out_padded)
-        self.sizes = tuple(np.int32(size) for size in sizes)
+        grid = (-(-num_out // tile[0]) * -(-out_padded // tile[1]),)
+        sizes = tuple(np.int32(size) for size in (num_out, kernel_volume, in_channels, in_padded, out_channels,
+                                                  out_padded))
+        # features, weight and out are the per-call addresses.
+        arguments = (None, pair_table, row_order, None, None, *sizes)
 
-    def launch(self, features: int, padded_weight: int, out: int, stream=None) -> None:
-        """Launch on device addresses (row-major arrays), on `stream` (a CuPy stream; None: the current one)."""
+        def prepared(kernel_stages: int) -> PreparedLaunch:
+            name = _forward_kernel_name(type_name, tile, block_k, kernel_stages, weight_transposed)
+            return PreparedLaunch(_SOURCES[dtype].get(name), grid, (_threads(tile),), arguments)
+
+        self.pipelined, self.synchronous = prepared(stages), prepared(SYNCHRONOUS_STAGES)
+        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+
+    def launch(self, features: int, weight: int, out: int, stream: int) -> None:
+        """Launch on device addresses (row-major arrays; the weight padded, in the layout the plan
+        reads), on the raw CUDA stream handle `stream`."""
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
-        kernel = self.pipelined if self.vector_rows and features % VECTOR_BYTES == 0 else self.synchronous
-        kernel(self.grid, self.block, (np.uint64(features), self.pair_table, self.row_order, np.uint64(padded_weight),
-                                       np.uint64(out), *self.sizes), stream=stream)
+        pipelined = self.vector_rows and features % VECTOR_BYTES == 0
+        (self.pipelined if pipelined else self.synchronous).launch(stream, features, weight, out)
 
     def __call__(self, features, padded_weight):
         out = cupy_module().empty(self.out_shape, dtype=self.dtype)  # every element is written once
-        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr)
+        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr, _current_stream())
         return out
 
 
-def _gemm_plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages) -> _GemmPlan:
+def _gemm_plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages,
+               weight_transposed: bool = False) -> _GemmPlan:
     """`_GemmPlan` over `kernel_map`, made on first use and kept with the map."""
     in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
     return kernel_map.launch_plan(
-        (_GemmPlan, dtype, in_channels, out_channels, tile, stages, sort_rows),
+        (_GemmPlan, dtype, in_channels, out_channels, tile, stages, sort_rows, weight_transposed),
         lambda: _GemmPlan(kernel_map.pair_table, kernel_map.mask_sorted_order() if sort_rows else None, dtype,
-                          in_channels, out_channels, in_padded, out_padded, tile, stages),
+                          in_channels, out_channels, in_padded, out_padded, tile, stages, weight_transposed),
     )
 
 
 def _implicit_gemm(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile,
-                   stages):
-    """`out[i] = Σ_k padded_weight[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]` over
-    `kernel_map`'s pair table, with the output rows visited in the map's mask order when `sort_rows`,
-    pipelined `stages` deep when the feature rows allow 16-byte copies."""
+                   stages, weight_transposed: bool = False):
+    """`out[i] = Σ_k W[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]` over `kernel_map`'s
+    pair table, W the padded weight or, when `weight_transposed`, its transpose, with the output rows
+    visited in the map's mask order when `sort_rows`, pipelined `stages` deep when the feature rows
+    allow 16-byte copies."""
     cupy = cupy_module()
     kernel_volume, num_out = kernel_map.pair_table.shape
     if num_out == 0 or out_channels == 0 or features.shape[0] == 0 or kernel_volume == 0 or in_channels == 0:
         return cupy.zeros((num_out, out_channels), dtype=features.dtype)
     if not features.flags.c_contiguous:
         features = cupy.ascontiguousarray(features)
-    plan = _gemm_plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages)
+    plan = _gemm_plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages,
+                      weight_transposed)
     return plan(features, padded_weight)
 
 
@@ -271,7 +289,7 @@ class _WgradPlan:
         shares = max(
             1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
         )
-        self.pairs = (
+        pair_lists = (
             cupy.ascontiguousarray(pairs.in_idx, dtype=np.int32),
             cupy.ascontiguousarray(pairs.out_idx, dtype=np.int32),
             cupy.ascontiguousarray(pairs.offsets, dtype=np.int64),
@@ -280,36 +298,38 @@ class _WgradPlan:
         self.workspace_shape = (shares, kernel_volume, in_padded, out_padded)
         self.out_shape = (kernel_volume, in_channels, out_channels)
         type_name = cuda_type_name(dtype)
-        self.pipelined = _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, WGRAD_STAGES))
-        self.synchronous = _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, SYNCHRONOUS_STAGES))
+        grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
+        sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded,
+                                                  shares))
+        # features, grad_output and the workspace are the per-call addresses.
+        arguments = (None, None, *pair_lists, *sizes, None)
+        self.pipelined, self.synchronous = (
+            PreparedLaunch(_SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid, (_threads(tile),),
+                           arguments)
+            for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
+        )
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
-        self.grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
-        self.block = (_threads(tile),)
-        self.sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded,
-                                                       shares))
-        self.sum_kernel = _SOURCES[dtype].get(_sum_kernel_name(type_name))
-        self.sum_grid, self.sum_block = launch_config(kernel_volume * in_channels * out_channels)
-        self.sum_sizes = tuple(np.int32(size) for size in (shares, kernel_volume, in_channels, in_padded, out_channels,
-                                                           out_padded))
+        sum_sizes = tuple(np.int32(size) for size in (shares, kernel_volume, in_channels, in_padded, out_channels,
+                                                      out_padded))
+        self.sum = PreparedLaunch(_SOURCES[dtype].get(_sum_kernel_name(type_name)),
+                                  *launch_config(kernel_volume * in_channels * out_channels), (None, None, *sum_sizes))
 
-    def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream=None) -> None:
+    def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream: int) -> None:
         """Launch on device addresses (row-major arrays, the fp32 workspace of `workspace_shape`), on
-        `stream` (a CuPy stream; None: the current one)."""
+        the raw CUDA stream handle `stream`."""
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
-        kernel = self.pipelined if vectors else self.synchronous
-        kernel(self.grid, self.block, (np.uint64(features), np.uint64(grad_output), *self.pairs, *self.sizes,
-                                       np.uint64(workspace)), stream=stream)
-        self.sum_kernel(self.sum_grid, self.sum_block, (np.uint64(workspace), np.uint64(grad_weight), *self.sum_sizes),
-                        stream=stream)
+        (self.pipelined if vectors else self.synchronous).launch(stream, features, grad_output, workspace)
+        self.sum.launch(stream, workspace, grad_weight)
 
     def __call__(self, features, grad_output):
         cupy = cupy_module()
         # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
         workspace = cupy.empty(self.workspace_shape, dtype=np.float32)
         grad_weight = cupy.empty(self.out_shape, dtype=self.dtype)
-        self.launch(features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr)
+        self.launch(features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
+                    _current_stream())
         return grad_weight
 
 
@@ -407,8 +427,8 @@ class WmmaImplicitGemm(Algorithm):
         _check_weight(weight, kernel_map)
         _check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
         return _implicit_gemm(
-            grad_output, kernel_map.reversed(), True, weight.transposed, weight.out_channels, weight.in_channels,
-            tile, PIPELINE_STAGES[0],
+            grad_output, kernel_map.reversed(), True, weight.padded, weight.out_channels, weight.in_channels,
+            tile, DGRAD_STAGES, weight_transposed=True,
         )
 
     def wgrad(
@@ -453,9 +473,9 @@ class WmmaImplicitGemm(Algorithm):
         params = {**self.default_params("backward"), **params}
         _check_tile(params["tile"], "dgrad")
         dgrad = _gemm_plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels,
-                           tuple(params["tile"]), PIPELINE_STAGES[0])
+                           tuple(params["tile"]), DGRAD_STAGES, weight_transposed=True)
         wgrad = _wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
                             params["wgrad_warps_per_sm"])
-        weight_shape = (problem.kernel_volume, padded_channels(problem.out_channels),
-                        padded_channels(problem.in_channels))
+        weight_shape = (problem.kernel_volume, padded_channels(problem.in_channels),
+                        padded_channels(problem.out_channels))
         return BackwardPlan(weight_shape, wgrad.workspace_shape, dgrad.launch, wgrad.launch)
