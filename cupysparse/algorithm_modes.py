@@ -23,6 +23,7 @@ class SPARSE_CONV_FWD_ALGO_MODE(str, enum.Enum):
     EXPLICIT_GEMM = "explicit_gemm"
     IMPLICIT_GEMM = "implicit_gemm"
     WMMA_IMPLICIT_GEMM = "wmma_implicit_gemm"
+    MMA_IMPLICIT_GEMM = "mma_implicit_gemm"
     AUTO = AUTO
 
 
@@ -30,6 +31,7 @@ class SPARSE_CONV_BWD_ALGO_MODE(str, enum.Enum):
     EXPLICIT_GEMM = "explicit_gemm"
     IMPLICIT_GEMM = "implicit_gemm"
     WMMA_IMPLICIT_GEMM = "wmma_implicit_gemm"
+    MMA_IMPLICIT_GEMM = "mma_implicit_gemm"
     AUTO = AUTO
 
 

@@ -339,20 +339,29 @@ def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], 
     return (max(1, -(-num_threads // block_size)),), (block_size,)
 
 
+# Shared memory a block may use without opting in (larger dynamic sizes are set per kernel).
+STATIC_SHARED_LIMIT = 48 * 1024
+
+
 class PreparedLaunch:
-    """One kernel's launch with its grid, block and arguments fixed, except the arguments given as None
-    (device addresses, filled in per call): `launch(stream, *addresses)`, `stream` a raw CUDA stream
-    handle (0: the legacy default stream). A CuPy `Function` call converts every argument again on
-    every launch, about a microsecond each; this costs one driver call.
+    """One kernel's launch with its grid, block, dynamic shared memory and arguments fixed, except the
+    arguments given as None (device addresses, filled in per call): `launch(stream, *addresses)`,
+    `stream` a raw CUDA stream handle (0: the legacy default stream). A CuPy `Function` call converts
+    every argument again on every launch, about a microsecond each; this costs one driver call.
 
     Every argument sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes, which
     is all the kernel reads of it), with a second buffer holding the slots' addresses, which is what
     cuLaunchKernel takes; it copies the values before it returns, so the buffers are refilled under
     a lock and reused. Arrays among `arguments` (e.g. a pair table) are kept alive with the launch."""
 
-    def __init__(self, kernel, grid, block, arguments):
-        self._launch_kernel = cupy_module().cuda.driver.launchKernel
+    def __init__(self, kernel, grid, block, arguments, shared_bytes: int = 0):
+        driver = cupy_module().cuda.driver
+        self._launch_kernel = driver.launchKernel
         self._function = kernel.ptr
+        self._shared_bytes = shared_bytes
+        if shared_bytes > STATIC_SHARED_LIMIT:  # dynamic shared memory past the default needs an opt-in
+            driver.funcSetAttribute(self._function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    shared_bytes)
         self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
         self._values = np.zeros(len(arguments), dtype=np.uint64)
         self._free = tuple(i for i, argument in enumerate(arguments) if argument is None)
@@ -376,4 +385,4 @@ class PreparedLaunch:
         with self._lock:
             for slot, address in zip(self._free, addresses):
                 self._values[slot] = address
-            self._launch_kernel(self._function, *self._dims, 0, stream, self._slots_address, 0)
+            self._launch_kernel(self._function, *self._dims, self._shared_bytes, stream, self._slots_address, 0)

@@ -14,33 +14,22 @@
 // Weights come zero-padded to multiples of 16 in both channel dimensions, so a 16x16 weight or
 // workspace fragment is either wholly inside the padded extent or wholly outside it. Features and
 // gradients are not padded: their loads check the channel bound.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <mma.h>
+
+#include "float_conversion.cuh"
+#include "gather_tiles.cuh"
 
 namespace wmma = nvcuda::wmma;
 
 constexpr int FRAGMENT = 16;
-constexpr int WARP_SIZE = 32;
 // Every warp computes a WARP_TILE x WARP_TILE sub-tile of its block's tile: 2 x 2 fragments.
 constexpr int WARP_TILE = 32;
 constexpr int WARP_FRAGMENTS = WARP_TILE / FRAGMENT;
-// Shared-memory rows of 16-bit values are padded by 8 elements (16 bytes): consecutive rows start in
-// different banks, and every row start stays 16-byte aligned for vector copies. A fragment's base is
-// 16 rows and a multiple of 16 columns away from its buffer's start, which keeps it 32-byte aligned.
-constexpr int HALF_ROW_PAD = 8;
 constexpr int FLOAT_ROW_PAD = 4;
-constexpr int VECTOR = 8;  // 16-bit elements per 16-byte copy
 // Kernels keep to static shared memory, at most 48 KB per block.
 constexpr int STATIC_SHARED_LIMIT = 48 * 1024;
-// A forward tile reads the pair-table entries of up to 32 offsets at once (one bit each in a mask),
-// in at most 16 KB of shared memory.
-constexpr int MAX_OFFSET_BATCH = 32;
-constexpr int ROW_TABLE_LIMIT = 16 * 1024;
 
 using Fragment = wmma::fragment<wmma::accumulator, FRAGMENT, FRAGMENT, FRAGMENT, float>;
-
-__host__ __device__ constexpr int smaller(int a, int b) { return a < b ? a : b; }
 
 // The layout of a weight tile staged as it lies in memory: row-major K x N, or N x K read as col-major.
 template <bool TRANSPOSED>
@@ -52,77 +41,6 @@ struct WeightLayout<true> {
   using type = wmma::col_major;
 };
 
-template <typename T>
-__device__ __forceinline__ T from_float(float value);
-
-template <>
-__device__ __forceinline__ __half from_float<__half>(float value) {
-  return __float2half_rn(value);
-}
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) {
-  return __float2bfloat16_rn(value);
-}
-
-// Copies 16 bytes from global `src` to shared `dst`, or writes 16 zero bytes when !valid (`src` is then
-// not read). On sm_80+ the copy is asynchronous (cp.async, L2 only): it lands after the wait_async_copies
-// that retires its commit group. Both addresses must be 16-byte aligned.
-__device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-#else
-  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-__device__ __forceinline__ void commit_async_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Waits until at most PENDING of this thread's most recent commit groups are still in flight.
-template <int PENDING>
-__device__ __forceinline__ void wait_async_copies() {
-#if __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-#endif
-}
-
-// Copies the tile [ROWS x COLS] of a row-major matrix with `num_cols` columns into shared memory
-// (row stride `ld`): tile row r is matrix row `row_of(r)` (-1: zeros), tile column c is matrix column
-// `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 8 elements at once through
-// copy_16_bytes and needs `num_cols` and `col0` to be multiples of 8 and `src` 16-byte aligned.
-template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
-__device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
-                                          T* __restrict__ dst, int ld) {
-  if constexpr (VECTOR_COPIES) {
-    static_assert(COLS % VECTOR == 0, "tile columns must be whole vectors");
-    constexpr int VECTORS_PER_ROW = COLS / VECTOR;
-    constexpr int VECTORS = ROWS * VECTORS_PER_ROW;
-#pragma unroll
-    for (int i = 0; i < (VECTORS + THREADS - 1) / THREADS; ++i) {
-      const int v = threadIdx.x + i * THREADS;
-      if (VECTORS % THREADS != 0 && v >= VECTORS) break;
-      const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * VECTOR;
-      const long long row = row_of(r);
-      const int col = col0 + c;
-      const bool valid = row >= 0 && col < num_cols;
-      copy_16_bytes(dst + r * ld + c, valid ? src + row * num_cols + col : src, valid);
-    }
-  } else {
-    const T zero = from_float<T>(0.0f);
-    for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
-      const int r = e / COLS, c = e % COLS;
-      const long long row = row_of(r);
-      const int col = col0 + c;
-      dst[r * ld + c] = (row >= 0 && col < num_cols) ? src[row * num_cols + col] : zero;
-    }
-  }
-}
 
 // How many of a warp's WARP_FRAGMENTS fragments along one dimension start inside `extent`
 // (a multiple of 16); the rest multiply only zeros and are skipped, uniformly across the warp.
@@ -219,24 +137,8 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   const int chunks = in_channels_padded / BLOCK_K;
   for (int batch_start = 0; batch_start < kernel_volume; batch_start += OFFSET_BATCH) {
     const int batch = min(OFFSET_BATCH, kernel_volume - batch_start);
-    // Orders the out_rows writes, and every read of in_rows, warp_offset_masks and the operand buffers
-    // for the previous batch, before this batch's writes.
-    __syncthreads();
-    unsigned offset_mask = 0;
-    for (int e = threadIdx.x; e < batch * BLOCK_M; e += THREADS) {
-      const int j = e / BLOCK_M, m = e % BLOCK_M;
-      const int out_row = out_rows[m];
-      const int in_row = out_row >= 0 ? pair_table[(long long)(batch_start + j) * num_out + out_row] : -1;
-      in_rows[j][m] = in_row;
-      if (in_row >= 0) offset_mask |= 1u << j;
-    }
-    for (int lanes = WARP_SIZE / 2; lanes > 0; lanes /= 2) offset_mask |= __shfl_xor_sync(0xffffffffu, offset_mask, lanes);
-    if (threadIdx.x % WARP_SIZE == 0) warp_offset_masks[warp] = offset_mask;
-    __syncthreads();
-    // The same mask, step count and staging sequence in every thread: the loops below are uniform.
-    unsigned offsets_to_stage = 0;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) offsets_to_stage |= warp_offset_masks[w];
+    unsigned offsets_to_stage = read_offset_batch<BLOCK_M, THREADS>(pair_table, num_out, out_rows, batch_start, batch,
+                                                                   &in_rows[0][0], warp_offset_masks);
     const int steps = __popc(offsets_to_stage) * chunks;
 
     int offset = 0, c0 = in_channels_padded;  // of the step staged last

@@ -400,16 +400,17 @@ def _implicit_gemm_workspace(shape: LayerShape, phase: str, params: dict) -> int
     return (split + 1) * shape.kernel_volume * shape.in_channels * shape.out_channels * 4
 
 
-def _wmma_workspace(shape: LayerShape, phase: str, params: dict) -> int:
-    """The padded weight (and for dgrad its transposed copy) made per call, and wgrad's fp32 partials:
-    about `wgrad_warps_per_sm` warps per SM over the offsets' 32x32 warp tiles, at least 256 pairs each."""
+def _tensor_core_workspace(shape: LayerShape, phase: str, params: dict) -> int:
+    """wmma_implicit_gemm and mma_implicit_gemm: the padded weight made per call by forward and by
+    dgrad, and wgrad's fp32 partials: about `wgrad_warps_per_sm` warps per SM over the offsets' 32x32
+    warp tiles, at least 256 pairs each."""
     in_padded, out_padded = padded_channels(shape.in_channels), padded_channels(shape.out_channels)
     padded_weight = shape.kernel_volume * in_padded * out_padded * shape.itemsize
     total = 0
     if phase in ("forward", "both"):
         total += padded_weight
     if phase in ("dgrad", "backward", "both"):
-        total += 2 * padded_weight
+        total += padded_weight
     if phase in ("wgrad", "backward", "both"):
         warp_tiles = shape.kernel_volume * -(-in_padded // WARP_TILE) * -(-out_padded // WARP_TILE)
         wanted = params.get("wgrad_warps_per_sm", 32) * _multiprocessors(shape.device)
@@ -424,8 +425,8 @@ def workspace_bytes(algorithm_name: str, shape: LayerShape, phase: str, params: 
         return _explicit_gemm_workspace(shape, phase)
     if algorithm_name == "implicit_gemm":
         return _implicit_gemm_workspace(shape, phase, params)
-    if algorithm_name == "wmma_implicit_gemm":
-        return _wmma_workspace(shape, phase, params)
+    if algorithm_name in ("wmma_implicit_gemm", "mma_implicit_gemm"):
+        return _tensor_core_workspace(shape, phase, params)
     return 0
 
 

@@ -143,7 +143,7 @@ def _check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"wmma_implicit_gemm {name} must be one of {choices}, got {value!r}")
 
 
-def _check_operand(name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
+def check_operand(name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
     """The kernels read `array` as `[rows, channels]` of `dtype` (the dtype of `like`) on the GPU:
     refuse anything else."""
     if not is_cupy_array(array):
@@ -162,7 +162,7 @@ def _check_kernel_map(kernel_map) -> None:
         raise TypeError("the kernel map must be built on the GPU (its pair table is a NumPy array)")
 
 
-def _check_weight(weight: PaddedWeight, kernel_map) -> None:
+def check_weight(weight: PaddedWeight, kernel_map) -> None:
     _check_kernel_map(kernel_map)
     if not is_cupy_array(weight.padded):
         raise TypeError("weight must be a CuPy array: wmma_implicit_gemm runs on CUDA GPUs only")
@@ -172,7 +172,7 @@ def _check_weight(weight: PaddedWeight, kernel_map) -> None:
         )
 
 
-def _empty(problem: ConvProblem) -> bool:
+def empty_problem(problem: ConvProblem) -> bool:
     """Whether the convolution has no work (its result is zeros, which the phases return directly)."""
     sizes = (problem.num_in, problem.num_out, problem.kernel_volume, problem.in_channels, problem.out_channels)
     return 0 in sizes
@@ -333,7 +333,7 @@ class _WgradPlan:
         return grad_weight
 
 
-def _wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int) -> _WgradPlan:
+def wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int) -> _WgradPlan:
     """`_WgradPlan` over `kernel_map`, made on first use and kept with the map."""
     return kernel_map.launch_plan(
         (_WgradPlan, dtype, in_channels, out_channels, wgrad_warps_per_sm),
@@ -404,8 +404,8 @@ class WmmaImplicitGemm(Algorithm):
         weight = self.prepare_weight(weight)
         tile = _check_tile(tile, "forward")
         _check_choice("stages", stages, PIPELINE_STAGES)
-        _check_weight(weight, kernel_map)
-        _check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        check_weight(weight, kernel_map)
+        check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
         return _implicit_gemm(
             features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile, stages
         )
@@ -424,8 +424,8 @@ class WmmaImplicitGemm(Algorithm):
         weight = self.prepare_weight(weight)
         tile = _check_tile(tile, "dgrad")
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
-        _check_weight(weight, kernel_map)
-        _check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        check_weight(weight, kernel_map)
+        check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
         return _implicit_gemm(
             grad_output, kernel_map.reversed(), True, weight.padded, weight.out_channels, weight.in_channels,
             tile, DGRAD_STAGES, weight_transposed=True,
@@ -443,8 +443,8 @@ class WmmaImplicitGemm(Algorithm):
         _check_tile(tile, "wgrad")
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         _check_kernel_map(kernel_map)
-        _check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
-        _check_operand("grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
+        check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
+        check_operand("grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
         in_channels, out_channels = features.shape[1], grad_output.shape[1]
         if 0 in (kernel_map.num_out, kernel_map.num_in, kernel_map.kernel_volume, in_channels, out_channels):
             return cupy_module().zeros((kernel_map.kernel_volume, in_channels, out_channels), dtype=features.dtype)
@@ -452,12 +452,12 @@ class WmmaImplicitGemm(Algorithm):
             features = cupy_module().ascontiguousarray(features)
         if not grad_output.flags.c_contiguous:
             grad_output = cupy_module().ascontiguousarray(grad_output)
-        return _wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm)(
+        return wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm)(
             features, grad_output
         )
 
     def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
-        if self.unsupported_reason(problem) or _empty(problem):
+        if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("forward"), **params}
         _check_tile(params["tile"], "forward")
@@ -468,13 +468,13 @@ class WmmaImplicitGemm(Algorithm):
         return ForwardPlan(weight_shape, plan.out_shape, plan.launch)
 
     def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
-        if self.unsupported_reason(problem) or _empty(problem):
+        if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("backward"), **params}
         _check_tile(params["tile"], "dgrad")
         dgrad = _gemm_plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels,
                            tuple(params["tile"]), DGRAD_STAGES, weight_transposed=True)
-        wgrad = _wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
+        wgrad = wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
                             params["wgrad_warps_per_sm"])
         weight_shape = (problem.kernel_volume, padded_channels(problem.in_channels),
                         padded_channels(problem.out_channels))

@@ -1,0 +1,209 @@
+"""`mma_implicit_gemm`: implicit GEMM on tensor cores through `mma.sync.m16n8k16` and `ldmatrix`
+(sm_80+, fp16 and bf16 features, fp32 accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
+
+The dataflow is wmma_implicit_gemm's (output-stationary tiles over the mask-sorted rows, offsets a
+tile's rows lack skipped, each output written once, dgrad as the same kernel over the reversed map
+reading the weight transposed), with the accumulators in registers, warp tiles up to 64 x 64, a
+3- or 4-stage cp.async pipeline in dynamic shared memory, and any channel count in the same kernel
+(16-byte copies where the rows allow them, element copies elsewhere). wgrad is wmma_implicit_gemm's
+split-K kernel.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from ..backend import cupy_module
+from ..compile import KernelSource, PreparedLaunch
+from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from .base import BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
+from .wmma_implicit_gemm import (
+    VECTOR_BYTES,
+    WGRAD_WARPS_PER_SM,
+    WmmaImplicitGemm,
+    check_operand,
+    check_weight,
+    empty_problem,
+    padded_channels,
+    wgrad_plan,
+)
+
+WARP_SIZE = 32
+BLOCK_K = 32  # input channels per pipeline stage
+HALF_ROW_PAD = 8  # 16-bit elements each shared-memory row is padded by (raw_kernels/gather_tiles.cuh)
+MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
+# (rows, channels, warps along rows, warps along channels) of a block's output tile.
+TILES = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (256, 128, 4, 2), (128, 32, 4, 1))
+STAGES = (3, 4)
+DGRAD_STAGES = STAGES[0]
+MIN_COMPUTE_CAPABILITY = 80
+
+
+def _kernel_name(type_name: str, tile, stages: int, weight_transposed: bool) -> str:
+    rows, cols, warps_m, warps_n = tile
+    flag = "true" if weight_transposed else "false"
+    return f"mma_conv_forward<{type_name}, {rows}, {cols}, {BLOCK_K}, {warps_m}, {warps_n}, {stages}, {flag}>"
+
+
+def _kernel_source(dtype) -> KernelSource:
+    type_name = cuda_type_name(dtype)
+    forward = tuple(_kernel_name(type_name, tile, stages, False) for tile in TILES for stages in STAGES)
+    dgrad = tuple(_kernel_name(type_name, tile, DGRAD_STAGES, True) for tile in TILES)
+    return KernelSource("mma_implicit_gemm.cu", (*forward, *dgrad))
+
+
+_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
+
+
+def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2) -> int:
+    """Dynamic shared memory of one block: `ForwardSharedLayout::BYTES` in the kernel source."""
+    rows, cols, warps_m, warps_n = tile
+    a_bytes = rows * (BLOCK_K + HALF_ROW_PAD) * itemsize
+    b_bytes = (cols * (BLOCK_K + HALF_ROW_PAD) if weight_transposed else BLOCK_K * (cols + HALF_ROW_PAD)) * itemsize
+    offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
+    return stages * (a_bytes + b_bytes) + offset_batch * rows * 4 + rows * 4 + warps_m * warps_n * 4
+
+
+def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
+    tile = tuple(tile)
+    if tile not in TILES:
+        raise ValueError(f"mma_implicit_gemm {phase} tile must be one of {TILES}, got {tile}")
+    return tile
+
+
+class _MmaPlan:
+    """The launch of `mma_conv_forward` for one pair table, row order, dtype, channel counts, tile,
+    pipeline depth and weight layout: prepared once per layer and kept with the map."""
+
+    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, tile, stages, weight_transposed):
+        cupy = cupy_module()
+        kernel_volume, num_out = pair_table.shape
+        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+        self.dtype = dtype
+        self.out_shape = (num_out, out_channels)
+        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+        rows, cols, warps_m, warps_n = tile
+        grid = (-(-num_out // rows) * -(-out_padded // cols),)
+        sizes = (num_out, kernel_volume, in_channels, in_padded, out_channels, out_padded)
+        row_order = np.uint64(0) if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
+        arguments = (None, cupy.ascontiguousarray(pair_table, dtype=np.int32), row_order, None, None,
+                     *(np.int32(size) for size in sizes), None)  # features, weight, out, vector_rows per call
+        kernel = _SOURCES[dtype].get(_kernel_name(cuda_type_name(dtype), tile, stages, weight_transposed))
+        self.kernel = PreparedLaunch(kernel, grid, (warps_m * warps_n * WARP_SIZE,), arguments,
+                                     shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
+
+    def launch(self, features: int, weight: int, out: int, stream: int) -> None:
+        """Launch on device addresses (row-major; the weight padded, in the layout the plan reads), on
+        the raw CUDA stream handle `stream`."""
+        vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
+        self.kernel.launch(stream, features, weight, out, int(vector_rows))
+
+    def __call__(self, features, padded_weight):
+        cupy = cupy_module()
+        out = cupy.empty(self.out_shape, dtype=self.dtype)  # every element is written once
+        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr)
+        return out
+
+
+def _plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages: int,
+          weight_transposed: bool) -> _MmaPlan:
+    return kernel_map.launch_plan(
+        (_MmaPlan, dtype, in_channels, out_channels, tile, stages, sort_rows, weight_transposed),
+        lambda: _MmaPlan(kernel_map.pair_table, kernel_map.mask_sorted_order() if sort_rows else None, dtype,
+                         in_channels, out_channels, tile, stages, weight_transposed),
+    )
+
+
+def _run(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile, stages,
+         weight_transposed: bool):
+    cupy = cupy_module()
+    kernel_volume, num_out = kernel_map.pair_table.shape
+    if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
+        return cupy.zeros((num_out, out_channels), dtype=features.dtype)
+    features = cupy.ascontiguousarray(features)
+    plan = _plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages,
+                 weight_transposed)
+    return plan(features, padded_weight)
+
+
+@register
+class MmaImplicitGemm(WmmaImplicitGemm):
+    name = "mma_implicit_gemm"
+    kernel_sources = ("mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "mma_implicit_gemm_sm80",
+        "backward": "mma_implicit_gemm_backward_sm80",
+    }
+    forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
+    # `tile` tunes dgrad, `wgrad_warps_per_sm` wmma_implicit_gemm's wgrad.
+    backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        return 3
+
+    def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
+        """Tiles no wider than the padded output channels need (dgrad's are the layer's inputs)."""
+        channels = padded_channels(problem.out_channels if phase == "forward" else problem.in_channels)
+        tiles = [tile for tile in TILES if tile[1] <= max(32, channels)]
+        if phase == "forward":
+            return [{"tile": tile, "sort_rows": True, "stages": stages} for tile in tiles for stages in STAGES]
+        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in WGRAD_WARPS_PER_SM[:2]]
+
+    def unsupported_reason(self, problem: ConvProblem) -> str | None:
+        reason = gpu_only_reason(problem)
+        if reason:
+            return reason
+        if problem.dtype not in _SOURCES:
+            return f"{self.name} runs fp16 and bf16 on tensor cores, not {problem.dtype}"
+        if (problem.compute_capability or 0) < MIN_COMPUTE_CAPABILITY:
+            return (f"{self.name} needs compute capability 8.0 or newer (mma.sync for {short_name(problem.dtype)}); "
+                    f"this GPU is sm_{problem.compute_capability}")
+        return None
+
+    def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
+        weight = self.prepare_weight(weight)
+        tile = _check_tile(tile, "forward")
+        check_weight(weight, kernel_map)
+        check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        if stages not in STAGES:
+            raise ValueError(f"mma_implicit_gemm stages must be one of {STAGES}, got {stages!r}")
+        return _run(features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile,
+                    stages, False)
+
+    def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
+        weight = self.prepare_weight(weight)
+        tile = _check_tile(tile, "dgrad")
+        check_weight(weight, kernel_map)
+        check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        return _run(grad_output, kernel_map.reversed(), True, weight.padded, weight.out_channels, weight.in_channels,
+                    tile, DGRAD_STAGES, True)
+
+    def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
+        _check_tile(tile, "wgrad")
+        return super().wgrad(features, grad_output, kernel_map, wgrad_warps_per_sm=wgrad_warps_per_sm)
+
+    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+        if self.unsupported_reason(problem) or empty_problem(problem):
+            return None
+        params = {**self.default_params("forward"), **params}
+        tile = _check_tile(params["tile"], "forward")
+        plan = _plan(kernel_map, params["sort_rows"], problem.dtype, problem.in_channels, problem.out_channels,
+                     tile, params["stages"], False)
+        return ForwardPlan(_weight_shape(problem), plan.out_shape, plan.launch)
+
+    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+        if self.unsupported_reason(problem) or empty_problem(problem):
+            return None
+        params = {**self.default_params("backward"), **params}
+        tile = _check_tile(params["tile"], "dgrad")
+        dgrad = _plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels, tile,
+                      DGRAD_STAGES, True)
+        wgrad = wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
+                           params["wgrad_warps_per_sm"])
+        return BackwardPlan(_weight_shape(problem), wgrad.workspace_shape, dgrad.launch, wgrad.launch)
+
+
+def _weight_shape(problem: ConvProblem) -> tuple[int, int, int]:
+    return problem.kernel_volume, padded_channels(problem.in_channels), padded_channels(problem.out_channels)

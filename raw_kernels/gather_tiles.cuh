@@ -1,0 +1,105 @@
+// Shared pieces of the gather-GEMM kernels (wmma_implicit_gemm.cu, mma_implicit_gemm.cu): asynchronous
+// copies into shared memory, staging a tile of gathered rows, and reading a tile's pair-table entries
+// for a batch of offsets.
+#pragma once
+#include "float_conversion.cuh"
+
+constexpr int WARP_SIZE = 32;
+// Shared-memory rows of 16-bit values are padded by 8 elements (16 bytes): consecutive rows start in
+// different banks, and every row start stays 16-byte aligned for vector copies. A fragment's base is
+// 16 rows and a multiple of 16 columns away from its buffer's start, which keeps it 32-byte aligned.
+constexpr int HALF_ROW_PAD = 8;
+constexpr int VECTOR = 8;  // 16-bit elements per 16-byte copy
+// A tile reads the pair-table entries of up to 32 offsets at once (one bit each in a mask), in at most
+// 16 KB of shared memory.
+constexpr int MAX_OFFSET_BATCH = 32;
+constexpr int ROW_TABLE_LIMIT = 16 * 1024;
+
+__host__ __device__ constexpr int smaller(int a, int b) { return a < b ? a : b; }
+
+// Copies 16 bytes from global `src` to shared `dst`, or writes 16 zero bytes when !valid (`src` is then
+// not read). On sm_80+ the copy is asynchronous (cp.async, L2 only): it lands after the wait_async_copies
+// that retires its commit group. Both addresses must be 16-byte aligned.
+__device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(dst) = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void commit_async_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most PENDING of this thread's most recent commit groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void wait_async_copies() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+// Copies the tile [ROWS x COLS] of a row-major matrix with `num_cols` columns into shared memory
+// (row stride `ld`): tile row r is matrix row `row_of(r)` (-1: zeros), tile column c is matrix column
+// `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 8 elements at once through
+// copy_16_bytes and needs `num_cols` and `col0` to be multiples of 8 and `src` 16-byte aligned.
+template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
+__device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
+                                          T* __restrict__ dst, int ld) {
+  if constexpr (VECTOR_COPIES) {
+    static_assert(COLS % VECTOR == 0, "tile columns must be whole vectors");
+    constexpr int VECTORS_PER_ROW = COLS / VECTOR;
+    constexpr int VECTORS = ROWS * VECTORS_PER_ROW;
+#pragma unroll
+    for (int i = 0; i < (VECTORS + THREADS - 1) / THREADS; ++i) {
+      const int v = threadIdx.x + i * THREADS;
+      if (VECTORS % THREADS != 0 && v >= VECTORS) break;
+      const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * VECTOR;
+      const long long row = row_of(r);
+      const int col = col0 + c;
+      const bool valid = row >= 0 && col < num_cols;
+      copy_16_bytes(dst + r * ld + c, valid ? src + row * num_cols + col : src, valid);
+    }
+  } else {
+    const T zero = from_float<T>(0.0f);
+    for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
+      const int r = e / COLS, c = e % COLS;
+      const long long row = row_of(r);
+      const int col = col0 + c;
+      dst[r * ld + c] = (row >= 0 && col < num_cols) ? src[row * num_cols + col] : zero;
+    }
+  }
+}
+
+// Reads the pair-table entries of a tile's BLOCK_M output rows (`out_rows`, -1 past the end) for offsets
+// [batch_start, batch_start + batch) into `in_rows` [batch][BLOCK_M] (input row or -1), and returns the
+// mask of the batch's offsets any row has, the same in every thread, so the loops over it are uniform.
+// `warp_masks` holds one word per warp. Begins with a barrier, so the previous batch's readers of
+// in_rows and of anything else the caller orders behind it are done.
+template <int BLOCK_M, int THREADS>
+__device__ __forceinline__ unsigned read_offset_batch(const int* __restrict__ pair_table, int num_out,
+                                                      const int* out_rows, int batch_start, int batch, int* in_rows,
+                                                      unsigned* warp_masks) {
+  constexpr int WARPS = THREADS / WARP_SIZE;
+  __syncthreads();
+  unsigned mask = 0;
+  for (int e = threadIdx.x; e < batch * BLOCK_M; e += THREADS) {
+    const int j = e / BLOCK_M, m = e % BLOCK_M;
+    const int out_row = out_rows[m];
+    const int in_row = out_row >= 0 ? pair_table[(long long)(batch_start + j) * num_out + out_row] : -1;
+    in_rows[j * BLOCK_M + m] = in_row;
+    if (in_row >= 0) mask |= 1u << j;
+  }
+  for (int lanes = WARP_SIZE / 2; lanes > 0; lanes /= 2) mask |= __shfl_xor_sync(0xffffffffu, mask, lanes);
+  if (threadIdx.x % WARP_SIZE == 0) warp_masks[threadIdx.x / WARP_SIZE] = mask;
+  __syncthreads();
+  unsigned offsets = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) offsets |= warp_masks[w];
+  return offsets;
+}

@@ -1,0 +1,245 @@
+// Implicit GEMM on tensor cores through mma.sync.m16n8k16 (sm_80+): fp16 or bf16 inputs, fp32
+// accumulation in registers, operands moved into shared memory by a STAGES-deep cp.async pipeline and
+// into registers by ldmatrix.
+//
+// Forward (and dgrad: the forward over the reversed pair table, reading the weight transposed) is
+// output-stationary, as in wmma_implicit_gemm.cu: a block owns BLOCK_M output rows x BLOCK_N output
+// channels, visits the offsets its rows have (in batches, by mask) and the input channels in chunks of
+// BLOCK_K, and writes every output element once from its registers (deterministic, no atomics).
+// WARPS_M x WARPS_N warps split the tile; each warp's (BLOCK_M / WARPS_M) x (BLOCK_N / WARPS_N) sub-tile
+// is a grid of 16 x 8 accumulator tiles. Larger warp tiles than wmma's 32 x 32 reuse every operand
+// loaded from shared memory for more multiplications.
+//
+// The weight comes zero-padded to multiples of 16 in both channel dimensions; chunks past its padded
+// input channels stage zeros. Feature rows are copied in 16-byte vectors when `vector_rows` (channels a
+// multiple of 8, base 16-byte aligned), else element by element; either way any channel count works.
+// Shared memory is dynamic, sized by the host with the same formula as `shared_bytes` below.
+#include "float_conversion.cuh"
+#include "gather_tiles.cuh"
+
+constexpr int MMA_M = 16, MMA_N = 8, MMA_K = 16;
+
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+// d += a * b for one 16 x 8 x 16 tile (fragments in the PTX ISA's layouts for .row.col).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                          __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8 x 8 matrices of 16-bit values from shared memory; lane t gives the address of row t % 8 of
+// matrix t / 8. TRANSPOSE hands every lane a column pair instead of a row pair.
+template <bool TRANSPOSE>
+__device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* shared_row) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared_row));
+  if constexpr (TRANSPOSE) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
+}
+
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
+// Per stage: the gathered feature tile [BLOCK_M][BLOCK_K + pad], then the weight tile as it lies in
+// memory, [BLOCK_K][BLOCK_N + pad] or transposed [BLOCK_N][BLOCK_K + pad]; after the stages, the pair-table
+// entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M] and one mask word per warp.
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, int OFFSET_BATCH, int WARPS,
+          bool WEIGHT_TRANSPOSED>
+struct ForwardSharedLayout {
+  static constexpr int LDA = BLOCK_K + HALF_ROW_PAD;
+  static constexpr int LDB = (WEIGHT_TRANSPOSED ? BLOCK_K : BLOCK_N) + HALF_ROW_PAD;
+  static constexpr int A_BYTES = BLOCK_M * LDA * (int)sizeof(T);
+  static constexpr int STAGE_BYTES = A_BYTES + (WEIGHT_TRANSPOSED ? BLOCK_N : BLOCK_K) * LDB * (int)sizeof(T);
+  static constexpr int IN_ROWS = STAGES * STAGE_BYTES;
+  static constexpr int OUT_ROWS = IN_ROWS + OFFSET_BATCH * BLOCK_M * (int)sizeof(int);
+  static constexpr int MASKS = OUT_ROWS + BLOCK_M * (int)sizeof(int);
+  static constexpr int BYTES = MASKS + WARPS * (int)sizeof(unsigned);
+  static_assert(A_BYTES % 128 == 0 && STAGE_BYTES % 128 == 0, "operand tiles start 128-byte aligned");
+};
+
+// out[i] = sum_k W_k^T x[pair_table[k, i]] for the BLOCK_M rows and BLOCK_N channels of one tile; see
+// wmma_conv_forward for the tile order, `row_order` and the offset batches. x [num_in, in_channels];
+// weight [kernel_volume, in_channels_padded, out_channels_padded], or with WEIGHT_TRANSPOSED
+// [kernel_volume, out_channels_padded, in_channels_padded] read as its transpose; out [num_out,
+// out_channels].
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int WARPS_M, int WARPS_N, int STAGES,
+          bool WEIGHT_TRANSPOSED>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
+    mma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
+                     const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume, int in_channels,
+                     int in_channels_padded, int out_channels, int out_channels_padded, int vector_rows) {
+  constexpr int WARPS = WARPS_M * WARPS_N;
+  constexpr int THREADS = WARPS * WARP_SIZE;
+  constexpr int WARP_M = BLOCK_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
+  constexpr int TILES_M = WARP_M / MMA_M, TILES_N = WARP_N / MMA_N;
+  static_assert(WARP_M % MMA_M == 0 && WARP_N % (2 * MMA_N) == 0, "warp tiles are whole pairs of mma tiles");
+  static_assert(BLOCK_K % MMA_K == 0 && STAGES >= 2, "whole k steps, at least double buffering");
+  constexpr int OFFSET_BATCH = smaller(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT / (BLOCK_M * (int)sizeof(int)));
+  using Layout = ForwardSharedLayout<T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, OFFSET_BATCH, WARPS, WEIGHT_TRANSPOSED>;
+  constexpr int LDA = Layout::LDA, LDB = Layout::LDB;
+
+  extern __shared__ __align__(128) unsigned char shared[];
+  if (dynamic_shared_bytes() < Layout::BYTES) __trap();  // launched with the wrong size: refuse, loudly
+  int* in_rows = reinterpret_cast<int*>(shared + Layout::IN_ROWS);
+  int* out_rows = reinterpret_cast<int*>(shared + Layout::OUT_ROWS);
+  unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
+
+  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
+  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
+  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
+
+  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
+    const long long row = row_base + m;
+    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
+  }
+
+  float acc[TILES_M][TILES_N][4];
+#pragma unroll
+  for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+    for (int j = 0; j < TILES_N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  const auto multiply_stage = [&](int buffer) {
+    const T* a_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES);
+    const T* b_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES + Layout::A_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_K; kk += MMA_K) {
+      unsigned a[TILES_M][4], b[TILES_N][2];
+      // A 16 x 16: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+#pragma unroll
+      for (int i = 0; i < TILES_M; ++i)
+        load_matrices<false>(a[i], a_tile + (warp_row + i * MMA_M + lane % 16) * LDA + kk + (lane / 16) * 8);
+      // B 16 x 16 (two n8 tiles): matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15),
+      // transposed on load from [k][n] rows, or as they are from [n][k] rows.
+#pragma unroll
+      for (int j = 0; j < TILES_N; j += 2) {
+        const int n0 = warp_col + j * MMA_N;
+        unsigned r[4];
+        if constexpr (WEIGHT_TRANSPOSED)
+          load_matrices<false>(r, b_tile + (n0 + lane % 8 + (lane / 16) * 8) * LDB + kk + (lane / 8) % 2 * 8);
+        else
+          load_matrices<true>(r, b_tile + (kk + lane % 16) * LDB + n0 + (lane / 16) * 8);
+        b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+        for (int j = 0; j < TILES_N; ++j) mma_16816(acc[i][j], a[i], b[j], T());
+    }
+  };
+
+  const int chunks = (in_channels_padded + BLOCK_K - 1) / BLOCK_K;
+  for (int batch_start = 0; batch_start < kernel_volume; batch_start += OFFSET_BATCH) {
+    const int batch = min(OFFSET_BATCH, kernel_volume - batch_start);
+    unsigned offsets_to_stage =
+        read_offset_batch<BLOCK_M, THREADS>(pair_table, num_out, out_rows, batch_start, batch, in_rows, warp_masks);
+    const int steps = __popc(offsets_to_stage) * chunks;
+
+    int offset = 0, c0 = chunks * BLOCK_K;  // of the step staged last
+    const auto stage_next_step = [&](int buffer) {
+      if (c0 == chunks * BLOCK_K) {
+        offset = __ffs(offsets_to_stage) - 1;
+        offsets_to_stage &= offsets_to_stage - 1;
+        c0 = 0;
+      }
+      T* a_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES);
+      T* b_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES + Layout::A_BYTES);
+      const int* gathered = in_rows + offset * BLOCK_M;
+      const auto gathered_row = [&](int m) -> long long { return gathered[m]; };
+      if (vector_rows)
+        stage_tile<BLOCK_M, BLOCK_K, THREADS, true>(x, in_channels, c0, gathered_row, a_tile, LDA);
+      else
+        stage_tile<BLOCK_M, BLOCK_K, THREADS, false>(x, in_channels, c0, gathered_row, a_tile, LDA);
+      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
+      if constexpr (WEIGHT_TRANSPOSED) {
+        // The stored weight's rows col_base.. (this call's output channels), columns c0.. (its inputs).
+        const auto weight_row = [&](int r) -> long long {
+          return col_base + r < out_channels_padded ? col_base + r : -1;
+        };
+        stage_tile<BLOCK_N, BLOCK_K, THREADS, true>(weight_k, in_channels_padded, c0, weight_row, b_tile, LDB);
+      } else {
+        const auto weight_row = [&](int r) -> long long { return c0 + r < in_channels_padded ? c0 + r : -1; };
+        stage_tile<BLOCK_K, BLOCK_N, THREADS, true>(weight_k, out_channels_padded, col_base, weight_row, b_tile, LDB);
+      }
+      c0 += BLOCK_K;
+    };
+
+    // One commit group per step (empty past the last): step s is group s, and the wait leaves in flight
+    // only the STAGES - 2 steps staged after it.
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < steps) stage_next_step(s);
+      commit_async_copies();
+    }
+    for (int step = 0; step < steps; ++step) {
+      wait_async_copies<STAGES - 2>();
+      // Step `step` is in shared memory for every thread (element copies included), and every warp is
+      // done with step - 1, whose buffer the next stage refills.
+      __syncthreads();
+      if (step + STAGES - 1 < steps) stage_next_step((step + STAGES - 1) % STAGES);
+      commit_async_copies();
+      multiply_stage(step % STAGES);
+    }
+    wait_async_copies<0>();
+  }
+
+  // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2.
+  using Pair = typename PairOf<T>::type;
+  const bool paired_stores = out_channels % 2 == 0 && reinterpret_cast<unsigned long long>(out) % sizeof(Pair) == 0;
+#pragma unroll
+  for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int out_row = out_rows[warp_row + i * MMA_M + lane / 4 + half * 8];
+      if (out_row < 0) continue;
+      T* out_line = out + (long long)out_row * out_channels;
+#pragma unroll
+      for (int j = 0; j < TILES_N; ++j) {
+        const int col = col_base + warp_col + j * MMA_N + (lane % 4) * 2;
+        const float first = acc[i][j][half * 2], second = acc[i][j][half * 2 + 1];
+        if (paired_stores) {
+          if (col < out_channels) {
+            Pair pair;
+            pair.x = from_float<T>(first);
+            pair.y = from_float<T>(second);
+            *reinterpret_cast<Pair*>(out_line + col) = pair;
+          }
+        } else {
+          if (col < out_channels) out_line[col] = from_float<T>(first);
+          if (col + 1 < out_channels) out_line[col + 1] = from_float<T>(second);
+        }
+      }
+    }
+}
