@@ -243,3 +243,130 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
       }
     }
 }
+
+// Weight gradient, split-K over compact pair lists, as wmma_conv_wgrad (same workspace layout and
+// shares): dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over share s = z % split_k of offset
+// k = z / split_k's pairs, for the TILE_M x TILE_N tile (blockIdx.x, blockIdx.y) of dW_k, written
+// unreduced in fp32 to workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded]
+// (zeros where the share is empty: no initialisation needed). Per stage, PAIRS gathered rows of x and dy
+// sit in shared memory as [PAIRS][channels]: x^T's fragments come from them transposed on load.
+template <int TILE_M, int TILE_N, int STAGES>
+struct WgradSharedLayout {
+  static constexpr int PAIRS = 32;
+  static constexpr int LDX = TILE_M + HALF_ROW_PAD, LDY = TILE_N + HALF_ROW_PAD;
+  static constexpr int X_BYTES = PAIRS * LDX * 2;
+  static constexpr int STAGE_BYTES = X_BYTES + PAIRS * LDY * 2;
+  static constexpr int BYTES = STAGES * STAGE_BYTES;
+  static_assert(X_BYTES % 128 == 0 && STAGE_BYTES % 128 == 0, "operand tiles start 128-byte aligned");
+};
+
+template <typename T, int TILE_M, int TILE_N, int WARPS_M, int WARPS_N, int STAGES>
+__global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
+    mma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
+                   const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
+                   int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
+                   float* __restrict__ workspace, int vector_rows) {
+  constexpr int THREADS = WARPS_M * WARPS_N * WARP_SIZE;
+  constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = TILE_N / WARPS_N;
+  constexpr int TILES_M = WARP_M / MMA_M, TILES_N = WARP_N / MMA_N;
+  static_assert(WARP_M % MMA_M == 0 && WARP_N % (2 * MMA_N) == 0, "warp tiles are whole pairs of mma tiles");
+  static_assert(STAGES >= 2, "at least double buffering");
+  using Layout = WgradSharedLayout<TILE_M, TILE_N, STAGES>;
+  constexpr int PAIRS = Layout::PAIRS, LDX = Layout::LDX, LDY = Layout::LDY;
+  static_assert(PAIRS % MMA_K == 0, "whole k steps");
+
+  extern __shared__ __align__(128) unsigned char shared[];
+  if (dynamic_shared_bytes() < Layout::BYTES) __trap();  // launched with the wrong size: refuse, loudly
+
+  const int k = blockIdx.z / split_k, share = blockIdx.z % split_k;
+  const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
+
+  const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
+  const long long share_pairs = ((end - begin + split_k - 1) / split_k + PAIRS - 1) / PAIRS * PAIRS;
+  const long long first = begin + share * share_pairs;
+  const long long last = min(end, first + share_pairs);
+  const int steps = first < last ? (int)((last - first + PAIRS - 1) / PAIRS) : 0;
+
+  float acc[TILES_M][TILES_N][4];
+#pragma unroll
+  for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+    for (int j = 0; j < TILES_N; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  const auto stage_step = [&](int step, int buffer) {
+    T* x_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES);
+    T* dy_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES + Layout::X_BYTES);
+    const long long pair0 = first + (long long)step * PAIRS;
+    const auto x_row = [&](int r) -> long long { return pair0 + r < last ? in_idx[pair0 + r] : -1; };
+    const auto dy_row = [&](int r) -> long long { return pair0 + r < last ? out_idx[pair0 + r] : -1; };
+    if (vector_rows) {
+      stage_tile<PAIRS, TILE_M, THREADS, true>(x, in_channels, row_base, x_row, x_tile, LDX);
+      stage_tile<PAIRS, TILE_N, THREADS, true>(dy, out_channels, col_base, dy_row, dy_tile, LDY);
+    } else {
+      stage_tile<PAIRS, TILE_M, THREADS, false>(x, in_channels, row_base, x_row, x_tile, LDX);
+      stage_tile<PAIRS, TILE_N, THREADS, false>(dy, out_channels, col_base, dy_row, dy_tile, LDY);
+    }
+  };
+
+  const auto multiply_stage = [&](int buffer) {
+    const T* x_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES);
+    const T* dy_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES + Layout::X_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < PAIRS; kk += MMA_K) {
+      unsigned a[TILES_M][4], b[TILES_N][2];
+      // A = x^T 16 x 16 from [pair][channel] rows, transposed on load: matrices (m 0-7, k 0-7),
+      // (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15), each 8 pair rows at a channel offset.
+#pragma unroll
+      for (int i = 0; i < TILES_M; ++i)
+        load_matrices<true>(a[i], x_tile + (kk + lane % 8 + (lane / 16) * 8) * LDX + warp_row + i * MMA_M +
+                                      (lane / 8) % 2 * 8);
+#pragma unroll
+      for (int j = 0; j < TILES_N; j += 2) {
+        unsigned r[4];
+        load_matrices<true>(r, dy_tile + (kk + lane % 16) * LDY + warp_col + j * MMA_N + (lane / 16) * 8);
+        b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+        for (int j = 0; j < TILES_N; ++j) mma_16816(acc[i][j], a[i], b[j], T());
+    }
+  };
+
+  // The forward kernel's pipeline: one commit group per step, empty past the last.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) stage_step(s, s);
+    commit_async_copies();
+  }
+  for (int step = 0; step < steps; ++step) {
+    wait_async_copies<STAGES - 2>();
+    __syncthreads();
+    if (step + STAGES - 1 < steps) stage_step(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+    commit_async_copies();
+    multiply_stage(step % STAGES);
+  }
+  wait_async_copies<0>();
+
+  // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2;
+  // rows and columns past the padded extents belong to no tile of dW_k.
+  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
+#pragma unroll
+  for (int i = 0; i < TILES_M; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_base + warp_row + i * MMA_M + lane / 4 + half * 8;
+      if (row >= in_channels_padded) continue;
+#pragma unroll
+      for (int j = 0; j < TILES_N; ++j) {
+        const int col = col_base + warp_col + j * MMA_N + (lane % 4) * 2;
+        if (col < out_channels_padded)
+          *reinterpret_cast<float2*>(partial + (long long)row * out_channels_padded + col) =
+              make_float2(acc[i][j][half * 2], acc[i][j][half * 2 + 1]);
+      }
+    }
+}

@@ -6,7 +6,7 @@ tile's rows lack skipped, each output written once, dgrad as the same kernel ove
 reading the weight transposed), with the accumulators in registers, warp tiles up to 64 x 64, a
 3- or 4-stage cp.async pipeline in dynamic shared memory, and any channel count in the same kernel
 (16-byte copies where the rows allow them, element copies elsewhere). wgrad is wmma_implicit_gemm's
-split-K kernel.
+split-K dataflow (shares, workspace, ordered sum) with its own mma.sync GEMM kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .base import BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, regis
 from .wmma_implicit_gemm import (
     VECTOR_BYTES,
     WGRAD_WARPS_PER_SM,
+    WgradPlan,
     WmmaImplicitGemm,
     check_operand,
     check_weight,
@@ -39,6 +40,22 @@ TILES = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (2
 STAGES = (3, 4)
 DGRAD_STAGES = STAGES[0]
 MIN_COMPUTE_CAPABILITY = 80
+# Sides of a wgrad block's dW_k tile: on each side the smallest covering the padded channels, or the
+# largest.
+WGRAD_SIDES = (32, 64, 128)
+WGRAD_PAIRS = 32  # pairs per wgrad pipeline stage (WgradSharedLayout::PAIRS)
+WGRAD_STAGES = 3
+
+
+def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int, int, int]:
+    rows = next((side for side in WGRAD_SIDES if side >= in_padded), WGRAD_SIDES[-1])
+    cols = next((side for side in WGRAD_SIDES if side >= out_padded), WGRAD_SIDES[-1])
+    return rows, cols, _wgrad_warps(rows), _wgrad_warps(cols)
+
+
+def _wgrad_warps(side: int) -> int:
+    """Warps along a wgrad tile side: 32-wide warp tiles up to 64, 64-wide beyond (more operand reuse)."""
+    return side // 32 if side <= 64 else side // 64
 
 
 def _kernel_name(type_name: str, tile, stages: int, weight_transposed: bool) -> str:
@@ -47,11 +64,19 @@ def _kernel_name(type_name: str, tile, stages: int, weight_transposed: bool) -> 
     return f"mma_conv_forward<{type_name}, {rows}, {cols}, {BLOCK_K}, {warps_m}, {warps_n}, {stages}, {flag}>"
 
 
+def _wgrad_kernel_name(type_name: str, tile) -> str:
+    rows, cols, warps_m, warps_n = tile
+    return f"mma_conv_wgrad<{type_name}, {rows}, {cols}, {warps_m}, {warps_n}, {WGRAD_STAGES}>"
+
+
 def _kernel_source(dtype) -> KernelSource:
     type_name = cuda_type_name(dtype)
     forward = tuple(_kernel_name(type_name, tile, stages, False) for tile in TILES for stages in STAGES)
     dgrad = tuple(_kernel_name(type_name, tile, DGRAD_STAGES, True) for tile in TILES)
-    return KernelSource("mma_implicit_gemm.cu", (*forward, *dgrad))
+    wgrad = tuple(
+        _wgrad_kernel_name(type_name, _wgrad_tile(rows, cols)) for rows in WGRAD_SIDES for cols in WGRAD_SIDES
+    )
+    return KernelSource("mma_implicit_gemm.cu", (*forward, *dgrad, *wgrad))
 
 
 _SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
@@ -71,6 +96,25 @@ def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
     if tile not in TILES:
         raise ValueError(f"mma_implicit_gemm {phase} tile must be one of {TILES}, got {tile}")
     return tile
+
+
+class _MmaWgradPlan(WgradPlan):
+    """wmma_implicit_gemm's wgrad plan (shares, workspace, sum) with `mma_conv_wgrad` as the GEMM."""
+
+    def tile_for(self, in_padded: int, out_padded: int) -> tuple:
+        return _wgrad_tile(in_padded, out_padded)
+
+    def threads(self, tile) -> int:
+        return tile[2] * tile[3] * WARP_SIZE
+
+    def prepare_gemm(self, dtype, tile, grid, arguments) -> None:
+        rows, cols = tile[:2]
+        shared = WGRAD_STAGES * WGRAD_PAIRS * (rows + cols + 2 * HALF_ROW_PAD) * dtype.itemsize
+        kernel = _SOURCES[dtype].get(_wgrad_kernel_name(cuda_type_name(dtype), tile))
+        self.gemm = PreparedLaunch(kernel, grid, (self.threads(tile),), (*arguments, None), shared)
+
+    def launch_gemm(self, stream: int, features: int, grad_output: int, workspace: int, vectors: bool) -> None:
+        self.gemm.launch(stream, features, grad_output, workspace, int(vectors))
 
 
 class _MmaPlan:
@@ -137,8 +181,9 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         "backward": "mma_implicit_gemm_backward_sm80",
     }
     forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
-    # `tile` tunes dgrad, `wgrad_warps_per_sm` wmma_implicit_gemm's wgrad.
+    # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad.
     backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
+    wgrad_plan_class: ClassVar[type[WgradPlan]] = _MmaWgradPlan
 
     def auto_priority(self, problem: ConvProblem) -> int:
         return 3
@@ -201,7 +246,7 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         dgrad = _plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels, tile,
                       DGRAD_STAGES, True)
         wgrad = wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
-                           params["wgrad_warps_per_sm"])
+                           params["wgrad_warps_per_sm"], self.wgrad_plan_class)
         return BackwardPlan(_weight_shape(problem), wgrad.workspace_shape, dgrad.launch, wgrad.launch)
 
 

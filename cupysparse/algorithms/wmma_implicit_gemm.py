@@ -269,23 +269,24 @@ def _implicit_gemm(features, kernel_map, sort_rows: bool, padded_weight, in_chan
     return plan(features, padded_weight)
 
 
-class _WgradPlan:
+class WgradPlan:
     """wgrad's two launches for one map, dtype, channel counts and occupancy target, computed once per
     layer and kept with the map: the split-K gather-gather GEMMs into an fp32 workspace, then the sum
-    of its shares into the weight gradient."""
+    of its shares into the weight gradient. The GEMM kernels are wmma_conv_wgrad's; a subclass swaps
+    them (`tile_for`, `threads`, `prepare_gemm`, `launch_gemm`) and keeps the shares and the sum."""
 
     def __init__(self, kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         cupy = cupy_module()
         kernel_volume, num_out = kernel_map.kernel_volume, kernel_map.num_out
         pairs = kernel_map.csr()
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        tile = _wgrad_tile(in_padded, out_padded)
+        tile = self.tile_for(in_padded, out_padded)
         tiles = -(-in_padded // tile[0]) * -(-out_padded // tile[1])
         # Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
         # MIN_PAIRS_PER_SHARE pairs (an offset has at most num_out), grid z in range. Their pair
         # ranges are computed on the device from the CSR offsets: no synchronisation here.
         wanted_warps = wgrad_warps_per_sm * _multiprocessors(cupy.cuda.Device().id)
-        warps_per_share = kernel_volume * tiles * _threads(tile) // WARP_SIZE
+        warps_per_share = kernel_volume * tiles * self.threads(tile) // WARP_SIZE
         shares = max(
             1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
         )
@@ -302,12 +303,7 @@ class _WgradPlan:
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded,
                                                   shares))
         # features, grad_output and the workspace are the per-call addresses.
-        arguments = (None, None, *pair_lists, *sizes, None)
-        self.pipelined, self.synchronous = (
-            PreparedLaunch(_SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid, (_threads(tile),),
-                           arguments)
-            for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
-        )
+        self.prepare_gemm(dtype, tile, grid, (None, None, *pair_lists, *sizes, None))
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
@@ -316,11 +312,28 @@ class _WgradPlan:
         self.sum = PreparedLaunch(_SOURCES[dtype].get(_sum_kernel_name(type_name)),
                                   *launch_config(kernel_volume * in_channels * out_channels), (None, None, *sum_sizes))
 
+    def tile_for(self, in_padded: int, out_padded: int) -> tuple:
+        return _wgrad_tile(in_padded, out_padded)
+
+    def threads(self, tile) -> int:
+        return _threads(tile)
+
+    def prepare_gemm(self, dtype, tile, grid, arguments) -> None:
+        type_name = cuda_type_name(dtype)
+        self.pipelined, self.synchronous = (
+            PreparedLaunch(_SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid,
+                           (self.threads(tile),), arguments)
+            for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
+        )
+
+    def launch_gemm(self, stream: int, features: int, grad_output: int, workspace: int, vectors: bool) -> None:
+        (self.pipelined if vectors else self.synchronous).launch(stream, features, grad_output, workspace)
+
     def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream: int) -> None:
         """Launch on device addresses (row-major arrays, the fp32 workspace of `workspace_shape`), on
         the raw CUDA stream handle `stream`."""
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
-        (self.pipelined if vectors else self.synchronous).launch(stream, features, grad_output, workspace)
+        self.launch_gemm(stream, features, grad_output, workspace, vectors)
         self.sum.launch(stream, workspace, grad_weight)
 
     def __call__(self, features, grad_output):
@@ -333,11 +346,12 @@ class _WgradPlan:
         return grad_weight
 
 
-def wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int) -> _WgradPlan:
-    """`_WgradPlan` over `kernel_map`, made on first use and kept with the map."""
+def wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int,
+               plan_class: type[WgradPlan] = WgradPlan) -> WgradPlan:
+    """`plan_class` over `kernel_map`, made on first use and kept with the map."""
     return kernel_map.launch_plan(
-        (_WgradPlan, dtype, in_channels, out_channels, wgrad_warps_per_sm),
-        lambda: _WgradPlan(kernel_map, dtype, in_channels, out_channels, wgrad_warps_per_sm),
+        (plan_class, dtype, in_channels, out_channels, wgrad_warps_per_sm),
+        lambda: plan_class(kernel_map, dtype, in_channels, out_channels, wgrad_warps_per_sm),
     )
 
 
@@ -356,6 +370,7 @@ class WmmaImplicitGemm(Algorithm):
     }
     # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad (one parameter space serves both backward phases).
     backward_params: ClassVar[dict[str, tuple]] = {"tile": FORWARD_TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
+    wgrad_plan_class: ClassVar[type[WgradPlan]] = WgradPlan
 
     def auto_priority(self, problem: ConvProblem) -> int:
         return 2  # tensor cores first
@@ -452,7 +467,8 @@ class WmmaImplicitGemm(Algorithm):
             features = cupy_module().ascontiguousarray(features)
         if not grad_output.flags.c_contiguous:
             grad_output = cupy_module().ascontiguousarray(grad_output)
-        return wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm)(
+        return wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm,
+                          self.wgrad_plan_class)(
             features, grad_output
         )
 
