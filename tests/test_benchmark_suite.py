@@ -248,8 +248,10 @@ def test_the_kernel_modules_a_gpu_grid_needs_follow_backend_and_dtype():
                        " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
                       for source in harness.kernel_sources_needed(backends, problems))
 
-    # auto in fp16: tensor cores only; the fp16 module, not the bf16 one.
-    assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [("wmma_implicit_gemm.cu", True, False)]
+    # auto in fp16: tensor cores only (both kernels); the fp16 modules, not the bf16 ones.
+    assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [
+        ("mma_implicit_gemm.cu", True, False), ("wmma_implicit_gemm.cu", True, False)
+    ]
     # auto in fp32 on a narrow layer: SIMT implicit GEMM (the module of fp32 and fp16); wide: cuBLAS, no module.
     assert needed(["auto"], [problem(np.float32, 32)]) == [("implicit_gemm.cu", True, False)]
     assert needed(["auto"], [problem(np.float32, 256)]) == []

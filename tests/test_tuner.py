@@ -267,23 +267,27 @@ def test_every_registered_algorithm_has_its_own_namespaces_apart_from_the_phase_
     assert registered(CONV)["implicit_gemm"].tuning_namespace("backward") == "implicit_gemm_trAB_gather"
 
 
-def test_auto_tries_the_tensor_core_kernel_with_a_channel_dependent_reduced_grid():
-    wmma = registered(CONV)["wmma_implicit_gemm"]
+def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids():
+    wmma, mma = registered(CONV)["wmma_implicit_gemm"], registered(CONV)["mma_implicit_gemm"]
 
     def problem(in_channels, out_channels):
         return ConvProblem(10**6, 10**6, in_channels, out_channels, 27, np.dtype(np.float16), "cuda", 90)
 
-    for phase in ("forward", "backward"):
-        full = wmma.param_grid(phase)
-        for pair in ((3, 32), (32, 32), (64, 64), (128, 256)):
-            grid = wmma.auto_param_grid(phase, problem(*pair))
-            assert grid and all(params in full for params in grid) and len(grid) < len(full)
+    for algorithm in (wmma, mma):
+        for phase in ("forward", "backward"):
+            full = algorithm.param_grid(phase)
+            for pair in ((3, 32), (32, 32), (64, 64), (128, 256)):
+                grid = algorithm.auto_param_grid(phase, problem(*pair))
+                assert grid and all(params in full for params in grid) and len(grid) < len(full)
+    # mma: tiles no wider than the padded channels of the phase's output.
+    assert {p["tile"][1] for p in mma.auto_param_grid("forward", problem(64, 32))} == {32}
+    assert {p["tile"][1] for p in mma.auto_param_grid("backward", problem(64, 32))} == {32, 64}
     forward = wmma.auto_param_grid("forward", problem(64, 32))
     assert {p["tile"] for p in forward} == {(128, 32)} and all(p["sort_rows"] for p in forward)
     assert {p["tile"] for p in wmma.auto_param_grid("backward", problem(64, 32))} == {(128, 64), (128, 32)}
     assert {p["tile"] for p in wmma.auto_param_grid("forward", problem(64, 256))} == {(64, 128), (128, 64)}
     pool = candidates(AlgorithmFilter(CONV, "forward", "auto", ()), problem(64, 64))
-    assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm"}
+    assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm", "mma_implicit_gemm"}
 
 
 def test_the_choices_version_changes_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
