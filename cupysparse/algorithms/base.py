@@ -14,8 +14,8 @@ forward and dgrad receive the weight as returned by `prepare_weight`; wgrad retu
 Depthwise replaces the matrix products by per-channel ones (`W_k` is a vector `[C]`).
 
 An algorithm may also offer launch plans (`forward_plan`, `backward_plan`): the same phases for one
-layer, computed once and kept with the kernel map, launched on device addresses and the current
-stream. Framework adapters call them with buffers their framework allocated, at a cost of a few
+layer, computed once and kept with the kernel map, launched on device addresses and a raw CUDA
+stream handle. Framework adapters call them with buffers their framework allocated, at a cost of a few
 launches per call.
 """
 
