@@ -76,6 +76,31 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_co
   }
 }
 
+// Runs `steps` steps through a STAGES-deep cp.async pipeline: stage(step, buffer) issues the copies of
+// `step` into buffer step % STAGES, multiply(buffer) consumes a staged buffer. One commit group per step
+// (empty past the last), so step s is group s and each wait leaves in flight only the STAGES - 2 steps
+// staged after it; the barrier after it makes the step visible to every thread (element copies
+// included) and means every warp is done with step - 1, whose buffer the next stage refills. Nothing is
+// left in flight on return.
+template <int STAGES, typename Stage, typename Multiply>
+__device__ __forceinline__ void run_pipeline(int steps, Stage stage, Multiply multiply) {
+  static_assert(STAGES >= 2, "a pipeline stages ahead");
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) stage(s, s);
+    commit_async_copies();
+  }
+  for (int step = 0; step < steps; ++step) {
+    wait_async_copies<STAGES - 2>();
+    __syncthreads();
+    const int next = step + STAGES - 1;
+    if (next < steps) stage(next, next % STAGES);
+    commit_async_copies();
+    multiply(step % STAGES);
+  }
+  wait_async_copies<0>();
+}
+
 // Reads the pair-table entries of a tile's BLOCK_M output rows (`out_rows`, -1 past the end) for offsets
 // [batch_start, batch_start + batch) into `in_rows` [batch][BLOCK_M] (input row or -1), and returns the
 // mask of the batch's offsets any row has, the same in every thread, so the loops over it are uniform.

@@ -196,23 +196,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
       c0 += BLOCK_K;
     };
 
-    // One commit group per step (empty past the last): step s is group s, and the wait leaves in flight
-    // only the STAGES - 2 steps staged after it.
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < steps) stage_next_step(s);
-      commit_async_copies();
-    }
-    for (int step = 0; step < steps; ++step) {
-      wait_async_copies<STAGES - 2>();
-      // Step `step` is in shared memory for every thread (element copies included), and every warp is
-      // done with step - 1, whose buffer the next stage refills.
-      __syncthreads();
-      if (step + STAGES - 1 < steps) stage_next_step((step + STAGES - 1) % STAGES);
-      commit_async_copies();
-      multiply_stage(step % STAGES);
-    }
-    wait_async_copies<0>();
+    run_pipeline<STAGES>(steps, [&](int, int buffer) { stage_next_step(buffer); }, multiply_stage);
   }
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2.
@@ -337,20 +321,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     }
   };
 
-  // The forward kernel's pipeline: one commit group per step, empty past the last.
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) stage_step(s, s);
-    commit_async_copies();
-  }
-  for (int step = 0; step < steps; ++step) {
-    wait_async_copies<STAGES - 2>();
-    __syncthreads();
-    if (step + STAGES - 1 < steps) stage_step(step + STAGES - 1, (step + STAGES - 1) % STAGES);
-    commit_async_copies();
-    multiply_stage(step % STAGES);
-  }
-  wait_async_copies<0>();
+  run_pipeline<STAGES>(steps, stage_step, multiply_stage);
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2;
   // rows and columns past the padded extents belong to no tile of dW_k.

@@ -168,23 +168,7 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
     };
 
     if constexpr (PIPELINED) {
-      // One commit group per step (empty past the last), so step s is group s and the wait below
-      // leaves in flight only the STAGES - 2 steps staged after it.
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) stage_next_step(s);
-        commit_async_copies();
-      }
-      for (int step = 0; step < steps; ++step) {
-        wait_async_copies<STAGES - 2>();
-        // Step `step` is in shared memory for every thread, and every warp is done with step - 1,
-        // whose buffer the next stage refills.
-        __syncthreads();
-        if (step + STAGES - 1 < steps) stage_next_step((step + STAGES - 1) % STAGES);
-        commit_async_copies();
-        multiply_stage(step % STAGES);
-      }
-      wait_async_copies<0>();  // only empty groups are left; keep nothing in flight past the batch
+      run_pipeline<STAGES>(steps, [&](int, int buffer) { stage_next_step(buffer); }, multiply_stage);
     } else {
       for (int step = 0; step < steps; ++step) {
         if (step > 0) __syncthreads();  // every warp is done with the previous step's buffer
@@ -329,28 +313,12 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
       }
     };
 
-    // Commit groups as in the forward kernel: one per step, empty past the last.
     load_pair_indices(0);
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < steps) {
-        stage_step(s);
-        load_pair_indices(s + 1);
-      }
-      commit_async_copies();
-    }
-    for (int step = 0; step < steps; ++step) {
-      wait_async_copies<STAGES - 2>();
-      __syncthreads();  // step `step` is visible to all; every warp is done with step - 1's buffer
-      const int next = step + STAGES - 1;
-      if (next < steps) {
-        stage_step(next % STAGES);
-        load_pair_indices(next + 1);
-      }
-      commit_async_copies();
-      multiply_stage(step % STAGES);
-    }
-    wait_async_copies<0>();
+    const auto stage_and_look_ahead = [&](int step, int buffer) {
+      stage_step(buffer);
+      load_pair_indices(step + 1);
+    };
+    run_pipeline<STAGES>(steps, stage_and_look_ahead, multiply_stage);
   } else {
     T* x_tile = reinterpret_cast<T*>(shared);
     T* dy_tile = reinterpret_cast<T*>(shared + X_BYTES);
