@@ -181,9 +181,11 @@ class PerVoxel(nn.Module):
         return input.replace_feature(self.module(input.features))
 
 
-class SparseBatchNorm(PerVoxel):
-    def __init__(self, num_features: int, **kwargs):
-        super().__init__(nn.BatchNorm1d(num_features, **kwargs))
+class SparseBatchNorm(nn.BatchNorm1d):
+    """`nn.BatchNorm1d` over the features `[N, C]`; its state-dict keys are BatchNorm1d's."""
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return input.replace_feature(super().forward(input.features))
 
 
 class SparseLayerNorm(PerVoxel):

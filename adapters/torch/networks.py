@@ -1,0 +1,185 @@
+"""The reference networks (`cupysparse.networks`) as `torch.nn` modules, and their weight files.
+
+    model = MinkUNet18(in_channels=3, num_classes=13).cuda().half()
+    logits = model(sparse_tensor).features                        # [N, 13]
+    save_weights(model, "minkunet18.safetensors")                 # cupysparse.inference runs it without torch
+
+Module and parameter names follow the description's layer names, so `model.state_dict()` has
+exactly the keys `cupysparse.networks.parameter_shapes` lists (plus BatchNorm's
+`num_batches_tracked`), and a weights file written here loads into `cupysparse.inference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cupysparse import networks
+from cupysparse.weights_file import load_weights, save_weights as save_arrays
+
+from .bridge import to_core
+from .modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
+from .tensor import SparseTensor
+
+
+class _Skips:
+    """The tensors saved by `SaveSkip` during one forward call."""
+
+    def __init__(self):
+        self.saved: dict[str, SparseTensor] = {}
+
+
+class SparseSequential(nn.Module):
+    """The layers of a `networks.Sequential`, run in order; skip saves and concatenations included."""
+
+    def __init__(self, description: networks.Sequential, fwd_algo=None, bwd_algo=None):
+        super().__init__()
+        self._steps = []
+        for layer in description.layers:
+            if isinstance(layer, (networks.SaveSkip, networks.ConcatSkip)):
+                self._steps.append(layer)
+            else:
+                self.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
+                self._steps.append(layer.name)
+
+    def forward(self, input: SparseTensor, skips: _Skips | None = None) -> SparseTensor:
+        skips = _Skips() if skips is None else skips
+        output = input
+        for step in self._steps:
+            if isinstance(step, networks.SaveSkip):
+                skips.saved[step.name] = output
+            elif isinstance(step, networks.ConcatSkip):
+                output = _concatenate(output, skips.saved.pop(step.skip), step.skip)
+            else:
+                module = getattr(self, step)
+                output = module(output, skips) if isinstance(module, SparseSequential) else module(output)
+        return output
+
+
+def _concatenate(current: SparseTensor, skip: SparseTensor, skip_name: str) -> SparseTensor:
+    if current.core.coordinates is not skip.core.coordinates:
+        raise ValueError(f"the tensor saved as {skip_name!r} has other coordinates than the one it is appended to; "
+                         "a skip must come from the level a transposed convolution returns to")
+    return current.replace_feature(torch.cat([current.features, skip.features], dim=1))
+
+
+class ResidualBlock(nn.Module):
+    """`relu(body(x) + shortcut(x))` of a `networks.Residual`."""
+
+    def __init__(self, description: networks.Residual, fwd_algo=None, bwd_algo=None):
+        super().__init__()
+        self._body = []
+        for layer in description.body:
+            self.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
+            self._body.append(layer.name)
+        self.shortcut = None
+        if description.shortcut is not None:
+            self.shortcut = SparseSequential(description.shortcut, fwd_algo, bwd_algo)
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        output = input
+        for name in self._body:
+            output = getattr(self, name)(output)
+        identity = input if self.shortcut is None else self.shortcut(input)
+        return output.replace_feature(torch.relu(output.features + identity.features))
+
+
+def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
+    """The torch module of one layer description (see `cupysparse.networks`)."""
+    if isinstance(layer, networks.Conv):
+        return SpatiallySparseConv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
+                                   transposed=layer.transposed, bias=layer.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo)
+    if isinstance(layer, networks.BatchNorm):
+        return SparseBatchNorm(layer.channels, eps=layer.eps, momentum=layer.momentum)
+    if isinstance(layer, networks.ReLU):
+        return SparseReLU()
+    if isinstance(layer, networks.Sequential):
+        return SparseSequential(layer, fwd_algo, bwd_algo)
+    if isinstance(layer, networks.Residual):
+        return ResidualBlock(layer, fwd_algo, bwd_algo)
+    raise TypeError(f"no torch module for {type(layer).__name__}")
+
+
+class SparseNetwork(SparseSequential):
+    """A whole `networks.Network` as one module; `description` keeps what it was built from."""
+
+    def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
+        super().__init__(description.root, fwd_algo, bwd_algo)
+        self.description = description
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        if not isinstance(input, SparseTensor):
+            raise TypeError(f"input must be a cupysparse.adapters.torch.SparseTensor, got {type(input).__name__}")
+        if input.features.shape[1] != self.description.in_channels:
+            raise ValueError(f"{self.description.name} takes {self.description.in_channels} input channels, "
+                             f"got {input.features.shape[1]}")
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return f"{self.description.name}: {self.description.in_channels} → {self.description.out_channels} channels"
+
+
+def MinkUNet14(in_channels: int = 3, num_classes: int = 20, width: float = 1.0, **algorithms) -> SparseNetwork:
+    return SparseNetwork(networks.minkunet(14, in_channels, num_classes, width), **algorithms)
+
+
+def MinkUNet18(in_channels: int = 3, num_classes: int = 20, width: float = 1.0, **algorithms) -> SparseNetwork:
+    return SparseNetwork(networks.minkunet(18, in_channels, num_classes, width), **algorithms)
+
+
+def MinkUNet34(in_channels: int = 3, num_classes: int = 20, width: float = 1.0, **algorithms) -> SparseNetwork:
+    return SparseNetwork(networks.minkunet(34, in_channels, num_classes, width), **algorithms)
+
+
+def CenterPointBackbone(in_channels: int = 4, width: float = 1.0, **algorithms) -> SparseNetwork:
+    return SparseNetwork(networks.centerpoint_backbone(in_channels, width), **algorithms)
+
+
+def observe_convolutions(model: SparseNetwork, observer) -> list:
+    """Report each convolution of `model` to `observer` (a `cupysparse.inference.LayerObserver`,
+    given core tensors and arrays) as it runs; returns the hook handles (`.remove()` each)."""
+    descriptions = dict(networks.convolutions(model.description))
+    handles = []
+    for path, module in model.named_modules():
+        if path not in descriptions:
+            continue
+        layer = descriptions[path]
+
+        def before(module, inputs, path=path, layer=layer):
+            observer.before(path, layer, inputs[0].core)
+
+        def after(module, inputs, output, path=path, layer=layer):
+            weight = module.weight.detach().to(output.features.dtype)
+            observer.after(path, layer, inputs[0].core, output.core, to_core(weight))
+
+        handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    return handles
+
+
+def _to_numpy(tensor: torch.Tensor):
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16: hand over the bits
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def save_weights(model: nn.Module, path) -> None:
+    """Write `model.state_dict()` to a safetensors file (see `cupysparse.weights_file`)."""
+    save_arrays(path, {name: _to_numpy(value) for name, value in model.state_dict().items()})
+
+
+def load_weights_into(model: nn.Module, path, strict: bool = True):
+    """Load a weights file into `model` (`load_state_dict`, converting to each parameter's dtype)."""
+    state = model.state_dict()
+    arrays = load_weights(path)
+    loaded = {}
+    for name, array in arrays.items():
+        if array.dtype.name == "bfloat16":
+            array = array.view("int16")
+            value = torch.from_numpy(array.copy()).view(torch.bfloat16)
+        else:
+            value = torch.from_numpy(array)
+        loaded[name] = value.to(state[name].dtype) if name in state else value
+    return model.load_state_dict(loaded, strict=strict)
