@@ -37,6 +37,7 @@ from cupysparse.benchmark_cache import default_cache
 from cupysparse.dtypes import as_feature_dtype
 from cupysparse.functional import backward_runner, forward_runner
 from cupysparse.kernel_map import KernelMapCache
+from cupysparse.progress import Progress
 from cupysparse.scenes import INDOOR_MIN_NUM_VOXELS, make_scene
 from cupysparse.tuner import NAMESPACES, Tuner, tuning_enabled, tuning_key
 
@@ -310,36 +311,6 @@ def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: 
 
 def is_cached(data: LayerData, phase: str, cache) -> bool:
     return cache.get(NAMESPACES[(CONV, phase)], tuning_key(data.problem)) is not None
-
-
-class Progress:
-    """`[ i/n] label` on stderr: rewritten in place on a terminal, a line each otherwise."""
-
-    def __init__(self, total: int, stream=None):
-        self._stream = stream or sys.stderr
-        self._total = total
-        self._width = len(str(total))
-        self._interactive = self._stream.isatty()
-        self._shown = 0
-
-    def tag(self, index: int) -> str:
-        return f"[{index:>{self._width}}/{self._total}]"
-
-    def show(self, index: int, label: str) -> None:
-        text = f"{self.tag(index)} {label}"
-        if self._interactive:
-            self._stream.write("\r" + text.ljust(self._shown))
-            self._shown = len(text)
-        else:
-            self._stream.write(text + "\n")
-        self._stream.flush()
-
-    def clear(self) -> None:
-        """Blank the in-place line so a result line printed next starts clean."""
-        if self._interactive and self._shown:
-            self._stream.write("\r" + " " * self._shown + "\r")
-            self._stream.flush()
-            self._shown = 0
 
 
 def print_dry_run(grid: list[Configuration]) -> None:
