@@ -1,121 +1,390 @@
-"""`cupysparse-demo`: voxelize a synthetic scene and build the kernel maps of a sparse U-Net.
+"""`cupysparse-demo`: MinkUNet inference (and training) on a synthetic scene, layer by layer.
 
-Runs on the GPU when there is one (CuPy), on the CPU otherwise (NumPy), and prints each map it
-built (inputs, outputs, pairs) with the time it took. The maps follow a MinkUNet-style pass: a
-submanifold 3³ map and a strided 2³ map per encoder level, then the decoder's transposed maps,
-which invert the encoder's strided maps instead of searching again.
+Builds an indoor room (or, with --scene outdoor, a street seen by a LiDAR), voxelises it, and runs
+MinkUNet18 on it: on the GPU in fp16 when there is one (CuPy kernels), else on the CPU in fp32
+(NumPy). The first pass compiles the kernels and tunes each layer's algorithm, with a progress
+bar; the choices are cached on disk, so the next run skips that. Then it prints each
+convolution with the algorithm chosen and its time, and the whole forward pass.
+
+With PyTorch installed the network is the `torch.nn` module (`--framework torch`, the default
+then); without it, or with `--framework cupy`, the same network runs framework-free
+(`cupysparse.inference`). `--train-steps N` trains for N steps on the scene's labels (PyTorch)
+and prints the loss; `--plot FILE` draws the scene coloured by the predicted class; `--weights`
+and `--save-weights` read and write safetensors files that both frameworks share.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import sys
 import time
 
-from . import backend
+import numpy as np
+
+from . import backend, networks
+from .dtypes import as_feature_dtype, short_name
+from .functional import select_forward
+from .inference import InferenceNetwork, LayerObserver
+from .progress import Progress
 from .scenes import make_scene
 from .sparse_tensor import SparseTensor
+from .tuner import default_tuner
+from .weights_file import load_weights, save_weights as save_arrays
+
+FRAMEWORKS = ("auto", "torch", "cupy")
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
+MAX_PLOTTED_VOXELS = 60_000
+CEILING_CUT = 0.1  # the top tenth of an indoor scene's height is left out of the picture, to see into the room
+LEARNING_RATE = 1e-2
 
 
-class _Stopwatch:
-    """Wall-clock milliseconds of a block, with the GPU synchronised on both sides."""
-
-    def __init__(self, device: str):
-        self._synchronize = backend.cupy_module().cuda.Device().synchronize if device == "cuda" else lambda: None
-
-    def __call__(self, fn):
-        self._synchronize()
-        start = time.perf_counter()
-        result = fn()
-        self._synchronize()
-        return result, (time.perf_counter() - start) * 1e3
+def _torch_or_none():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="cupysparse-demo", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="cupysparse-demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--scene", choices=("indoor", "outdoor"), default="indoor")
     parser.add_argument("--num-voxels", type=int, default=None,
-                        help="target voxel count (default 200000 on a GPU, 50000 on the CPU)")
+                        help="target voxel count (default 200000 on a GPU, 20000 on the CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    parser.add_argument("--levels", type=int, default=4, help="encoder levels (strided 2x downsamplings)")
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="auto",
+                        help="torch (needs PyTorch) or cupy (framework-free: CuPy or NumPy); auto: torch when "
+                             "installed")
+    parser.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
+                        help="inference dtype (auto: float16 on the GPU, float32 on the CPU)")
+    parser.add_argument("--depth", type=int, choices=sorted(networks.MINKUNET_BLOCKS), default=18)
+    parser.add_argument("--width", type=float, default=1.0, help="channel width multiplier")
+    parser.add_argument("--weights", metavar="FILE", help="safetensors weights to load (default: random)")
+    parser.add_argument("--save-weights", metavar="FILE", help="write the weights (after training) to FILE")
+    parser.add_argument("--train-steps", type=int, default=0, help="training steps on the scene (PyTorch)")
+    parser.add_argument("--plot", metavar="FILE", help=f"picture of the predicted classes ({', '.join(PLOT_SUFFIXES)})")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forward passes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.device == "auto":
-        args.device = backend.default_device()
-    if args.num_voxels is None:
-        args.num_voxels = 200_000 if args.device == "cuda" else 50_000
-    if args.num_voxels < 1 or args.levels < 1:
-        parser.error("--num-voxels and --levels must be positive")
+    _resolve(parser, args)
     return args
 
 
-def _warm_up_kernels(device: str, timed) -> float:
-    """Compile (or load from the kernel caches) the kernels used below, on a tiny scene."""
-    import numpy as np
+def _resolve(parser, args) -> None:
+    """Fill in the automatic choices and reject what cannot run, before any work starts."""
+    if args.num_voxels is not None and args.num_voxels < 1:
+        parser.error(f"--num-voxels must be positive, got {args.num_voxels}")
+    if args.train_steps < 0 or args.repeats < 1:
+        parser.error("--train-steps must be ≥ 0 and --repeats ≥ 1")
+    if not (args.width > 0 and np.isfinite(args.width)):
+        parser.error(f"--width must be a positive number, got {args.width}")
+    if args.device == "auto":
+        args.device = backend.default_device()
+    elif args.device == "cuda" and not backend.gpu_available():
+        parser.error("--device cuda: no usable CUDA GPU (see `python -m cupysparse info`)")
+    torch = _torch_or_none()
+    if args.framework == "auto":
+        args.framework = "torch" if torch is not None else "cupy"
+    if args.framework == "torch":
+        if torch is None:
+            parser.error("--framework torch needs PyTorch (pip install torch); --framework cupy runs without it")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error("this PyTorch has no CUDA; use --framework cupy or --device cpu")
+    if args.train_steps and args.framework != "torch":
+        parser.error("--train-steps needs PyTorch's autograd: install torch or pass --framework torch")
+    if args.dtype == "auto":
+        args.dtype = "float16" if args.device == "cuda" else "float32"
+    if args.num_voxels is None:
+        args.num_voxels = 200_000 if args.device == "cuda" else 20_000
+    if args.weights is not None and not os.path.isfile(args.weights):
+        parser.error(f"--weights: no such file: {args.weights}")
+    for option, path in (("--save-weights", args.save_weights), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"{option}: the folder of {path} does not exist")
+    if args.plot is not None:
+        if not args.plot.lower().endswith(PLOT_SUFFIXES):
+            parser.error(f"--plot: the file name must end in one of {', '.join(PLOT_SUFFIXES)}, got {args.plot}")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'cupysparse[plot]'")
 
-    points = backend.to_device(np.array([[0.0, 0.0, 0.0], [0.5, 0.0, 0.0], [2.0, 0.0, 0.0]], np.float32), device)
 
-    def run_once():
-        tiny = SparseTensor.from_points(points, 1.0)
-        tiny.kernel_map(3).kernel_map.mask_sorted_order()
-        down = tiny.kernel_map(2, stride=2)
-        down.kernel_map.csr()
-        _features_of_ones(down).kernel_map(2, stride=2, transposed=True).kernel_map.mask_sorted_order()
+class _Clock:
+    """Elapsed milliseconds: CUDA events on the GPU (no synchronisation until read), else perf_counter."""
 
-    return timed(run_once)[1]
+    def __init__(self, device: str):
+        self._cupy = backend.cupy_module() if device == "cuda" else None
+
+    def mark(self):
+        if self._cupy is None:
+            return time.perf_counter()
+        event = self._cupy.cuda.Event()
+        event.record()
+        return event
+
+    def elapsed_ms(self, start, end) -> float:
+        if self._cupy is None:
+            return (end - start) * 1e3
+        end.synchronize()
+        return self._cupy.cuda.get_elapsed_time(start, end)
+
+    def time_ms(self, fn):
+        start = self.mark()
+        result = fn()
+        return result, self.elapsed_ms(start, self.mark())
+
+
+class _TuningProgress(LayerObserver):
+    """Advances a progress bar as each convolution of the first pass finishes (compiling and tuning)."""
+
+    def __init__(self, total: int, doing: str):
+        self._progress = Progress(total, quiet_steps=True)
+        self._doing = doing
+        self._done = 0
+
+    def before(self, path, layer, input):
+        self._progress.show(self._done, f"{self._doing} {path}")
+
+    def after(self, path, layer, input, output, weight):
+        self._done += 1
+        self._progress.show(self._done, f"{self._doing} {path}")
+
+    def finish(self) -> None:
+        self._progress.clear()
+
+
+class _LayerTable(LayerObserver):
+    """One row per convolution: its shape, the algorithm the tuner chose, and its time."""
+
+    def __init__(self, clock: _Clock):
+        self._clock = clock
+        self._starts = {}
+        self.rows = []
+
+    def before(self, path, layer, input):
+        self._starts[path] = self._clock.mark()
+
+    def after(self, path, layer, input, output, weight):
+        kernel_map = input.kernel_map(layer.kernel_size, layer.stride, 1, layer.transposed).kernel_map
+        algorithm = select_forward(input.features, weight, kernel_map).algorithm.name
+        self.rows.append((path, layer, len(input), len(output), algorithm, self._starts.pop(path), self._clock.mark()))
+
+    def print(self) -> float:
+        print(f"{'layer':<32} {'kind':<15} {'voxels in → out':>21} {'channels':>10}  {'algorithm':<20} {'ms':>8}")
+        total = 0.0
+        for path, layer, num_in, num_out, algorithm, start, end in self.rows:
+            elapsed = self._clock.elapsed_ms(start, end)
+            total += elapsed
+            kind = f"{layer.kind()} {'x'.join(map(str, np.broadcast_to(layer.kernel_size, 3)))}"
+            channels = f"{layer.in_channels}→{layer.out_channels}"
+            print(f"{path:<32} {kind:<15} {f'{num_in:,} → {num_out:,}':>21} {channels:>10}  {algorithm:<20} "
+                  f"{elapsed:>8.3f}")
+        print(f"{f'all {len(self.rows)} convolutions':<82} {total:>8.3f}")
+        return total
+
+
+class _Runner:
+    """The demo's network in one framework: forward passes on core tensors, training where supported.
+
+    With PyTorch the trained model keeps float32 weights; inference runs a copy in the inference
+    dtype, made again after training."""
+
+    def __init__(self, args, description: networks.Network):
+        self.args = args
+        self.torch = _torch_or_none() if args.framework == "torch" else None
+        if self.torch is None:
+            self._weights = networks.random_weights(description, args.seed) if args.weights is None else args.weights
+            self._network = InferenceNetwork(description, self._weights, args.device, args.dtype)
+            return
+        from .adapters.torch.networks import SparseNetwork, load_weights_into
+
+        self.torch.manual_seed(args.seed)
+        self._model = SparseNetwork(description).to(self._torch_device())
+        if args.weights is not None:
+            load_weights_into(self._model, args.weights)
+        self._inference_model = None
+
+    def _torch_device(self):
+        return self.torch.device("cuda" if self.args.device == "cuda" else "cpu")
+
+    def _torch_input(self, tensor: SparseTensor, dtype: str):
+        from .adapters.torch import SparseTensor as TorchSparseTensor
+        from .adapters.torch.bridge import from_core
+
+        features = from_core(tensor.features).to(self._torch_device(), getattr(self.torch, dtype))
+        return TorchSparseTensor(from_core(tensor.coordinates), features, validate=False)
+
+    def _eval_model(self):
+        if self._inference_model is None:
+            dtype = getattr(self.torch, self.args.dtype)
+            model = self._model if dtype == self.torch.float32 else copy.deepcopy(self._model).to(dtype)
+            self._inference_model = model.eval()
+        return self._inference_model
+
+    def forward(self, tensor: SparseTensor, observer: LayerObserver | None = None):
+        """Logits `[N, classes]` (core array) of `tensor` (a core tensor in the inference dtype)."""
+        if self.torch is None:
+            return self._network(tensor, observer).features
+        from .adapters.torch.bridge import to_core
+        from .adapters.torch.networks import observe_convolutions
+
+        model = self._eval_model()
+        handles = observe_convolutions(model, observer) if observer is not None else []
+        try:
+            with self.torch.no_grad():
+                return to_core(model(self._torch_input(tensor, self.args.dtype)).features)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def train(self, tensor: SparseTensor, labels: np.ndarray, steps: int) -> list[float]:
+        """Losses of `steps` Adam steps on the per-voxel cross-entropy; on the GPU in mixed precision
+        (float32 weights, convolutions in the inference dtype under autocast)."""
+        torch = self.torch
+        model = self._model.train()
+        self._inference_model = None
+        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+        target = torch.as_tensor(labels, dtype=torch.long, device=self._torch_device())
+        inputs = self._torch_input(tensor, "float32")
+        autocast = self.args.device == "cuda" and self.args.dtype != "float32"
+        scaler = torch.amp.GradScaler("cuda", enabled=autocast and self.args.dtype == "float16")
+        losses = []
+        for step in range(steps):
+            with torch.autocast("cuda", dtype=getattr(torch, self.args.dtype), enabled=autocast):
+                logits = model(inputs).features
+            loss = torch.nn.functional.cross_entropy(logits.float(), target)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+            print(f"  step {step + 1}/{steps}  loss {losses[-1]:.4f}")
+        return losses
+
+    def save_weights(self, path: str) -> None:
+        if self.torch is None:
+            save_arrays(path, load_weights(self._weights) if isinstance(self._weights, str) else self._weights)
+            return
+        from .adapters.torch.networks import save_weights
+
+        save_weights(self._model, path)
+
+
+def _scene_tensor(args):
+    """(scene, core tensor of voxels with normalised xyz features, per-voxel labels as NumPy)."""
+    scene = make_scene(args.scene, args.num_voxels, seed=args.seed)
+    low = scene.points.min(axis=0)
+    extent = np.maximum(scene.points.max(axis=0) - low, 1e-6)
+    # The label rides along as a fourth feature column: "first" keeps it exact (a mean would blend classes).
+    per_point = np.concatenate([(scene.points - low) / extent, scene.labels[:, None]], axis=1).astype(np.float32)
+    voxels = SparseTensor.from_points(backend.to_device(scene.points, args.device), scene.voxel_size,
+                                      features=backend.to_device(per_point, args.device), reduce="first")
+    labels = backend.to_numpy(voxels.features[:, 3]).astype(np.int64)
+    features = voxels.features[:, :3].astype(args.dtype)
+    return scene, voxels.replace_features(backend.array_module(features).ascontiguousarray(features)), labels
+
+
+def _fresh(tensor: SparseTensor) -> SparseTensor:
+    """The same voxels with an empty kernel-map cache: a forward on it builds its maps again."""
+    return SparseTensor(tensor.coordinates, tensor.features, tensor.tensor_stride, validate=False)
+
+
+def _median_ms(clock: _Clock, fn, repeats: int) -> float:
+    return float(np.median([clock.time_ms(fn)[1] for _ in range(repeats)]))
+
+
+def plot_prediction(path: str, scene, coordinates: np.ndarray, labels: np.ndarray, predicted: np.ndarray) -> None:
+    """Two oblique 3D views of the voxels, coloured by true and by predicted class, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    keep = np.ones(len(coordinates), bool)
+    if scene.name.startswith("indoor") and len(coordinates):
+        height = coordinates[:, 3]
+        keep = height <= height.min() + (1 - CEILING_CUT) * np.ptp(height)
+    chosen = np.flatnonzero(keep)
+    if len(chosen) > MAX_PLOTTED_VOXELS:
+        chosen = np.random.default_rng(0).choice(chosen, MAX_PLOTTED_VOXELS, replace=False)
+    xyz = coordinates[chosen, 1:].astype(np.float32)
+    colours = plt.get_cmap("tab10")
+    marker_size = float(np.clip(MAX_PLOTTED_VOXELS / max(len(chosen), 1), 1.0, 6.0))
+    figure = plt.figure(figsize=(14, 6.5))
+    for index, (title, classes) in enumerate((("labels", labels), ("prediction", predicted))):
+        axes = figure.add_subplot(1, 2, index + 1, projection="3d")
+        axes.scatter(xyz[:, 0], xyz[:, 1], xyz[:, 2], c=colours(classes[chosen] % 10), s=marker_size, linewidths=0,
+                     depthshade=False)
+        axes.set_title(f"{scene.name}: {title}")
+        axes.view_init(elev=35, azim=-60)
+        axes.set_box_aspect(np.ptp(xyz, axis=0) + 1)
+        axes.set_axis_off()
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours(i % 10), label=name)
+               for i, name in enumerate(scene.class_names)]
+    figure.legend(handles=handles, loc="lower center", ncol=len(scene.class_names), frameon=False)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    timed = _Stopwatch(args.device)
-    print(f"cupysparse demo on {backend.describe_device(args.device)}")
+    clock = _Clock(args.device)
+    print(f"cupysparse demo on {backend.describe_device(args.device)}, framework {args.framework}, "
+          f"{short_name(as_feature_dtype(args.dtype))}")
 
-    scene, scene_ms = timed(lambda: make_scene(args.scene, args.num_voxels, seed=args.seed))
-    print(f"scene     {scene.name}: {len(scene.points):,} points, {len(scene.class_names)} classes "
-          f"({scene_ms:.0f} ms, NumPy)")
-    if args.device == "cuda":
-        print(f"kernels   compiled or loaded from the kernel cache in {_warm_up_kernels(args.device, timed):.0f} ms")
-    points = backend.to_device(scene.points, args.device)
-    tensor, voxelize_ms = timed(lambda: SparseTensor.from_points(points, scene.voxel_size))
-    print(f"voxelize  {len(tensor):,} voxels of {scene.voxel_size * 100:g} cm ({voxelize_ms:.1f} ms)")
+    begin = time.perf_counter()
+    scene, tensor, labels = _scene_tensor(args)
+    print(f"scene     {scene.name}: {len(scene.points):,} points → {len(tensor):,} voxels of "
+          f"{scene.voxel_size * 100:g} cm, {len(scene.class_names)} classes ({(time.perf_counter() - begin):.1f} s)")
+    description = networks.minkunet(args.depth, 3, len(scene.class_names), args.width)
+    shapes = networks.parameter_shapes(description)
+    num_parameters = sum(int(np.prod(shape)) for name, shape in shapes.items() if "running" not in name)
+    runner = _Runner(args, description)
+    print(f"network   {description.name}: {len(networks.convolutions(description))} convolutions, "
+          f"{num_parameters / 1e6:.1f}M parameters, weights {args.weights or 'random'}")
 
-    rows = []
+    measured = default_tuner().measurements
+    doing = "compiling and tuning" if args.device == "cuda" else "building kernel maps for"
+    progress = _TuningProgress(len(networks.convolutions(description)), doing)
+    begin = time.perf_counter()
+    runner.forward(tensor, progress)
+    progress.finish()
+    tuned = default_tuner().measurements - measured
+    work = "kernel maps" if args.device == "cpu" else (
+        f"kernel maps, compiling, {f'{tuned} problems tuned' if tuned else 'choices from the tuning cache'}")
+    print(f"first     pass {time.perf_counter() - begin:.1f} s ({work})")
 
-    def build(label, current_stride, fn):
-        result, elapsed = timed(fn)
-        kernel_map = result.kernel_map
-        rows.append((label, current_stride[0], kernel_map.num_in, kernel_map.num_out, kernel_map.num_pairs, elapsed))
-        return result
-
-    level = tensor
-    encoder = []
-    for _ in range(args.levels):
-        build("submanifold 3^3", level.tensor_stride, lambda t=level: t.kernel_map(3))
-        down = build("strided 2^3 /2", level.tensor_stride, lambda t=level: t.kernel_map(2, stride=2))
-        encoder.append(level)
-        level = _features_of_ones(down)
-    build("submanifold 3^3", level.tensor_stride, lambda t=level: t.kernel_map(3))
-    for _ in encoder:
-        up = build("transposed 2^3 x2", level.tensor_stride, lambda t=level: t.kernel_map(2, stride=2, transposed=True))
-        level = _features_of_ones(up)
-    _, reuse_ms = timed(lambda: [encoder[0].kernel_map(3) for _ in range(10)])
-
+    table = _LayerTable(clock)
+    logits = runner.forward(tensor, table)
     print()
-    print(f"{'map':<18} {'stride':>6} {'inputs':>10} {'outputs':>10} {'pairs':>12} {'ms':>9}")
-    for label, stride, num_in, num_out, pairs, elapsed in rows:
-        print(f"{label:<18} {stride:>6} {num_in:>10,} {num_out:>10,} {pairs:>12,} {elapsed:>9.2f}")
-    total = sum(row[-1] for row in rows)
-    print(f"{'total':<18} {'':>6} {'':>10} {'':>10} {sum(r[4] for r in rows):>12,} {total:>9.2f}")
-    print(f"\n{len(rows)} maps built (times include counting the pairs); the decoder's maps invert the "
-          f"encoder's; 10 cached look-ups took {reuse_ms:.3f} ms")
+    table.print()
+    cached = _median_ms(clock, lambda: runner.forward(tensor), args.repeats)
+    built = _median_ms(clock, lambda: runner.forward(_fresh(tensor)), args.repeats)
+    print(f"\nforward   {cached:.2f} ms with the kernel maps cached, {built:.2f} ms building them "
+          f"(median of {args.repeats})")
+    predicted = backend.to_numpy(logits.argmax(axis=1))
+    print(f"accuracy  {np.mean(predicted == labels):.1%} of voxels ({args.weights or 'random weights'})")
+
+    if args.train_steps:
+        print(f"\ntraining  {args.train_steps} steps, Adam lr {LEARNING_RATE:g}, cross-entropy on the voxel labels")
+        losses = runner.train(tensor, labels, args.train_steps)
+        trend = "falling" if losses[-1] < losses[0] else "NOT falling"
+        print(f"loss      {losses[0]:.4f} → {losses[-1]:.4f} ({trend})")
+        predicted = backend.to_numpy(runner.forward(tensor).argmax(axis=1))
+        print(f"accuracy  {np.mean(predicted == labels):.1%} of voxels after training")
+    if args.save_weights:
+        runner.save_weights(args.save_weights)
+        print(f"weights   written to {args.save_weights}")
+    if args.plot:
+        plot_prediction(args.plot, scene, backend.to_numpy(tensor.coordinates), labels, predicted)
+        print(f"plot      written to {args.plot}")
     return 0
-
-
-def _features_of_ones(result) -> SparseTensor:
-    """The output tensor of a map, with one constant feature channel."""
-    coords = result.out_coordinates
-    features = backend.array_module(coords).ones((coords.shape[0], 1), dtype="float32")
-    return SparseTensor(coords, features, result.out_tensor_stride, validate=False, map_cache=result.out_map_cache)
 
 
 if __name__ == "__main__":

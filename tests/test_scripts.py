@@ -1,22 +1,8 @@
-"""The demo and the benchmarks run end to end on the CPU and report what they built."""
+"""The benchmarks run end to end on the CPU and report what they built."""
 
 import csv
 
-from cupysparse import demo
 from cupysparse.scripts import benchmark_conv, benchmark_kernel_map
-
-
-def test_demo_builds_and_reports_every_map(capsys):
-    assert demo.main(["--device", "cpu", "--num-voxels", "3000", "--levels", "2"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    rows = [line.split() for line in lines if line.startswith(("submanifold", "strided", "transposed"))]
-    assert len(rows) == 2 * 2 + 1 + 2  # per level subm + strided, the bottom subm, one transposed per level
-    voxels = int(next(line for line in lines if line.startswith("voxelize")).split()[1].replace(",", ""))
-    assert abs(voxels - 3000) <= 0.05 * 3000
-    first_submanifold = rows[0]
-    assert int(first_submanifold[3].replace(",", "")) == voxels  # inputs
-    last_transposed = rows[-1]
-    assert int(last_transposed[-2].replace(",", "")) == voxels  # every fine voxel has one coarse parent
 
 
 def test_kernel_map_benchmark_writes_its_table(tmp_path, capsys):
