@@ -343,6 +343,20 @@ def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], 
 STATIC_SHARED_LIMIT = 48 * 1024
 
 
+_SHARED_OPT_INS: set[tuple[int, int]] = set()
+
+
+def _slot_value(argument) -> int:
+    """The 8-byte slot of one kernel argument as an integer: 0 for a per-call address, a device
+    address, or a scalar's little-endian bytes in the slot's first bytes."""
+    if argument is None:
+        return 0
+    if is_cupy_array(argument):
+        return argument.data.ptr
+    scalar = argument if isinstance(argument, np.generic) else np.asarray(argument)
+    return int.from_bytes(scalar.tobytes(), "little")
+
+
 class PreparedLaunch:
     """One kernel's launch with its grid, block, dynamic shared memory and arguments fixed, except the
     arguments given as None (device addresses, filled in per call): `launch(stream, *addresses)`,
@@ -359,22 +373,16 @@ class PreparedLaunch:
         self._launch_kernel = driver.launchKernel
         self._function = kernel.ptr
         self._shared_bytes = shared_bytes
-        if shared_bytes > STATIC_SHARED_LIMIT:  # dynamic shared memory past the default needs an opt-in
+        # Dynamic shared memory past the default needs an opt-in, set once per kernel and size (a driver call).
+        if shared_bytes > STATIC_SHARED_LIMIT and (self._function, shared_bytes) not in _SHARED_OPT_INS:
             driver.funcSetAttribute(self._function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     shared_bytes)
+            _SHARED_OPT_INS.add((self._function, shared_bytes))
         self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
-        self._values = np.zeros(len(arguments), dtype=np.uint64)
         self._free = tuple(i for i, argument in enumerate(arguments) if argument is None)
-        self._arrays = []
-        for i, argument in enumerate(arguments):
-            if argument is None:
-                continue
-            if is_cupy_array(argument):
-                self._arrays.append(argument)
-                self._values[i] = argument.data.ptr
-            else:
-                scalar = np.asarray(argument)
-                self._values[i : i + 1].view(np.uint8)[: scalar.itemsize] = scalar.reshape(1).view(np.uint8)
+        self._arrays = [argument for argument in arguments if is_cupy_array(argument)]
+        # Plans are made for every new kernel map, so this packing is on the path of a network's step.
+        self._values = np.array([_slot_value(argument) for argument in arguments], dtype=np.uint64)
         self._slots = self._values.ctypes.data + 8 * np.arange(len(arguments), dtype=np.uint64)
         self._slots_address = self._slots.ctypes.data
         self._lock = threading.Lock()

@@ -131,8 +131,13 @@ class KernelMap:
 
     @functools.cached_property
     def _reversed(self) -> KernelMap:
+        if self._is_mirror_symmetric():
+            # in = out + o_k  ⇔  out = in + o_(K-1-k): the reverse is the table with its offsets flipped.
+            table = array_module(self.pair_table).ascontiguousarray(self.pair_table[::-1])
+        else:
+            table = invert_pair_table(self.pair_table, self.num_in)
         reverse = KernelMap(
-            invert_pair_table(self.pair_table, self.num_in),
+            table,
             self.num_out,
             self.kernel_size,
             self.stride,
@@ -142,6 +147,12 @@ class KernelMap:
         )
         reverse._reversed = self
         return reverse
+
+    def _is_mirror_symmetric(self) -> bool:
+        """A map between the same coordinates whose offsets come in mirror pairs (o_(K-1-k) = -o_k:
+        odd kernel sizes), as submanifold maps are."""
+        offsets = self.offsets
+        return self.identity_offset is not None and bool((offsets[::-1] == -offsets).all())
 
     def reversed(self) -> KernelMap:
         """The same pairs indexed by input row (`[K, N_in]` → output row), computed once.
@@ -298,14 +309,7 @@ def transposed_map(strided: KernelMap) -> KernelMap:
     """
     if strided.transposed:
         raise ValueError("transposed_map expects the forward (strided) map")
-    return KernelMap(
-        invert_pair_table(strided.pair_table, strided.num_in),
-        strided.num_out,
-        strided.kernel_size,
-        strided.stride,
-        strided.dilation,
-        transposed=True,
-    )
+    return strided.reversed()  # whose own reverse is `strided`: dgrad of either needs no inversion
 
 
 def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
@@ -376,6 +380,13 @@ class KernelMapCache:
         with contextlib.suppress(TypeError):
             self._by_arguments[arguments] = result
         return result
+
+    def lookup(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
+        """The `MapResult` of an earlier `kernel_map` call with these same arguments, else None."""
+        try:
+            return self._by_arguments.get((tensor_stride, kernel_size, stride, dilation, transposed, generative))
+        except TypeError:  # unhashable arguments: never memoised
+            return None
 
     def _normalised_kernel_map(self, tensor_stride, kernel_size, stride, dilation, transposed, generative):
         coords = self.coordinates(tensor_stride)

@@ -566,3 +566,18 @@ def test_unique_coordinates_keep_first_occurrence_order(device):
     unique = unique_coordinates(coords if device == "cpu" else cupy_module().asarray(coords))
     unique = unique if device == "cpu" else unique.get()
     assert as_tuples(unique) == first_occurrences(as_tuples(coords))
+
+
+@pytest.mark.parametrize("case", SMALL_CASES, ids=str)
+def test_reversed_map_indexes_the_same_pairs_by_input_row(case):
+    """Checked against the brute-force table, whichever way the library reverses it (offsets
+    flipped for submanifold maps, the strided map for a transposed one, a scatter otherwise)."""
+    in_coords, _, kernel_map = library_map(case, case.coordinates())
+    reference_table = np.asarray(cached_reference_map(case)[2])
+    expected = np.full((reference_table.shape[0], len(in_coords)), -1, dtype=np.int64)
+    offsets, outputs = np.nonzero(reference_table >= 0)
+    expected[offsets, reference_table[offsets, outputs]] = outputs
+    reverse = kernel_map.reversed()
+    np.testing.assert_array_equal(reverse.pair_table, expected)
+    assert reverse.pair_table.flags.c_contiguous
+    assert reverse.reversed() is kernel_map

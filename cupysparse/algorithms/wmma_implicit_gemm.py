@@ -200,6 +200,19 @@ def _current_stream() -> int:
     return cupy_module().cuda.get_current_stream().ptr
 
 
+class _LazyLaunches(dict):
+    """`PreparedLaunch`es by pipeline depth, each prepared on first use: a plan is made for every new
+    kernel map, and most layers only ever launch one of its variants."""
+
+    def __init__(self, prepare):
+        super().__init__()
+        self._prepare = prepare
+
+    def __missing__(self, stages: int) -> PreparedLaunch:
+        launch = self[stages] = self._prepare(stages)
+        return launch
+
+
 class _GemmPlan:
     """The launches of `_implicit_gemm` for one pair table (a map's or its reverse's), row order, dtype,
     channel counts, tile, pipeline depth and weight layout: prepared once per layer and kept with the
@@ -225,15 +238,16 @@ class _GemmPlan:
             name = _forward_kernel_name(type_name, tile, block_k, kernel_stages, weight_transposed)
             return PreparedLaunch(_SOURCES[dtype].get(name), grid, (_threads(tile),), arguments)
 
-        self.pipelined, self.synchronous = prepared(stages), prepared(SYNCHRONOUS_STAGES)
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+        self._launches = _LazyLaunches(prepared)
+        self._stages = stages
 
     def launch(self, features: int, weight: int, out: int, stream: int) -> None:
         """Launch on device addresses (row-major arrays; the weight padded, in the layout the plan
         reads), on the raw CUDA stream handle `stream`."""
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
         pipelined = self.vector_rows and features % VECTOR_BYTES == 0
-        (self.pipelined if pipelined else self.synchronous).launch(stream, features, weight, out)
+        self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(stream, features, weight, out)
 
     def __call__(self, features, padded_weight):
         out = cupy_module().empty(self.out_shape, dtype=self.dtype)  # every element is written once
@@ -320,14 +334,11 @@ class WgradPlan:
 
     def prepare_gemm(self, dtype, tile, grid, arguments) -> None:
         type_name = cuda_type_name(dtype)
-        self.pipelined, self.synchronous = (
-            PreparedLaunch(_SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid,
-                           (self.threads(tile),), arguments)
-            for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
-        )
+        self._gemms = _LazyLaunches(lambda stages: PreparedLaunch(
+            _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid, (self.threads(tile),), arguments))
 
     def launch_gemm(self, stream: int, features: int, grad_output: int, workspace: int, vectors: bool) -> None:
-        (self.pipelined if vectors else self.synchronous).launch(stream, features, grad_output, workspace)
+        self._gemms[WGRAD_STAGES if vectors else SYNCHRONOUS_STAGES].launch(stream, features, grad_output, workspace)
 
     def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream: int) -> None:
         """Launch on device addresses (row-major arrays, the fp32 workspace of `workspace_shape`), on
