@@ -226,3 +226,36 @@ def test_the_overhead_benchmark_says_it_needs_a_gpu(capsys):
 
     assert benchmark_torch_adapter.main(["--repeats", "3"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_backward_works_after_the_input_tensors_are_collected():
+    """The autograd graph alone must keep the kernel maps alive: the sparse tensors that own them
+    may be gone, and a garbage collection run, before backward."""
+    import gc
+
+    rng = np.random.default_rng(0)
+    cells = np.unique(rng.integers(0, 12, (400, 3)), axis=0)
+    coords = np.concatenate([np.zeros((len(cells), 1), np.int64), cells], axis=1).astype(np.int32)
+    conv = torch.nn.Sequential(cst.SubMConv3d(3, 4, 3), cst.SparseConv3d(4, 4, 2, stride=2),
+                               cst.SparseConvTranspose3d(4, 2, 2, stride=2))
+    features = torch.randn(len(coords), 3, dtype=torch.float64, requires_grad=True)
+    conv = conv.double()
+    output = conv(cst.SparseTensor(torch.from_numpy(coords), features)).features
+    gc.collect()
+    output.sum().backward()
+    assert features.grad is not None and torch.isfinite(features.grad).all()
+    assert all(parameter.grad is not None for parameter in conv.parameters())
+
+
+def test_from_core_views_the_core_tensor_and_shares_its_maps():
+    rng = np.random.default_rng(1)
+    cells = np.unique(rng.integers(0, 10, (300, 3)), axis=0)
+    coords = np.concatenate([np.zeros((len(cells), 1), np.int64), cells], axis=1).astype(np.int32)
+    core = cupysparse.SparseTensor(coords, rng.standard_normal((len(coords), 5)).astype(np.float32))
+    built = core.kernel_map(3)
+    tensor = cst.SparseTensor.from_core(core)
+    assert tensor.kernel_map(3) is built
+    assert tensor.features.data_ptr() == core.features.ctypes.data
+    np.testing.assert_array_equal(tensor.coordinates.numpy(), coords)
+    with pytest.raises(TypeError, match="cupysparse.SparseTensor"):
+        cst.SparseTensor.from_core(tensor)

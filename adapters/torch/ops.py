@@ -216,6 +216,14 @@ def _save_inputs(ctx, inputs, output):
     features, weight, table, _, bwd_algo = inputs
     ctx.save_for_backward(features, weight, table)
     ctx.bwd_algo = bwd_algo
+    if not torch.compiler.is_compiling():
+        _keep_map_alive(ctx, table)
+
+
+def _keep_map_alive(ctx, table: torch.Tensor) -> None:
+    """Hold the kernel map until backward: the tensors that own it may be gone by then, and the map,
+    in reference cycles, would go with the next garbage collection."""
+    ctx.kernel_map = _kernel_map(table)
 
 
 def _conv_backward(ctx, grad_output):
@@ -278,6 +286,7 @@ class _Convolution(torch.autograd.Function):
     def forward(ctx, features, weight, table, fwd_algo, bwd_algo):
         ctx.save_for_backward(features, weight, table)
         ctx.bwd_algo = bwd_algo
+        _keep_map_alive(ctx, table)
         return _core_forward(features, weight, table, fwd_algo)
 
     @staticmethod

@@ -14,7 +14,7 @@ import cupysparse
 from cupysparse.coords import as_tuple
 from cupysparse.kernel_map import MapResult
 
-from .bridge import from_core, to_core
+from .bridge import from_core, on_torch_stream, to_core
 
 
 def _ints(value, dims: int, name: str) -> tuple[int, ...]:
@@ -44,9 +44,10 @@ class SparseTensor:
             raise ValueError(f"coordinates are on {coordinates.device} but features on {features.device}")
         if coordinates.dtype != torch.int32:
             raise TypeError(f"coordinates must be int32, got {coordinates.dtype}; use coordinates.int()")
-        core = cupysparse.SparseTensor(
-            to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
-        )
+        with on_torch_stream(coordinates.device):  # validation runs kernels: on torch's stream and allocator
+            core = cupysparse.SparseTensor(
+                to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
+            )
         self._set(coordinates, core.coordinates, features, core.tensor_stride, core.map_cache, None)
 
     def _set(self, coordinates, core_coordinates, features, tensor_stride, map_cache, batch_size) -> None:
@@ -65,6 +66,17 @@ class SparseTensor:
         tensor._set(None, result.out_coordinates, features, result.out_tensor_stride, result.out_map_cache,
                     self._batch_size)
         return tensor
+
+    @classmethod
+    def from_core(cls, tensor: cupysparse.SparseTensor) -> SparseTensor:
+        """Zero-copy torch views of a core tensor's arrays, sharing its stride and kernel-map cache (the
+        maps already built for it are reused)."""
+        if not isinstance(tensor, cupysparse.SparseTensor):
+            raise TypeError(f"tensor must be a cupysparse.SparseTensor, got {type(tensor).__name__}")
+        result = cls.__new__(cls)
+        result._set(None, tensor.coordinates, from_core(tensor.features), tensor.tensor_stride, tensor.map_cache,
+                    None)
+        return result
 
     @classmethod
     def collate(cls, coordinates: list[torch.Tensor], features: list[torch.Tensor], tensor_stride=1) -> SparseTensor:
@@ -135,8 +147,14 @@ class SparseTensor:
                 f"tensor_stride={self.tensor_stride}, dtype={self.dtype}, device={self.device})")
 
     def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
-        """The core kernel map (built once per map cache; see `cupysparse.SparseTensor.kernel_map`)."""
-        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        """The core kernel map (built once per map cache; see `cupysparse.SparseTensor.kernel_map`), built on
+        torch's stream and allocator."""
+        arguments = (self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        result = self._map_cache.lookup(*arguments)
+        if result is None:
+            with on_torch_stream(self.device):
+                result = self._map_cache.kernel_map(*arguments)
+        return result
 
     def replace_feature(self, features: torch.Tensor) -> SparseTensor:
         """The same coordinates, stride and map cache with new features `[N, C']`."""
