@@ -265,6 +265,9 @@ def _geometry(coords, kernel_size, stride, dilation):
 def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
     """Output = input coordinates. `index` reuses a `coordinate_index.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
+    if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
+        table = array_module(in_coords).arange(in_coords.shape[0], dtype=np.int32)[None, :]
+        return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
     index = index or build_index(in_coords)
     query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
     table, mask = index.pair_table(in_coords, query, same_coordinates=True)

@@ -259,3 +259,25 @@ def test_from_core_views_the_core_tensor_and_shares_its_maps():
     np.testing.assert_array_equal(tensor.coordinates.numpy(), coords)
     with pytest.raises(TypeError, match="cupysparse.SparseTensor"):
         cst.SparseTensor.from_core(tensor)
+
+
+def test_pointwise_convolution_matches_the_core_and_has_gradients():
+    """A 1³ kernel at stride 1 runs as a matrix product; it must equal the core's convolution over
+    its (identity) kernel map, bias included, and differentiate in both inputs."""
+    rng = np.random.default_rng(2)
+    cells = np.unique(rng.integers(0, 9, (200, 3)), axis=0)
+    coords = np.concatenate([np.zeros((len(cells), 1), np.int64), cells], axis=1).astype(np.int32)
+    features = rng.standard_normal((len(coords), 4))
+    weight, bias = rng.standard_normal((1, 4, 6)), rng.standard_normal(6)
+    expected = cupysparse.spatially_sparse_conv(cupysparse.SparseTensor(coords, features), weight, 1, bias=bias)
+    x = cst.SparseTensor(torch.from_numpy(coords), torch.from_numpy(features).requires_grad_(True))
+    w, b = torch.from_numpy(weight).requires_grad_(True), torch.from_numpy(bias).requires_grad_(True)
+    out = cst.sparse_conv(x, w, 1, bias=b)
+    np.testing.assert_allclose(out.features.detach().numpy(), expected.features, rtol=1e-12, atol=1e-12)
+    assert out.kernel_map(3) is x.kernel_map(3)  # same coordinates and map cache
+    torch.autograd.gradcheck(lambda f, w_, b_: cst.sparse_conv(cst.SparseTensor(x.coordinates, f), w_, 1,
+                                                                bias=b_).features, (x.features, w, b))
+    with pytest.raises(ValueError, match=r"\[K=1, C_in=4, C_out\]"):
+        cst.sparse_conv(x, w[:, :3], 1)
+    with pytest.raises(ValueError):
+        cst.sparse_conv(x, w, 1, fwd_algo="no_such_algorithm")

@@ -51,11 +51,22 @@ def _output(result, features: torch.Tensor, input: SparseTensor) -> SparseTensor
 
 def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1, transposed=False,
                 generative=False, bias: torch.Tensor | None = None, fwd_algo=None, bwd_algo=None) -> SparseTensor:
-    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`."""
+    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`.
+
+    A 1^D kernel at stride 1 (the projections of residual blocks, classifiers) maps each voxel to
+    itself: it runs as one matrix product in torch, with no kernel map and no algorithm to choose."""
     _require_sparse(input)
     features, weight = _autocast(input.features, weight)
     _check_like_features(weight, "weight", features)
     _check_contiguous(features)
+    if not generative and _is_pointwise(kernel_size, stride, input.spatial_dims):
+        ops.algorithm_argument(fwd_algo, CONV, "forward")  # checked all the same: a typo is an error
+        ops.algorithm_argument(bwd_algo, CONV, "backward")
+        if weight.dim() != 3 or weight.shape[0] != 1 or weight.shape[1] != features.shape[1]:
+            raise ValueError(f"weight must have shape [K=1, C_in={features.shape[1]}, C_out], got "
+                             f"{tuple(weight.shape)}")
+        out = torch.mm(features, weight[0])
+        return input.replace_feature(out if bias is None else out + bias.to(out.dtype))
     result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
     kernel_map = result.kernel_map
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
@@ -68,6 +79,11 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     if bias is not None:
         out = out + bias.to(out.dtype)
     return _output(result, out, input)
+
+
+def _is_pointwise(kernel_size, stride, spatial_dims: int) -> bool:
+    return (all(k == 1 for k in as_tuple(kernel_size, spatial_dims, "kernel_size"))
+            and all(s == 1 for s in as_tuple(stride, spatial_dims, "stride")))
 
 
 def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1,

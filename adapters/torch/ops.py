@@ -216,14 +216,17 @@ def _save_inputs(ctx, inputs, output):
     features, weight, table, _, bwd_algo = inputs
     ctx.save_for_backward(features, weight, table)
     ctx.bwd_algo = bwd_algo
-    if not torch.compiler.is_compiling():
-        _keep_map_alive(ctx, table)
+    _keep_map_alive(ctx, table)
 
 
 def _keep_map_alive(ctx, table: torch.Tensor) -> None:
     """Hold the kernel map until backward: the tensors that own it may be gone by then, and the map,
     in reference cycles, would go with the next garbage collection."""
-    ctx.kernel_map = _kernel_map(table)
+    try:
+        key = _table_key(table)
+    except RuntimeError:  # a fake tensor while torch.compile traces: it has no memory and no map
+        return
+    ctx.kernel_map = _maps_by_table.get(key)
 
 
 def _conv_backward(ctx, grad_output):
