@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's one-call check: install offline, run the GPU tests, then the benchmarks
-# (arguments go to the convolution benchmark, e.g. --channels 32,64).
+# The GPU machine's one-call check: install offline, run the GPU tests, the benchmarks (arguments
+# go to the convolution benchmark, e.g. --channels 32,64), the demo and the network benchmark.
 # Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
 # there (see the peer-wheels tool), so the benchmark compares against it.
 set -uo pipefail
@@ -17,13 +17,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # Everything runs outside the checkout, so the installed package (with its mapped folders) is the
 # one imported, not the source folder in the current directory.
 cd /tmp
-python3 -m cupysparse info | tee "$out/info.txt"
+python3 -m cupysparse info | tee -a "$out/device.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir="$repo" -c "$repo/pyproject.toml" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
-python3 -m cupysparse.scripts.benchmark_kernel_map --csv "$out/benchmark_kernel_map.csv" 2>&1 | tee "$out/benchmark_kernel_map.txt"
+python3 -m cupysparse.scripts.benchmark_kernel_map 2>&1 | tee "$out/benchmark_kernel_map.txt"
 bench_status=${PIPESTATUS[0]}
 python3 -m cupysparse.scripts.benchmark_conv --csv "$out/benchmark_conv.csv" "$@" 2>&1 | tee "$out/benchmark_conv.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
-python3 -m cupysparse.demo 2>&1 | tee "$out/demo.txt"
+python3 -m cupysparse.demo --train-steps 3 2>&1 | tee "$out/demo.txt"
+bench_status=$(( bench_status || PIPESTATUS[0] ))
+python3 -m cupysparse.scripts.benchmark_network --csv "$out/benchmark_network.csv" 2>&1 | tee "$out/benchmark_network.txt"
+bench_status=$(( bench_status || PIPESTATUS[0] ))
 echo "gpu tests exit $tests_status, benchmark exit $bench_status"
 exit $(( tests_status || bench_status ))
