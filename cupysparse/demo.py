@@ -213,12 +213,14 @@ class _Runner:
     def _torch_device(self):
         return self.torch.device("cuda" if self.args.device == "cuda" else "cpu")
 
-    def _torch_input(self, tensor: SparseTensor, dtype: str):
+    @staticmethod
+    def _torch_input(tensor: SparseTensor, dtype: str):
+        """A torch view of `tensor` in `dtype`, sharing its kernel maps."""
         from .adapters.torch import SparseTensor as TorchSparseTensor
-        from .adapters.torch.bridge import from_core
 
-        features = from_core(tensor.features).to(self._torch_device(), getattr(self.torch, dtype))
-        return TorchSparseTensor(from_core(tensor.coordinates), features, validate=False)
+        if tensor.dtype != as_feature_dtype(dtype):
+            tensor = tensor.replace_features(tensor.features.astype(dtype))
+        return TorchSparseTensor.from_core(tensor)
 
     def _eval_model(self):
         if self._inference_model is None:
