@@ -347,7 +347,7 @@ _SHARED_OPT_INS: set[tuple[int, int]] = set()
 
 
 def _slot_value(argument) -> int:
-    """The 8-byte slot of one kernel argument as an integer: 0 for a per-call address, a device
+    """The 8-byte slot of one kernel argument as an integer: 0 for a per-call value, a device
     address, or a scalar's little-endian bytes in the slot's first bytes."""
     if argument is None:
         return 0
@@ -358,10 +358,11 @@ def _slot_value(argument) -> int:
 
 
 class PreparedLaunch:
-    """One kernel's launch with its grid, block, dynamic shared memory and arguments fixed, except the
-    arguments given as None (device addresses, filled in per call): `launch(stream, *addresses)`,
-    `stream` a raw CUDA stream handle (0: the legacy default stream). A CuPy `Function` call converts
-    every argument again on every launch, about a microsecond each; this costs one driver call.
+    """One kernel's launch with its block, dynamic shared memory and arguments fixed, except the
+    arguments given as None (device addresses or non-negative integers, filled in per call):
+    `launch(stream, *values, grid=None)`, `stream` a raw CUDA stream handle (0: the legacy default
+    stream), `grid` an (x, y, z) in place of the prepared one. A CuPy `Function` call converts every
+    argument again on every launch, about a microsecond each; this costs one driver call.
 
     Every argument sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes, which
     is all the kernel reads of it), with a second buffer holding the slots' addresses, which is what
@@ -381,16 +382,16 @@ class PreparedLaunch:
         self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
         self._free = tuple(i for i, argument in enumerate(arguments) if argument is None)
         self._arrays = [argument for argument in arguments if is_cupy_array(argument)]
-        # Plans are made for every new kernel map, so this packing is on the path of a network's step.
         self._values = np.array([_slot_value(argument) for argument in arguments], dtype=np.uint64)
         self._slots = self._values.ctypes.data + 8 * np.arange(len(arguments), dtype=np.uint64)
         self._slots_address = self._slots.ctypes.data
         self._lock = threading.Lock()
 
-    def launch(self, stream: int, *addresses: int) -> None:
-        if len(addresses) != len(self._free):
-            raise TypeError(f"this launch takes {len(self._free)} addresses, got {len(addresses)}")
+    def launch(self, stream: int, *values: int, grid: tuple[int, int, int] | None = None) -> None:
+        if len(values) != len(self._free):
+            raise TypeError(f"this launch takes {len(self._free)} values, got {len(values)}")
+        dims = self._dims if grid is None else (*grid, *self._dims[3:])
         with self._lock:
-            for slot, address in zip(self._free, addresses):
-                self._values[slot] = address
-            self._launch_kernel(self._function, *self._dims, self._shared_bytes, stream, self._slots_address, 0)
+            for slot, value in zip(self._free, values):
+                self._values[slot] = value
+            self._launch_kernel(self._function, *dims, self._shared_bytes, stream, self._slots_address, 0)

@@ -28,7 +28,47 @@ from .compile import KernelSource, launch_config
 from .coordinate_index import Query, build_index, unique_coordinates
 from .coords import as_tuple, kernel_offsets, key_layout
 
-_FORMAT_KERNELS = KernelSource("kernel_map_formats.cu", ("offset_mask",))
+# The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
+# threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
+_RADIX_BITS = 8
+_RADIX = 1 << _RADIX_BITS
+_RADIX_CHUNKS = 8
+# Where a radix pass reads its keys (ROWS_IN_ORDER, CARRIED_KEYS, GATHERED_KEYS in the kernels).
+_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
+# The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
+_PAIR_BLOCK, _PAIR_ITEMS = 256, 16
+_SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
+
+
+def _radix_count(source: int) -> str:
+    return f"radix_count<{source}, {_RADIX_CHUNKS}>"
+
+
+def _radix_scatter(source: int, write_keys: bool) -> str:
+    return f"radix_scatter<{source}, {'true' if write_keys else 'false'}, {_RADIX_CHUNKS}>"
+
+
+_SCAN_32 = f"scan_counts_by_row<unsigned int, {_SCAN_BLOCK}>"
+_SCAN_64 = f"scan_counts_by_row<unsigned long long, {_SCAN_BLOCK}>"
+_COUNT_PAIRS = f"count_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
+_FILL_PAIRS = f"fill_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
+_FORMAT_KERNELS = KernelSource(
+    "kernel_map_formats.cu",
+    (
+        "offset_mask",
+        "invert_pairs",
+        _SCAN_32,
+        _SCAN_64,
+        _COUNT_PAIRS,
+        _FILL_PAIRS,
+        *(_radix_count(source) for source in (_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS)),
+        _radix_scatter(_ROWS_IN_ORDER, False),
+        _radix_scatter(_ROWS_IN_ORDER, True),
+        _radix_scatter(_CARRIED_KEYS, False),
+        _radix_scatter(_CARRIED_KEYS, True),
+        _radix_scatter(_GATHERED_KEYS, False),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -45,9 +85,11 @@ class KernelMap:
 
     def __init__(
         self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
-        offset_mask=None,
+        offset_mask=None, derive_in=contextlib.nullcontext,
     ):
-        self.pair_table = pair_table
+        # The kernels and plans read int32 rows; the builders make them so, and a table given already so
+        # is kept as it is.
+        self.pair_table = array_module(pair_table).ascontiguousarray(pair_table, dtype=np.int32)
         if offset_mask is not None:  # already computed by the query: skip the derivation
             self._offset_mask = offset_mask
         self.num_in = num_in
@@ -56,7 +98,9 @@ class KernelMap:
         self.dilation = tuple(dilation)
         self.transposed = transposed
         self.generative = generative
-        self._launch_plans = {}
+        # What the formats derived later (and the reversed map) are computed in: e.g. a framework's
+        # stream and allocator, as the map itself was.
+        self.derive_in = derive_in
 
     @property
     def kernel_volume(self) -> int:
@@ -86,8 +130,23 @@ class KernelMap:
         )
 
     @functools.cached_property
+    def _pair_counts(self) -> PairCounts:
+        with self.derive_in():
+            return count_pairs(self.pair_table)
+
+    def count_pairs_ahead(self) -> None:
+        """Start counting the pairs of the CSR lists now, on the GPU, without waiting: `csr()` then
+        waits for nothing (the count has long reached the host) where it would otherwise wait for the
+        GPU to catch up. Call it well before: e.g. in the forward pass of a layer whose backward needs
+        the lists. Nothing to do on the CPU."""
+        if is_cupy_array(self.pair_table):
+            self._pair_counts
+
+    @functools.cached_property
     def _csr(self) -> CsrPairs:
-        return csr_pairs(self.pair_table)
+        counts = self._pair_counts if is_cupy_array(self.pair_table) else None
+        with self.derive_in():
+            return csr_pairs(self.pair_table, counts)
 
     def csr(self) -> CsrPairs:
         """Per-offset pair lists (computed once; on the GPU this synchronises for the pair count)."""
@@ -115,7 +174,8 @@ class KernelMap:
 
     @functools.cached_property
     def _offset_mask(self):
-        return offset_mask(self.pair_table)
+        with self.derive_in():
+            return offset_mask(self.pair_table)
 
     def offset_mask(self):
         """uint32 `[N_out, ceil(K/32)]`: bit k%32 of word k//32 set when offset k has an input."""
@@ -123,7 +183,9 @@ class KernelMap:
 
     @functools.cached_property
     def _mask_sorted_order(self):
-        return mask_sorted_order(self.offset_mask())
+        mask = self.offset_mask()
+        with self.derive_in():
+            return mask_sorted_order(mask, self.kernel_volume)
 
     def mask_sorted_order(self):
         """Output rows ordered by their offset bitmask (as a little-endian big integer), stable."""
@@ -131,11 +193,12 @@ class KernelMap:
 
     @functools.cached_property
     def _reversed(self) -> KernelMap:
-        if self._is_mirror_symmetric():
-            # in = out + o_k  ⇔  out = in + o_(K-1-k): the reverse is the table with its offsets flipped.
-            table = array_module(self.pair_table).ascontiguousarray(self.pair_table[::-1])
-        else:
-            table = invert_pair_table(self.pair_table, self.num_in)
+        with self.derive_in():
+            if self.mirror_symmetric:
+                # in = out + o_k  ⇔  out = in + o_(K-1-k): the reverse is the table with its offsets flipped.
+                table = array_module(self.pair_table).ascontiguousarray(self.pair_table[::-1])
+            else:
+                table = invert_pair_table(self.pair_table, self.num_in)
         reverse = KernelMap(
             table,
             self.num_out,
@@ -144,13 +207,15 @@ class KernelMap:
             self.dilation,
             transposed=not self.transposed,
             generative=self.generative,
+            derive_in=self.derive_in,
         )
         reverse._reversed = self
         return reverse
 
-    def _is_mirror_symmetric(self) -> bool:
+    @functools.cached_property
+    def mirror_symmetric(self) -> bool:
         """A map between the same coordinates whose offsets come in mirror pairs (o_(K-1-k) = -o_k:
-        odd kernel sizes), as submanifold maps are."""
+        odd kernel sizes), as submanifold maps are: its reverse is its table with the offsets flipped."""
         offsets = self.offsets
         return self.identity_offset is not None and bool((offsets[::-1] == -offsets).all())
 
@@ -160,16 +225,6 @@ class KernelMap:
         The input gradient is a forward pass over this map with the weights transposed.
         """
         return self._reversed
-
-    def launch_plan(self, key, build):
-        """What `build()` made for `key` on first use (None included), kept with the map: an
-        algorithm's launch settings for one layer over this map (kernels, grid, fixed arguments), so
-        that later calls only allocate and launch."""
-        try:
-            return self._launch_plans[key]
-        except KeyError:
-            plan = self._launch_plans[key] = build()
-            return plan
 
     def derive_formats(self) -> KernelMap:
         """Compute now every format the algorithms derive, for this map and its reversed one, so
@@ -184,19 +239,75 @@ class KernelMap:
         return self
 
 
-def csr_pairs(pair_table) -> CsrPairs:
-    """The per-offset pair lists of a pair table; see `KernelMap.csr`."""
-    xp = array_module(pair_table)
+@dataclass(frozen=True)
+class PairCounts:
+    """The counts behind a GPU pair table's CSR lists: per-offset `offsets` `[K + 1]` and the position
+    of each chunk's first pair on the device, and the pair count on its way to pinned host memory
+    (`total`, valid once the event `copied` has completed)."""
+
+    offsets: object
+    chunk_starts: object
+    num_chunks: int
+    total: np.ndarray
+    copied: object
+
+
+def count_pairs(pair_table) -> PairCounts:
+    """Count a GPU pair table's pairs per offset and chunk of rows, and start copying the total to the
+    host, without waiting for either."""
+    import cupy
+    import cupyx
+
     kernel_volume, num_out = pair_table.shape
-    valid = pair_table >= 0
-    flat = xp.flatnonzero(valid.ravel())  # k-major, then output row ascending
-    offsets = xp.zeros(kernel_volume + 1, dtype=np.int64)
-    xp.cumsum(valid.sum(axis=1, dtype=np.int64), out=offsets[1:])
-    return CsrPairs(
-        in_idx=pair_table.ravel()[flat],
-        out_idx=(flat % max(num_out, 1)).astype(np.int32),
-        offsets=offsets,
-    )
+    num_chunks = -(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS))
+    num_blocks = kernel_volume * num_chunks  # block k * num_chunks + c: chunk c of offset k
+    scratch = cupy.empty(num_blocks + kernel_volume, dtype=np.uint64)
+    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks:]
+    # Written by the scan (as unsigned: never negative), which empty tables do not launch.
+    offsets = (cupy.empty if num_blocks else cupy.zeros)(kernel_volume + 1, dtype=np.int64)
+    total = cupyx.empty_pinned(1, dtype=np.int64)
+    total[0] = 0
+    if num_blocks:
+        offset_totals.fill(0)
+        table_arguments = (pair_table, np.int32(num_out), np.int32(num_chunks), chunk_counts)
+        _FORMAT_KERNELS.get(_COUNT_PAIRS)((num_blocks,), (_PAIR_BLOCK,), (*table_arguments, offset_totals))
+        # Each block's count becomes the position of its first pair.
+        scan_arguments = (chunk_counts, np.int32(num_chunks), offset_totals, np.int32(kernel_volume), offsets)
+        _FORMAT_KERNELS.get(_SCAN_64)((kernel_volume,), (_SCAN_BLOCK,), scan_arguments)
+        offsets[kernel_volume:].get(out=total, blocking=False)
+    copied = cupy.cuda.Event(block=False, disable_timing=True)
+    copied.record()
+    return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
+
+
+def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
+    """The per-offset pair lists of a pair table; see `KernelMap.csr`.
+
+    On the GPU: per-chunk pair counts and their scan (`count_pairs`, or `counts` made earlier by it),
+    then a fill kernel; the host waits for the pair count, which sizes the lists, and for nothing else.
+    """
+    kernel_volume, num_out = pair_table.shape
+    if not is_cupy_array(pair_table):
+        valid = pair_table >= 0
+        flat = np.flatnonzero(valid.ravel())  # k-major, then output row ascending
+        offsets = np.zeros(kernel_volume + 1, dtype=np.int64)
+        np.cumsum(valid.sum(axis=1, dtype=np.int64), out=offsets[1:])
+        return CsrPairs(
+            in_idx=pair_table.ravel()[flat],
+            out_idx=(flat % max(num_out, 1)).astype(np.int32),
+            offsets=offsets,
+        )
+    import cupy
+
+    counts = counts or count_pairs(pair_table)
+    counts.copied.synchronize()
+    num_pairs = int(counts.total[0])
+    in_idx = cupy.empty(num_pairs, dtype=np.int32)
+    out_idx = cupy.empty(num_pairs, dtype=np.int32)
+    if num_pairs:
+        arguments = (pair_table, np.int32(num_out), np.int32(counts.num_chunks), counts.chunk_starts, in_idx, out_idx)
+        _FORMAT_KERNELS.get(_FILL_PAIRS)((kernel_volume * counts.num_chunks,), (_PAIR_BLOCK,), arguments)
+    return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
 
 
 def offset_mask(pair_table):
@@ -217,13 +328,64 @@ def offset_mask(pair_table):
     return mask
 
 
-def mask_sorted_order(mask):
-    """Rows ordered by their offset bitmask (as a little-endian big integer), stable."""
-    xp = array_module(mask)
-    if mask.shape[1] == 1:
-        return xp.argsort(mask[:, 0], kind="stable").astype(np.int32)
-    # The last key is the primary one: the highest word is the most significant.
-    return xp.lexsort(mask.T).astype(np.int32)
+def mask_sorted_order(mask, kernel_volume: int | None = None):
+    """Rows ordered by their offset bitmask (as a little-endian big integer), stable.
+
+    `kernel_volume` (K), when given, says that bits K and above are zero. The GPU sorts with a
+    stable LSD radix sort over the 8-bit digits below bit K (one pass for K <= 8, four for K = 27),
+    three kernels a pass and no synchronisation.
+    """
+    if not is_cupy_array(mask):
+        if mask.shape[1] == 1:
+            return np.argsort(mask[:, 0], kind="stable").astype(np.int32)
+        # The last key is the primary one: the highest word is the most significant.
+        return np.lexsort(mask.T).astype(np.int32)
+    import cupy
+
+    mask = cupy.ascontiguousarray(mask)
+    num_rows, num_words = mask.shape
+    key_bits = 32 * num_words if kernel_volume is None else min(kernel_volume, 32 * num_words)
+    num_passes = -(-key_bits // _RADIX_BITS)
+    if num_rows == 0 or num_passes == 0:  # no rows, or every mask empty: the rows stay in order
+        return cupy.arange(num_rows, dtype=np.int32)
+    num_tiles = -(-num_rows // (_RADIX_CHUNKS * _RADIX))
+    # Single-word keys move with their rows from pass to pass; a longer mask is read again by row.
+    carry_keys = num_words == 1 and num_passes > 1
+    num_key_buffers = min(num_passes - 1, 2) if carry_keys else 0
+    # One scratch allocation: the digit totals of every pass (zeroed once), the tile counts (reused
+    # by every pass), the digit starts (a by-product of the scan), rows and keys between passes.
+    sizes = (num_passes * _RADIX, _RADIX * num_tiles, _RADIX + 1, num_rows if num_passes > 1 else 0,
+             num_key_buffers * num_rows)
+    scratch = cupy.empty(sum(sizes), dtype=np.uint32)
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(scratch[start : start + size])
+        start += size
+    digit_totals, tile_counts, digit_starts, rows_between, keys_between = parts
+    digit_totals.fill(0)
+    rows_between = rows_between.view(np.int32)
+    key_buffers = (keys_between[:num_rows], keys_between[num_rows:])
+    order = cupy.empty(num_rows, dtype=np.int32)
+    grid, block = (num_tiles,), (_RADIX,)
+    rows_in, keys_in = order, mask  # placeholders: the first pass takes the rows in order, keys from the mask
+    for step in range(num_passes):
+        word, shift = divmod(step * _RADIX_BITS, 32)
+        source = _ROWS_IN_ORDER if step == 0 else _CARRIED_KEYS if carry_keys else _GATHERED_KEYS
+        write_keys = carry_keys and step < num_passes - 1
+        rows_out = order if (num_passes - 1 - step) % 2 == 0 else rows_between  # the last pass writes `order`
+        keys_out = key_buffers[step % 2] if write_keys else mask  # mask: a placeholder, not written
+        totals = digit_totals[step * _RADIX : (step + 1) * _RADIX]
+        reads = (mask, np.int32(num_words), keys_in, rows_in, np.int32(num_rows), np.int32(word), np.int32(shift))
+        _FORMAT_KERNELS.get(_radix_count(source))(grid, block, (*reads, np.int32(num_tiles), tile_counts, totals))
+        # Tile counts become where each tile's rows of each digit go.
+        _FORMAT_KERNELS.get(_SCAN_32)(
+            (_RADIX,), (_SCAN_BLOCK,), (tile_counts, np.int32(num_tiles), totals, np.int32(_RADIX), digit_starts)
+        )
+        _FORMAT_KERNELS.get(_radix_scatter(source, write_keys))(
+            grid, block, (*reads, tile_counts, np.int32(num_tiles), keys_out, rows_out)
+        )
+        rows_in, keys_in = rows_out, keys_out
+    return order
 
 
 def downsample_coordinates(coords, stride):
@@ -290,18 +452,28 @@ def invert_pair_table(pair_table, num_in: int):
     through offset k, or -1.
 
     Well defined because, for every kind of map, an input row and an offset determine at most one
-    output row. Invalid entries all write -1 into one spare slot past the end, so no compaction
-    (and no device synchronisation) is needed.
+    output row. On the CPU, invalid entries all write -1 into one spare slot past the end, so no
+    compaction is needed; on the GPU one kernel scatters the pairs into a table filled with -1.
     """
-    xp = array_module(pair_table)
     kernel_volume, num_out = pair_table.shape
-    valid = pair_table >= 0
-    spare = kernel_volume * num_in
-    target = xp.where(valid, xp.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
-    out_rows = xp.broadcast_to(xp.arange(num_out, dtype=np.int32), pair_table.shape)
-    inverse = xp.full(spare + 1, -1, dtype=np.int32)
-    inverse[target.ravel()] = xp.where(valid, out_rows, -1).ravel()
-    return inverse[:spare].reshape(kernel_volume, num_in)
+    if not is_cupy_array(pair_table):
+        valid = pair_table >= 0
+        spare = kernel_volume * num_in
+        target = np.where(valid, np.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
+        out_rows = np.broadcast_to(np.arange(num_out, dtype=np.int32), pair_table.shape)
+        inverse = np.full(spare + 1, -1, dtype=np.int32)
+        inverse[target.ravel()] = np.where(valid, out_rows, -1).ravel()
+        return inverse[:spare].reshape(kernel_volume, num_in)
+    import cupy
+
+    table = cupy.ascontiguousarray(pair_table)
+    inverse = cupy.full((kernel_volume, num_in), -1, dtype=np.int32)
+    if kernel_volume and num_out and num_in:
+        grid, block = launch_config(num_out)
+        _FORMAT_KERNELS.get("invert_pairs")(
+            grid, block, (table, np.int32(num_out), np.int32(kernel_volume), np.int32(num_in), inverse)
+        )
+    return inverse
 
 
 def transposed_map(strided: KernelMap) -> KernelMap:
@@ -345,9 +517,13 @@ class KernelMapCache:
     convolutions, so a U-Net builds each map once and its decoder reuses the encoder's maps
     (a transposed convolution inverts the matching strided map). Generative convolutions create
     new coordinates and so start a cache of their own.
+
+    `derive_in` (a context-manager factory, settable) is what its maps derive their formats in later:
+    a framework adapter sets its stream and allocator, which the maps are built in too.
     """
 
-    def __init__(self, coordinates, tensor_stride: tuple[int, ...]):
+    def __init__(self, coordinates, tensor_stride: tuple[int, ...], derive_in=contextlib.nullcontext):
+        self.derive_in = derive_in
         self._coordinates = {tuple(tensor_stride): coordinates}
         self._indices = {}
         self._maps: dict[tuple, MapResult] = {}
@@ -399,7 +575,9 @@ class KernelMapCache:
             raise ValueError("generative=True needs transposed=True")
         key = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
         if key not in self._maps:
-            self._maps[key] = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+            result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+            result.kernel_map.derive_in = self.derive_in
+            self._maps[key] = result
         return self._maps[key]
 
     def _build(self, coords, tensor_stride, kernel_size, stride, dilation, transposed, generative) -> MapResult:
@@ -418,6 +596,6 @@ class KernelMapCache:
         fine_stride = tuple(t // s for t, s in zip(tensor_stride, stride))
         if generative:
             out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)
-            return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride))
+            return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride, self.derive_in))
         forward = self.kernel_map(fine_stride, kernel_size, stride, dilation).kernel_map
         return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, self)

@@ -22,7 +22,6 @@ the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-gra
 from __future__ import annotations
 
 import logging
-import math
 import os
 import statistics
 import time
@@ -62,13 +61,18 @@ def tuning_enabled() -> bool:
     return os.environ.get("CUPYSPARSE_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def size_bucket(count: int) -> int:
+    """ceil(log2(count)), 0 for 0 and 1: the sizes the tuner tells apart."""
+    return max(count - 1, 0).bit_length()
+
+
 def tuning_key(problem: ConvProblem) -> tuple[tuple[str, object], ...]:
     """What identifies a tuning result: sizes as ceil(log2), channels, kernel volume, dtype, the
     device architecture, and what else changes the work."""
     device = "cpu" if problem.compute_capability is None else f"sm_{problem.compute_capability}"
     return (
-        ("log_num_in_coords", math.ceil(math.log2(max(problem.num_in, 1)))),
-        ("log_num_out_coords", math.ceil(math.log2(max(problem.num_out, 1)))),
+        ("log_num_in_coords", size_bucket(problem.num_in)),
+        ("log_num_out_coords", size_bucket(problem.num_out)),
         ("in_channels", problem.in_channels),
         ("out_channels", problem.out_channels),
         ("kernel_volume", problem.kernel_volume),

@@ -1,4 +1,9 @@
-// Formats derived from a pair table [K, N_out] on demand.
+// Formats derived from a pair table [K, N_out] on demand: the per-row offset bitmask, the
+// mask-sorted row order, the per-offset CSR lists and the inverse table. None of these kernels
+// needs the host between launches; only the CSR lists' caller reads their length back.
+
+constexpr int WARP_SIZE = 32;
+constexpr unsigned int ALL_LANES = 0xffffffffu;
 
 // One thread per output row: bit (k % 32) of word (k / 32) is set when offset k has an input.
 __global__ void offset_mask(const int* __restrict__ pair_table, int num_out, int kernel_volume,
@@ -14,5 +19,265 @@ __global__ void offset_mask(const int* __restrict__ pair_table, int num_out, int
       bits |= (unsigned int)(pair_table[(long long)k * num_out + row] >= 0) << bit;
     }
     mask[(long long)row * num_words + word] = bits;
+  }
+}
+
+// One thread per output row of the pair table: inverse[k, table[k, row]] = row for every pair
+// (the caller fills `inverse` [K, num_in] with -1). An input row and an offset determine at most
+// one output row, so no two threads write the same entry.
+__global__ void invert_pairs(const int* __restrict__ pair_table, int num_out, int kernel_volume, int num_in,
+                             int* __restrict__ inverse) {
+  const long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= num_out) return;
+  for (int k = 0; k < kernel_volume; ++k) {
+    const int input = pair_table[(long long)k * num_out + row];
+    if (input >= 0) inverse[(long long)k * num_in + input] = (int)row;
+  }
+}
+
+// --- block-wide prefix sums ----------------------------------------------------------------------
+
+template <typename T>
+struct BlockScan {
+  T before;  // sum over the threads before this one
+  T total;   // sum over the block
+};
+
+// Exclusive prefix sum over the BLOCK threads of a block, in thread order; every thread must call.
+// `warp_sums` is shared scratch of BLOCK / 32 entries, free again on return.
+template <typename T, int BLOCK>
+__device__ __forceinline__ BlockScan<T> block_exclusive_scan(T value, T* warp_sums) {
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  T inclusive = value;
+#pragma unroll
+  for (int delta = 1; delta < WARP_SIZE; delta *= 2) {
+    const T below = __shfl_up_sync(ALL_LANES, inclusive, delta);
+    if (lane >= delta) inclusive += below;
+  }
+  if (lane == WARP_SIZE - 1) warp_sums[warp] = inclusive;
+  __syncthreads();
+  BlockScan<T> scan{inclusive - value, 0};
+#pragma unroll
+  for (int w = 0; w < BLOCK / WARP_SIZE; ++w) {
+    if (w < warp) scan.before += warp_sums[w];
+    scan.total += warp_sums[w];
+  }
+  __syncthreads();  // the next call writes warp_sums again
+  return scan;
+}
+
+// Per-block item counts [num_rows, row_length] become, in place, where each block's items start in
+// an output listing row 0's items, then row 1's, ..., each row's blocks in order. One block per
+// row: a row starts after the totals of the earlier rows, which the counting kernels accumulated
+// (so no single block has to scan everything). row_starts[r] = where row r starts,
+// row_starts[num_rows] = the number of items.
+template <typename Count, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    scan_counts_by_row(Count* __restrict__ counts, int row_length, const Count* __restrict__ row_totals, int num_rows,
+                       Count* __restrict__ row_starts) {
+  __shared__ Count warp_sums[BLOCK / WARP_SIZE];
+  const int row = blockIdx.x;
+  Count earlier = 0;
+  for (int r = threadIdx.x; r < row; r += BLOCK) earlier += row_totals[r];
+  const Count start = block_exclusive_scan<Count, BLOCK>(earlier, warp_sums).total;
+  Count* row_counts = counts + (long long)row * row_length;
+  Count next = start;
+  for (int base = 0; base < row_length; base += BLOCK) {
+    const int j = base + threadIdx.x;
+    const BlockScan<Count> scan = block_exclusive_scan<Count, BLOCK>(j < row_length ? row_counts[j] : 0, warp_sums);
+    if (j < row_length) row_counts[j] = next + scan.before;
+    next += scan.total;
+  }
+  if (threadIdx.x == 0) {
+    row_starts[row] = start;
+    if (row == num_rows - 1) row_starts[num_rows] = next;
+  }
+}
+
+// --- mask-sorted order: a stable LSD radix sort of the rows by their offset bitmask ---------------
+// A pass orders the rows stably by one 8-bit digit (bits shift..shift+7 of mask word `word`); passes
+// go from the lowest digit to the highest, so the rows end up ordered by the whole mask. A pass is
+// three kernels over tiles of CHUNKS * RADIX rows: per-tile digit counts, their scan (digit-major,
+// tiles in order within a digit), and the scatter, which places each tile's rows of a digit after
+// the earlier tiles' ones, in input order.
+
+constexpr int RADIX_BITS = 8;
+constexpr int RADIX = 1 << RADIX_BITS;  // digits, and the threads of a block: thread d keeps digit d's counts
+constexpr int RADIX_WARPS = RADIX / WARP_SIZE;
+
+// Where a pass finds the row and key at each position of its input.
+constexpr int ROWS_IN_ORDER = 0;  // the first pass: position i holds row i, its key word read from the mask
+constexpr int CARRIED_KEYS = 1;   // single-word masks: the previous pass moved the keys along with the rows
+constexpr int GATHERED_KEYS = 2;  // multi-word masks: the row's key word is read from the mask
+
+template <int SOURCE>
+__device__ __forceinline__ unsigned int load_key(const unsigned int* __restrict__ mask, int num_words, int word,
+                                                 const unsigned int* __restrict__ keys_in,
+                                                 const int* __restrict__ rows_in, long long i, int& row) {
+  static_assert(SOURCE == ROWS_IN_ORDER || SOURCE == CARRIED_KEYS || SOURCE == GATHERED_KEYS, "a key source");
+  row = SOURCE == ROWS_IN_ORDER ? (int)i : rows_in[i];
+  return SOURCE == CARRIED_KEYS ? keys_in[i] : mask[(long long)row * num_words + word];
+}
+
+// Digit counts of one tile per block: tile_counts[d, tile], and digit_totals[d] += them.
+template <int SOURCE, int CHUNKS>
+__global__ void __launch_bounds__(RADIX)
+    radix_count(const unsigned int* __restrict__ mask, int num_words, const unsigned int* __restrict__ keys_in,
+                const int* __restrict__ rows_in, int num_rows, int word, int shift, int num_tiles,
+                unsigned int* __restrict__ tile_counts, unsigned int* __restrict__ digit_totals) {
+  __shared__ unsigned int histogram[RADIX];
+  histogram[threadIdx.x] = 0;
+  __syncthreads();
+  const unsigned int lanes_below = (1u << (threadIdx.x % WARP_SIZE)) - 1;
+  const long long tile_start = (long long)blockIdx.x * (CHUNKS * RADIX);
+#pragma unroll
+  for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+    const long long i = tile_start + chunk * RADIX + threadIdx.x;
+    int row;
+    // Rows past the end get a digit of their own, so that every lane takes part in the match.
+    const unsigned int digit =
+        i < num_rows ? (load_key<SOURCE>(mask, num_words, word, keys_in, rows_in, i, row) >> shift) & (RADIX - 1)
+                     : RADIX;
+    // One shared atomic per distinct digit of the warp: rows often share a few masks.
+    const unsigned int peers = __match_any_sync(ALL_LANES, digit);
+    if (digit < RADIX && (peers & lanes_below) == 0) atomicAdd(&histogram[digit], __popc(peers));
+  }
+  __syncthreads();
+  const unsigned int count = histogram[threadIdx.x];
+  tile_counts[(long long)threadIdx.x * num_tiles + blockIdx.x] = count;
+  if (count) atomicAdd(&digit_totals[threadIdx.x], count);
+}
+
+// Moves each row of one tile per block (and its key, WRITE_KEYS) to its sorted position;
+// tile_starts[d, tile] is where the tile's first row of digit d goes. Chunks of RADIX rows go in
+// order, and within a chunk warps in order and lanes in order, so equal digits keep their order.
+template <int SOURCE, bool WRITE_KEYS, int CHUNKS>
+__global__ void __launch_bounds__(RADIX)
+    radix_scatter(const unsigned int* __restrict__ mask, int num_words, const unsigned int* __restrict__ keys_in,
+                  const int* __restrict__ rows_in, int num_rows, int word, int shift,
+                  const unsigned int* __restrict__ tile_starts, int num_tiles, unsigned int* __restrict__ keys_out,
+                  int* __restrict__ rows_out) {
+  // For the current chunk: warp_counts[w][d] rows of digit d in warp w, the first going to warp_starts[w][d].
+  __shared__ unsigned int warp_counts[RADIX_WARPS][RADIX];
+  __shared__ unsigned int warp_starts[RADIX_WARPS][RADIX];
+  const int warp = threadIdx.x / WARP_SIZE;
+  const unsigned int lanes_below = (1u << (threadIdx.x % WARP_SIZE)) - 1;
+  const long long tile_start = (long long)blockIdx.x * (CHUNKS * RADIX);
+  // Every load of the tile is issued before the first barrier.
+  int rows[CHUNKS];
+  unsigned int keys[CHUNKS];
+#pragma unroll
+  for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+    const long long i = tile_start + chunk * RADIX + threadIdx.x;
+    rows[chunk] = 0;
+    keys[chunk] = 0;
+    if (i < num_rows) keys[chunk] = load_key<SOURCE>(mask, num_words, word, keys_in, rows_in, i, rows[chunk]);
+  }
+  unsigned int next_start = tile_starts[(long long)threadIdx.x * num_tiles + blockIdx.x];  // of digit threadIdx.x
+#pragma unroll
+  for (int w = 0; w < RADIX_WARPS; ++w) warp_counts[w][threadIdx.x] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+    if (tile_start + chunk * RADIX >= num_rows) break;  // the same for the whole block
+    const bool in_range = tile_start + chunk * RADIX + threadIdx.x < num_rows;
+    const unsigned int digit = in_range ? (keys[chunk] >> shift) & (RADIX - 1) : RADIX;
+    const unsigned int peers = __match_any_sync(ALL_LANES, digit);
+    const unsigned int rank = __popc(peers & lanes_below);  // among the warp's rows of this digit
+    if (in_range && rank == 0) warp_counts[warp][digit] = __popc(peers);
+    __syncthreads();
+    // Thread d lays out digit d's rows warp after warp and clears its counts for the next chunk,
+    // which writes counts after the barrier below, and starts only after its own first barrier,
+    // by which every thread has read these.
+#pragma unroll
+    for (int w = 0; w < RADIX_WARPS; ++w) {
+      warp_starts[w][threadIdx.x] = next_start;
+      next_start += warp_counts[w][threadIdx.x];
+      warp_counts[w][threadIdx.x] = 0;
+    }
+    __syncthreads();
+    if (in_range) {
+      const unsigned int position = warp_starts[warp][digit] + rank;
+      rows_out[position] = rows[chunk];
+      if (WRITE_KEYS) keys_out[position] = keys[chunk];
+    }
+  }
+}
+
+// --- per-offset CSR lists ---------------------------------------------------------------------------
+// Block b handles rows [chunk * BLOCK * ITEMS, +BLOCK * ITEMS) of offset k, b = k * num_chunks + chunk:
+// the order in which the lists hold the pairs, so the scan of the per-block counts gives every
+// block the position of its first pair. Thread t reads rows t, t + BLOCK, ... of its chunk
+// (coalesced); a step is one such row per thread.
+
+template <int BLOCK, int ITEMS>
+__global__ void __launch_bounds__(BLOCK)
+    count_pairs(const int* __restrict__ pair_table, int num_out, int num_chunks,
+                unsigned long long* __restrict__ chunk_counts, unsigned long long* __restrict__ offset_totals) {
+  __shared__ unsigned int warp_counts[BLOCK / WARP_SIZE];
+  const int block = blockIdx.x, k = block / num_chunks;
+  const long long chunk_start = (long long)(block - k * num_chunks) * (BLOCK * ITEMS);
+  const int* row = pair_table + (long long)k * num_out;
+  unsigned int count = 0;
+#pragma unroll
+  for (int step = 0; step < ITEMS; ++step) {
+    const long long i = chunk_start + step * BLOCK + threadIdx.x;
+    count += i < num_out && row[i] >= 0;
+  }
+  count = __reduce_add_sync(ALL_LANES, count);
+  if (threadIdx.x % WARP_SIZE == 0) warp_counts[threadIdx.x / WARP_SIZE] = count;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < BLOCK / WARP_SIZE; ++w) total += warp_counts[w];
+    chunk_counts[block] = total;
+    if (total) atomicAdd(&offset_totals[k], total);
+  }
+}
+
+// Writes the pairs of one chunk per block from chunk_starts[b] on, by ascending output row: a
+// warp's pairs of one step follow its lower lanes' (ballot), and (step, warp) groups follow each
+// other in that order (one block scan over their counts).
+template <int BLOCK, int ITEMS>
+__global__ void __launch_bounds__(BLOCK)
+    fill_pairs(const int* __restrict__ pair_table, int num_out, int num_chunks,
+               const unsigned long long* __restrict__ chunk_starts, int* __restrict__ in_idx,
+               int* __restrict__ out_idx) {
+  constexpr int WARPS = BLOCK / WARP_SIZE;
+  static_assert(ITEMS * WARPS <= BLOCK, "the scan over (step, warp) groups takes one thread per group");
+  __shared__ unsigned int group_starts[ITEMS * WARPS];  // pair counts, then starts, of (step, warp) groups
+  __shared__ unsigned int warp_sums[WARPS];
+  const int block = blockIdx.x, k = block / num_chunks;
+  const int warp = threadIdx.x / WARP_SIZE;
+  const unsigned int lanes_below = (1u << (threadIdx.x % WARP_SIZE)) - 1;
+  const long long chunk_start = (long long)(block - k * num_chunks) * (BLOCK * ITEMS);
+  const int* row = pair_table + (long long)k * num_out;
+  const unsigned long long chunk_position = chunk_starts[block];
+  int inputs[ITEMS];
+#pragma unroll
+  for (int step = 0; step < ITEMS; ++step) {
+    const long long i = chunk_start + step * BLOCK + threadIdx.x;
+    inputs[step] = i < num_out ? row[i] : -1;
+  }
+#pragma unroll
+  for (int step = 0; step < ITEMS; ++step) {
+    const unsigned int valid = __ballot_sync(ALL_LANES, inputs[step] >= 0);
+    if (threadIdx.x % WARP_SIZE == 0) group_starts[step * WARPS + warp] = __popc(valid);
+  }
+  __syncthreads();
+  const bool has_group = threadIdx.x < ITEMS * WARPS;
+  const unsigned int group_start =
+      block_exclusive_scan<unsigned int, BLOCK>(has_group ? group_starts[threadIdx.x] : 0u, warp_sums).before;
+  if (has_group) group_starts[threadIdx.x] = group_start;  // every count was read before the scan's barriers
+  __syncthreads();
+#pragma unroll
+  for (int step = 0; step < ITEMS; ++step) {
+    const unsigned int valid = __ballot_sync(ALL_LANES, inputs[step] >= 0);
+    if (inputs[step] >= 0) {
+      const unsigned long long position =
+          chunk_position + group_starts[step * WARPS + warp] + __popc(valid & lanes_below);
+      in_idx[position] = inputs[step];
+      out_idx[position] = (int)(chunk_start + step * BLOCK + threadIdx.x);
+    }
   }
 }

@@ -89,13 +89,15 @@ struct ForwardSharedLayout {
 // wmma_conv_forward for the tile order, `row_order` and the offset batches. x [num_in, in_channels];
 // weight [kernel_volume, in_channels_padded, out_channels_padded], or with WEIGHT_TRANSPOSED
 // [kernel_volume, out_channels_padded, in_channels_padded] read as its transpose; out [num_out,
-// out_channels].
+// out_channels]. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is
+// its own reverse with the offsets flipped (a submanifold map), without a reversed table.
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int WARPS_M, int WARPS_N, int STAGES,
           bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     mma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                      const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume, int in_channels,
-                     int in_channels_padded, int out_channels, int out_channels_padded, int vector_rows) {
+                     int in_channels_padded, int out_channels, int out_channels_padded, int vector_rows,
+                     int reverse_weight_offsets) {
   constexpr int WARPS = WARPS_M * WARPS_N;
   constexpr int THREADS = WARPS * WARP_SIZE;
   constexpr int WARP_M = BLOCK_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
@@ -182,7 +184,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
         stage_tile<BLOCK_M, BLOCK_K, THREADS, true>(x, in_channels, c0, gathered_row, a_tile, LDA);
       else
         stage_tile<BLOCK_M, BLOCK_K, THREADS, false>(x, in_channels, c0, gathered_row, a_tile, LDA);
-      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
+      const int weight_offset =
+          reverse_weight_offsets ? kernel_volume - 1 - batch_start - offset : batch_start + offset;
+      const T* weight_k = weight + (long long)weight_offset * in_channels_padded * out_channels_padded;
       if constexpr (WEIGHT_TRANSPOSED) {
         // The stored weight's rows col_base.. (this call's output channels), columns c0.. (its inputs).
         const auto weight_row = [&](int r) -> long long {

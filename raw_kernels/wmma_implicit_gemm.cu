@@ -58,12 +58,14 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // x [num_in, in_channels]; weight [kernel_volume, in_channels_padded, out_channels_padded], or with
 // WEIGHT_TRANSPOSED [kernel_volume, out_channels_padded, in_channels_padded] read as its transpose (dgrad
 // reads the layer's weight as it is); out [num_out, out_channels]. in_channels_padded is a multiple of
-// BLOCK_K.
+// BLOCK_K. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is its own
+// reverse with the offsets flipped (a submanifold map), without a reversed table.
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
-                      int in_channels, int in_channels_padded, int out_channels, int out_channels_padded) {
+                      int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
+                      int reverse_weight_offsets) {
   static_assert(BLOCK_M % WARP_TILE == 0 && BLOCK_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(BLOCK_K % FRAGMENT == 0, "BLOCK_K is a multiple of the fragment size");
   static_assert(STAGES >= 1, "at least one stage");
@@ -152,7 +154,9 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
       T* b_tile = reinterpret_cast<T*>(shared + buffer * STAGE_BYTES + A_BYTES);
       const int* gathered = in_rows[offset];
       const auto gathered_row = [&](int m) -> long long { return gathered[m]; };
-      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
+      const int weight_offset =
+          reverse_weight_offsets ? kernel_volume - 1 - batch_start - offset : batch_start + offset;
+      const T* weight_k = weight + (long long)weight_offset * in_channels_padded * out_channels_padded;
       stage_tile<BLOCK_M, BLOCK_K, THREADS, PIPELINED>(x, in_channels, c0, gathered_row, a_tile, LDA);
       if constexpr (WEIGHT_TRANSPOSED) {
         // The stored weight's rows col_base.. (this call's output channels), columns c0.. (its inputs).

@@ -51,7 +51,7 @@ def cupysparse_stages(coords):
         ("subm 3^3", "map = build + query"): lambda: submanifold_map(coords, kernel_size),
         ("subm 3^3", "csr lists"): lambda: csr_pairs(table),
         ("subm 3^3", "mask from a table"): lambda: offset_mask(table),
-        ("subm 3^3", "mask-sorted order"): lambda: mask_sorted_order(mask),
+        ("subm 3^3", "mask-sorted order"): lambda: mask_sorted_order(mask, built.kernel_volume),
         ("subm 3^3", "map + mask + order"): lambda: submanifold_map(coords, kernel_size).mask_sorted_order(),
         ("strided 2^3/2", "downsample (unique)"): lambda: downsample_coordinates(coords, strided_stride),
         ("strided 2^3/2", "query (table + mask)"): lambda: index.pair_table(coarse, strided_query),

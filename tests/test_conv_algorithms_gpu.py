@@ -151,14 +151,10 @@ def _has_launch_plans(algorithm) -> bool:
     return type(algorithm).forward_plan is not Algorithm.forward_plan
 
 
-def _planned_phases(algorithm, kernel_map, x, w, dy, misaligned: bool):
-    """forward, dgrad and wgrad through the algorithm's launch plans on hand-allocated buffers.
+def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
+    """forward, dgrad and wgrad through launch plans over `kernel_map` on hand-allocated buffers.
     `misaligned` shifts the feature and gradient buffers by one element."""
     cupy = cupy_module()
-    problem = ConvProblem.of(cupy.asarray(x), kernel_map, w.shape[2])
-    forward = algorithm.forward_plan(kernel_map, problem, algorithm.default_params("forward"))
-    backward = algorithm.backward_plan(kernel_map, problem, algorithm.default_params("backward"))
-    assert forward is not None and backward is not None, f"{algorithm.name} plans only one direction"
 
     def filled_with_nan(shape, dtype):
         out = cupy.empty(shape, dtype=dtype)
@@ -178,14 +174,17 @@ def _planned_phases(algorithm, kernel_map, x, w, dy, misaligned: bool):
         return out
 
     stream = cupy.cuda.get_current_stream().ptr
+    # Buffers live in variables until the results are read: a launch may derive the map's formats
+    # first, allocating from the pool a freed buffer would return to.
     x_gpu, dy_gpu = buffer(x), buffer(dy)
-    out = filled_with_nan(forward.out_shape, x.dtype)
-    forward.launch(x_gpu.data.ptr, padded(w, forward.weight_shape).data.ptr, out.data.ptr, stream)
+    forward_weight, backward_weight = padded(w, forward.weight_shape), padded(w, backward.weight_shape)
+    out = filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
+    forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream)
     grad_input = filled_with_nan(x.shape, x.dtype)
-    backward.dgrad(dy_gpu.data.ptr, padded(w, backward.weight_shape).data.ptr, grad_input.data.ptr, stream)
-    workspace = filled_with_nan(backward.workspace_shape, np.float32)
+    backward.dgrad(kernel_map, dy_gpu.data.ptr, backward_weight.data.ptr, grad_input.data.ptr, stream)
+    workspace = filled_with_nan(backward.workspace_shape(kernel_map), np.float32)
     grad_weight = filled_with_nan(w.shape, x.dtype)
-    backward.wgrad(x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
+    backward.wgrad(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
     return {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
 
 
@@ -195,14 +194,23 @@ def _planned_phases(algorithm, kernel_map, x, w, dy, misaligned: bool):
     ("name", "dtype"), [case for case in supported(CONV) if _has_launch_plans(get_algorithm(case.values[0]))]
 )
 def test_launch_plans_match_fp64_reference(name, dtype, channels, misaligned):
-    """The pointer-level plans the adapters launch, on buffers filled with NaN beforehand (so an
-    element left unwritten fails), on aligned and misaligned feature rows."""
-    kernel_map = gpu_map("strided")
-    x, w, dy = _inputs(kernel_map, *channels, dtype, seed=11)
-    results = _planned_phases(get_algorithm(name), kernel_map, x, w, dy, misaligned)
-    for phase, actual in results.items():
-        expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
-        assert_close(actual, expected, dtype, terms, a, b, f"{name} planned {phase} {channels}")
+    """The pointer-level plans the adapters launch, made once from the first map's problem and
+    launched over two maps of different sizes (a plan serves every map of its signature), on buffers
+    filled with NaN beforehand (so an element left unwritten fails), on aligned and misaligned rows."""
+    algorithm = get_algorithm(name)
+    maps = (gpu_map("strided"), _gpu_map("strided", _coordinates(seed=8, side=20)))
+    assert maps[0].num_out != maps[1].num_out
+    x, w, _ = _inputs(maps[0], *channels, dtype, seed=11)
+    problem = ConvProblem.of(cupy_module().asarray(x), maps[0], w.shape[2])
+    forward = algorithm.forward_plan(problem, algorithm.default_params("forward"))
+    backward = algorithm.backward_plan(problem, algorithm.default_params("backward"))
+    assert forward is not None and backward is not None, f"{algorithm.name} plans only one direction"
+    for seed, kernel_map in enumerate(maps):
+        x, w, dy = _inputs(kernel_map, *channels, dtype, seed=11 + seed)
+        results = _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned)
+        for phase, actual in results.items():
+            expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+            assert_close(actual, expected, dtype, terms, a, b, f"{name} planned {phase} {channels} map {seed}")
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -10,9 +10,11 @@ import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import bridge, ops  # noqa: E402
 from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES  # noqa: E402
+from cupysparse import functional  # noqa: E402
 from cupysparse.functional import conv_forward  # noqa: E402
 from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, registered  # noqa: E402
 from cupysparse.backend import cupy_module, gpu_available  # noqa: E402
+from cupysparse.tuner import size_bucket  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
 pytestmark = [
@@ -213,8 +215,8 @@ def test_cupy_allocations_come_from_torchs_pool(dtype):
 
 
 def test_a_changed_algorithm_variable_takes_effect_on_a_planned_layer(monkeypatch):
-    """The layer keeps its selection and plans with the map; changing the environment variable
-    behind fwd_algo=None must still switch the algorithm, as it does for the core."""
+    """The layer signature keeps its selection and plans; changing the environment variable behind
+    fwd_algo=None must still switch the algorithm, as it does for the core."""
     x, first, _, table = two_layer_inputs(torch.float16)
     kernel_map = ops._kernel_map(table)
     core_features, core_weight = bridge.to_core(x.features), bridge.to_core(first.weight.detach())
@@ -225,6 +227,39 @@ def test_a_changed_algorithm_variable_takes_effect_on_a_planned_layer(monkeypatc
             out = ops.convolution(x.features, first.weight, table, "", "")
         expected = conv_forward(core_features, core_weight, kernel_map, name)
         torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)
+
+
+def test_a_new_scene_runs_the_plans_of_the_first_without_selecting_again(monkeypatch):
+    """The second scene's maps are new, its sizes in the same buckets: no selection, and the plans
+    made for the first scene give the core's results over the second's maps, bitwise."""
+    scenes = [coordinates(seed=seed) for seed in (5, 6)]
+    assert len(scenes[0]) != len(scenes[1]) and size_bucket(len(scenes[0])) == size_bucket(len(scenes[1]))
+    torch.manual_seed(0)
+    conv = cst.SubMConv3d(16, 32, 3, bias=False).cuda().half()
+
+    def step(coords):
+        x = cst.SparseTensor(torch.from_numpy(coords).cuda(),
+                             torch.randn(len(coords), 16, device="cuda", dtype=torch.float16).requires_grad_())
+        out = conv(x)
+        grad_output = torch.randn_like(out.features)
+        out.features.backward(grad_output)
+        return x, out.features.detach(), grad_output
+
+    step(scenes[0])
+    selections = []
+    for name in ("select_forward", "select_backward"):
+        monkeypatch.setattr(functional, name, lambda *args, name=name, **kwargs: selections.append(name))
+    conv.weight.grad = None
+    x, out, grad_output = step(scenes[1])
+    assert selections == []
+    monkeypatch.undo()
+    kernel_map = x.kernel_map(3).kernel_map
+    core = bridge.to_core
+    features, weight = core(x.features.detach()), core(conv.weight.detach())
+    torch.testing.assert_close(out, bridge.from_core(conv_forward(features, weight, kernel_map)), rtol=0, atol=0)
+    grad_input, grad_weight = functional.conv_backward(core(grad_output), features, weight, kernel_map)
+    torch.testing.assert_close(x.features.grad, bridge.from_core(grad_input), rtol=0, atol=0)
+    torch.testing.assert_close(conv.weight.grad, bridge.from_core(grad_weight), rtol=0, atol=0)
 
 
 def test_a_planned_layer_still_refuses_mismatched_tensors():

@@ -13,10 +13,11 @@ Algorithm choices travel as strings (`algorithm_argument`): "" is None (the envi
 variables), otherwise a name, `auto`, `all` or `[a,b]`. The backward op computes only the
 gradients autograd needs, in one call.
 
-Where the selected algorithm has launch plans (`Algorithm.forward_plan` / `backward_plan`), a
-layer's first call selects and keeps them with the map; later calls allocate their outputs with
-torch and launch on device addresses, skipping the core's checks, views and selection: a
-100K-voxel layer's kernels take about as long as the Python around a full core call.
+Where the selected algorithm has launch plans (`Algorithm.forward_plan` / `backward_plan`), the
+first call of a layer signature selects and keeps them; later calls, over this map or the next
+scene's, allocate their outputs with torch and launch on device addresses, skipping the core's
+checks, views and selection: a 100K-voxel layer's kernels take about as long as the Python around a
+full core call.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cupysparse import functional
 from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
-from cupysparse.tuner import choices_version
+from cupysparse.tuner import choices_version, size_bucket
 
 from .bridge import from_core, on_torch_stream, stream_handle, to_core
 
@@ -88,12 +89,14 @@ def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tens
 def _plannable(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> bool:
     """Whether launch plans can run these tensors: contiguous features on the current CUDA device
     (whose kernels the plans hold), of the map's rows and the weight's dtype, device and input
-    channels. Anything else takes the core's path, which explains what is wrong."""
+    channels, with work to do. Anything else takes the core's path, which explains what is wrong
+    (or returns the zeros of an empty problem)."""
     return (
         features.is_cuda and features.is_contiguous() and features.device.index == torch.cuda.current_device()
         and features.dim() == 2 and weight.dim() == 3 and features.shape[0] == kernel_map.num_in
         and features.shape[1] == weight.shape[1] and features.dtype == weight.dtype
-        and features.device == weight.device
+        and features.device == weight.device and kernel_map.num_in > 0 and kernel_map.num_out > 0
+        and weight.shape[1] > 0 and weight.shape[2] > 0
     )
 
 
@@ -106,13 +109,24 @@ def _plannable_gradient(grad_output: torch.Tensor, features: torch.Tensor, weigh
     )
 
 
+_plans: dict[tuple, object] = {}  # launch plans (None: the layer runs through the core) by layer signature
+
+
 def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
-    """The launch plan of `phase` for this layer, or None: selected (measuring on these tensors the
-    first time the tuner meets the problem) on first use and kept with the map until the tuner's
-    choices or, for algo "", the environment variable change."""
+    """The launch plan of `phase` for this layer's signature, or None: selected (measuring on these
+    tensors the first time the tuner meets the problem) on first use and kept until the tuner's
+    choices or, for algo "", the environment variable change. The signature is what the tuner keys
+    its choices on (map geometry, sizes as `size_bucket`s, channels, dtype) plus the device: a new
+    kernel map of the same signature (the next scene) reuses the plan."""
     choice = algo or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
-    key = ("torch", phase, features.dtype, weight.shape, choice, choices_version())
-    return kernel_map.launch_plan(key, select)
+    key = (phase, features.dtype, weight.shape, features.device.index, choice, choices_version(),
+           kernel_map.kernel_volume, kernel_map.stride, kernel_map.transposed, kernel_map.generative,
+           size_bucket(kernel_map.num_in), size_bucket(kernel_map.num_out))
+    try:
+        return _plans[key]
+    except KeyError:
+        plan = _plans[key] = select()
+        return plan
 
 
 def _padded(weight: torch.Tensor, shape) -> torch.Tensor:
@@ -128,7 +142,7 @@ def _forward_plan(features, weight, kernel_map, fwd_algo: str):
             core_features, core_weight = to_core(features), to_core(weight)
             selection = functional.select_forward(core_features, core_weight, kernel_map, _algorithm(fwd_algo))
             problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
-            return selection.algorithm.forward_plan(kernel_map, problem, selection.params)
+            return selection.algorithm.forward_plan(problem, selection.params)
 
     return _layer_plan("forward", features, weight, kernel_map, fwd_algo, select)
 
@@ -141,7 +155,7 @@ def _backward_plan(grad_output, features, weight, kernel_map, bwd_algo: str):
                 to_core(grad_output), core_features, core_weight, kernel_map, _algorithm(bwd_algo)
             )
             problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
-            return selection.algorithm.backward_plan(kernel_map, problem, selection.params)
+            return selection.algorithm.backward_plan(problem, selection.params)
 
     return _layer_plan("backward", features, weight, kernel_map, bwd_algo, select)
 
@@ -150,9 +164,9 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
     kernel_map = _kernel_map(table)
     plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
     if plan is not None:
-        out = features.new_empty(plan.out_shape)
+        out = features.new_empty((kernel_map.num_out, weight.shape[2]))
         padded = _padded(weight, plan.weight_shape)
-        plan.launch(features.data_ptr(), padded.data_ptr(), out.data_ptr(), stream_handle(features.device))
+        plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(), stream_handle(features.device))
         return out
     with on_torch_stream(features.device):
         out = functional.conv_forward(to_core(features), to_core(weight), kernel_map, _algorithm(fwd_algo))
@@ -166,7 +180,8 @@ def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_in
     plannable = _plannable_gradient(grad_output, features, weight, kernel_map)
     plan = _backward_plan(grad_output, features, weight, kernel_map, bwd_algo) if plannable else None
     if plan is not None:
-        return _planned_backward(plan, grad_output, features, weight, needs_input_grad, needs_weight_grad)
+        return _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad,
+                                 needs_weight_grad)
     with on_torch_stream(features.device):
         grad_input, grad_weight = functional.conv_backward(
             to_core(grad_output), to_core(features), to_core(weight), kernel_map, _algorithm(bwd_algo),
@@ -176,18 +191,20 @@ def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_in
                 from_core(grad_weight) if needs_weight_grad else None)
 
 
-def _planned_backward(plan, grad_output, features, weight, needs_input_grad: bool, needs_weight_grad: bool):
+def _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad: bool,
+                      needs_weight_grad: bool):
     stream = stream_handle(features.device)
     grad_input = grad_weight = None
     if needs_input_grad:
         padded = _padded(weight, plan.weight_shape)
         grad_input = torch.empty_like(features)
-        plan.dgrad(grad_output.data_ptr(), padded.data_ptr(), grad_input.data_ptr(), stream)
+        plan.dgrad(kernel_map, grad_output.data_ptr(), padded.data_ptr(), grad_input.data_ptr(), stream)
     if needs_weight_grad:
         # Every element of the workspace is written before it is read: no clearing.
-        workspace = torch.empty(plan.workspace_shape, dtype=torch.float32, device=features.device)
+        workspace = torch.empty(plan.workspace_shape(kernel_map), dtype=torch.float32, device=features.device)
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        plan.wgrad(features.data_ptr(), grad_output.data_ptr(), workspace.data_ptr(), grad_weight.data_ptr(), stream)
+        plan.wgrad(kernel_map, features.data_ptr(), grad_output.data_ptr(), workspace.data_ptr(),
+                   grad_weight.data_ptr(), stream)
     return grad_input, grad_weight
 
 
@@ -290,6 +307,10 @@ class _Convolution(torch.autograd.Function):
         ctx.save_for_backward(features, weight, table)
         ctx.bwd_algo = bwd_algo
         _keep_map_alive(ctx, table)
+        if ctx.needs_input_grad[1] and ctx.kernel_map is not None:
+            # The weight gradient's pair lists are sized by a count from the GPU: counted now, it has
+            # arrived by the backward pass, which then does not wait for the GPU to catch up.
+            ctx.kernel_map.count_pairs_ahead()
         return _core_forward(features, weight, table, fwd_algo)
 
     @staticmethod

@@ -8,6 +8,8 @@ the maps built for it and a U-Net's decoder reuses its encoder's maps.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import cupysparse
@@ -48,6 +50,8 @@ class SparseTensor:
             core = cupysparse.SparseTensor(
                 to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
             )
+        if coordinates.is_cuda:  # the maps' formats, derived at their first use, too
+            core.map_cache.derive_in = functools.partial(on_torch_stream, coordinates.device)
         self._set(coordinates, core.coordinates, features, core.tensor_stride, core.map_cache, None)
 
     def _set(self, coordinates, core_coordinates, features, tensor_stride, map_cache, batch_size) -> None:

@@ -14,9 +14,10 @@ forward and dgrad receive the weight as returned by `prepare_weight`; wgrad retu
 Depthwise replaces the matrix products by per-channel ones (`W_k` is a vector `[C]`).
 
 An algorithm may also offer launch plans (`forward_plan`, `backward_plan`): the same phases for one
-layer, computed once and kept with the kernel map, launched on device addresses and a raw CUDA
-stream handle. Framework adapters call them with buffers their framework allocated, at a cost of a few
-launches per call.
+layer signature (kernel volume, channel counts, dtype, device, parameters), prepared once and launched
+over any kernel map of that signature on device addresses and a raw CUDA stream handle. Framework
+adapters call them with buffers their framework allocated, at a cost of a few launches per call; a new
+kernel map (a new scene) costs no new plan.
 """
 
 from __future__ import annotations
@@ -79,26 +80,28 @@ class ConvProblem:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """The forward of one layer on device addresses: `launch(features, weight, out, stream)` with
-    features `[N_in, C_in]` and out `out_shape`, row-major, and the weight in `weight_shape`
-    (`[K, C_in, C_out]` zero-padded at the end of both channel dimensions); `stream` is a raw CUDA
-    stream handle. The kernels are those of the device the plan was made on."""
+    """The forward of one layer signature on device addresses, over any kernel map of it (the
+    problem's kernel volume, channel counts, dtype and device): `launch(kernel_map, features, weight,
+    out, stream)` with features `[kernel_map.num_in, C_in]` and out `[kernel_map.num_out, C_out]`,
+    row-major, and the weight in `weight_shape` (`[K, C_in, C_out]` zero-padded at the end of both
+    channel dimensions); `stream` is a raw CUDA stream handle. The kernels are those of the device the
+    plan was made on; the map's derived formats are computed on first use and kept with the map."""
 
     weight_shape: tuple[int, int, int]
-    out_shape: tuple[int, int]
     launch: Callable[..., None]
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """dgrad and wgrad of one layer on device addresses, as `ForwardPlan`:
-    `dgrad(grad_output, weight, grad_input, stream)` with the weight in `weight_shape` (as the
-    forward's: `[K, C_in, C_out]` zero-padded at the end of both channel dimensions), and
-    `wgrad(features, grad_output, workspace, grad_weight, stream)` with an fp32 workspace of
-    `workspace_shape` (no initialisation needed). Arrays row-major, in the features' dtype."""
+    """dgrad and wgrad of one layer signature on device addresses, as `ForwardPlan`:
+    `dgrad(kernel_map, grad_output, weight, grad_input, stream)` with the weight in `weight_shape` (as
+    the forward's: `[K, C_in, C_out]` zero-padded at the end of both channel dimensions), and
+    `wgrad(kernel_map, features, grad_output, workspace, grad_weight, stream)` with an fp32 workspace
+    of `workspace_shape(kernel_map)` (no initialisation needed). Arrays row-major, in the features'
+    dtype."""
 
     weight_shape: tuple[int, int, int]
-    workspace_shape: tuple[int, ...]
+    workspace_shape: Callable[..., tuple[int, ...]]
     dgrad: Callable[..., None]
     wgrad: Callable[..., None]
 
@@ -146,12 +149,12 @@ class Algorithm:
     def wgrad(self, features, grad_output, kernel_map, **params):
         raise NotImplementedError
 
-    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
-        """The forward's launch plan for `problem` over `kernel_map` with `params`, or None (default):
-        this algorithm runs through `forward` only."""
+    def forward_plan(self, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+        """The forward's launch plan with `params` for every map of `problem`'s signature (its sizes
+        are not used), or None (default): this algorithm runs through `forward` only."""
         return None
 
-    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+    def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         """dgrad's and wgrad's launch plan, or None (default): only through `dgrad` and `wgrad`."""
         return None
 

@@ -2,8 +2,8 @@
 (sm_80+, fp16 and bf16 features, fp32 accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
 
 The dataflow is wmma_implicit_gemm's (output-stationary tiles over the mask-sorted rows, offsets a
-tile's rows lack skipped, each output written once, dgrad as the same kernel over the reversed map
-reading the weight transposed), with the accumulators in registers, warp tiles up to 64 x 64, a
+tile's rows lack skipped, each output written once, dgrad as the same kernel reading the weight
+transposed over `dgrad_operands`), with the accumulators in registers, warp tiles up to 64 x 64, a
 3- or 4-stage cp.async pipeline in dynamic shared memory, and any channel count in the same kernel
 (16-byte copies where the rows allow them, element copies elsewhere). wgrad is wmma_implicit_gemm's
 split-K dataflow (shares, workspace, ordered sum) with its own mma.sync GEMM kernel.
@@ -11,6 +11,7 @@ split-K dataflow (shares, workspace, ordered sum) with its own mma.sync GEMM ker
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import numpy as np
@@ -24,10 +25,14 @@ from .wmma_implicit_gemm import (
     WGRAD_WARPS_PER_SM,
     WgradPlan,
     WmmaImplicitGemm,
+    backward_plan,
     check_operand,
+    dgrad_operands,
     check_weight,
+    current_device,
     empty_problem,
     padded_channels,
+    padded_weight_shape,
     wgrad_plan,
 )
 
@@ -107,69 +112,74 @@ class _MmaWgradPlan(WgradPlan):
     def threads(self, tile) -> int:
         return tile[2] * tile[3] * WARP_SIZE
 
-    def prepare_gemm(self, dtype, tile, grid, arguments) -> None:
+    def prepare_gemm(self, dtype, tile, arguments) -> None:
         rows, cols = tile[:2]
         shared = WGRAD_STAGES * WGRAD_PAIRS * (rows + cols + 2 * HALF_ROW_PAD) * dtype.itemsize
         kernel = _SOURCES[dtype].get(_wgrad_kernel_name(cuda_type_name(dtype), tile))
-        self.gemm = PreparedLaunch(kernel, grid, (self.threads(tile),), (*arguments, None), shared)
+        self.gemm = PreparedLaunch(kernel, (1,), (self.threads(tile),), (*arguments, None), shared)
 
-    def launch_gemm(self, stream: int, features: int, grad_output: int, workspace: int, vectors: bool) -> None:
-        self.gemm.launch(stream, features, grad_output, workspace, int(vectors))
+    def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
+        self.gemm.launch(stream, *values, int(vectors), grid=grid)
 
 
 class _MmaPlan:
-    """The launch of `mma_conv_forward` for one pair table, row order, dtype, channel counts, tile,
-    pipeline depth and weight layout: prepared once per layer and kept with the map."""
+    """The launch of `mma_conv_forward` for one dtype, kernel volume, channel counts, tile, pipeline
+    depth, row order and weight layout, over any pair table of that kernel volume: prepared once per
+    signature."""
 
-    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, tile, stages, weight_transposed):
-        cupy = cupy_module()
-        kernel_volume, num_out = pair_table.shape
+    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         self.dtype = dtype
-        self.out_shape = (num_out, out_channels)
+        self.out_channels = out_channels
+        self.sort_rows = sort_rows
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
         rows, cols, warps_m, warps_n = tile
-        grid = (-(-num_out // rows) * -(-out_padded // cols),)
-        sizes = (num_out, kernel_volume, in_channels, in_padded, out_channels, out_padded)
-        row_order = np.uint64(0) if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
-        arguments = (None, cupy.ascontiguousarray(pair_table, dtype=np.int32), row_order, None, None,
-                     *(np.int32(size) for size in sizes), None)  # features, weight, out, vector_rows per call
+        self.rows, self.column_tiles = rows, -(-out_padded // cols)
+        sizes = (kernel_volume, in_channels, in_padded, out_channels, out_padded)
+        # features, pair table, row order, weight, out, the row count, vector_rows and the offset order are
+        # per call.
+        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
         kernel = _SOURCES[dtype].get(_kernel_name(cuda_type_name(dtype), tile, stages, weight_transposed))
-        self.kernel = PreparedLaunch(kernel, grid, (warps_m * warps_n * WARP_SIZE,), arguments,
+        self.kernel = PreparedLaunch(kernel, (1,), (warps_m * warps_n * WARP_SIZE,), arguments,
                                      shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
 
-    def launch(self, features: int, weight: int, out: int, stream: int) -> None:
-        """Launch on device addresses (row-major; the weight padded, in the layout the plan reads), on
-        the raw CUDA stream handle `stream`."""
+    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
+               reverse_weight_offsets: int = 0) -> None:
+        """Launch over `kernel_map`'s pair table on device addresses (row-major; the weight padded, in
+        the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
+        raw CUDA stream handle `stream`."""
+        num_out = kernel_map.num_out
+        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
         vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
-        self.kernel.launch(stream, features, weight, out, int(vector_rows))
+        self.kernel.launch(stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out,
+                           int(vector_rows), reverse_weight_offsets,
+                           grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
 
-    def __call__(self, features, padded_weight):
+    def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         cupy = cupy_module()
-        out = cupy.empty(self.out_shape, dtype=self.dtype)  # every element is written once
-        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr)
+        out = cupy.empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # every element is written once
+        self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr,
+                    cupy.cuda.get_current_stream().ptr, reverse_weight_offsets)
         return out
 
 
-def _plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages: int,
-          weight_transposed: bool) -> _MmaPlan:
-    return kernel_map.launch_plan(
-        (_MmaPlan, dtype, in_channels, out_channels, tile, stages, sort_rows, weight_transposed),
-        lambda: _MmaPlan(kernel_map.pair_table, kernel_map.mask_sorted_order() if sort_rows else None, dtype,
-                         in_channels, out_channels, tile, stages, weight_transposed),
-    )
+@functools.cache
+def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+          sort_rows: bool, weight_transposed: bool) -> _MmaPlan:
+    """`_MmaPlan` for this signature on `device`, made on first use."""
+    return _MmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
 
 
 def _run(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile, stages,
-         weight_transposed: bool):
+         weight_transposed: bool, reverse_weight_offsets: int = 0):
     cupy = cupy_module()
     kernel_volume, num_out = kernel_map.pair_table.shape
     if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
         return cupy.zeros((num_out, out_channels), dtype=features.dtype)
     features = cupy.ascontiguousarray(features)
-    plan = _plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages,
-                 weight_transposed)
-    return plan(features, padded_weight)
+    plan = _plan(current_device(), np.dtype(features.dtype), kernel_volume, in_channels, out_channels, tile, stages,
+                 sort_rows, weight_transposed)
+    return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
 
 
 @register
@@ -226,33 +236,31 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         tile = _check_tile(tile, "dgrad")
         check_weight(weight, kernel_map)
         check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
-        return _run(grad_output, kernel_map.reversed(), True, weight.padded, weight.out_channels, weight.in_channels,
-                    tile, DGRAD_STAGES, True)
+        table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
+        return _run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
+                    DGRAD_STAGES, True, reverse_weight_offsets)
 
     def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
         _check_tile(tile, "wgrad")
         return super().wgrad(features, grad_output, kernel_map, wgrad_warps_per_sm=wgrad_warps_per_sm)
 
-    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+    def forward_plan(self, problem: ConvProblem, params: dict) -> ForwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("forward"), **params}
         tile = _check_tile(params["tile"], "forward")
-        plan = _plan(kernel_map, params["sort_rows"], problem.dtype, problem.in_channels, problem.out_channels,
-                     tile, params["stages"], False)
-        return ForwardPlan(_weight_shape(problem), plan.out_shape, plan.launch)
+        plan = _plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
+                     problem.out_channels, tile, params["stages"], params["sort_rows"], False)
+        return ForwardPlan(padded_weight_shape(problem), plan.launch)
 
-    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+    def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("backward"), **params}
         tile = _check_tile(params["tile"], "dgrad")
-        dgrad = _plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels, tile,
-                      DGRAD_STAGES, True)
-        wgrad = wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
+        device = current_device()
+        dgrad = _plan(device, problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
+                      DGRAD_STAGES, True, True)
+        wgrad = wgrad_plan(device, problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels,
                            params["wgrad_warps_per_sm"], self.wgrad_plan_class)
-        return BackwardPlan(_weight_shape(problem), wgrad.workspace_shape, dgrad.launch, wgrad.launch)
-
-
-def _weight_shape(problem: ConvProblem) -> tuple[int, int, int]:
-    return problem.kernel_volume, padded_channels(problem.in_channels), padded_channels(problem.out_channels)
+        return backward_plan(problem, dgrad, wgrad)

@@ -7,17 +7,19 @@ through the pair table into shared memory and writes each output once, so result
 deterministic. With channel counts that are multiples of 8 the gathers run `stages` deep through
 cp.async (sm_80+), overlapping the tensor-core work. Forward may visit the output rows in
 offset-mask order (`sort_rows`) so that a tile's rows share offsets and more offsets are skipped.
-dgrad is the same kernel over the reversed map reading the weight transposed (a template flag: no
-transposed copy), always in the reversed map's mask order (computed once per map and cached, like the
-forward's). wgrad runs over the
+dgrad is the same kernel reading the weight transposed (a template flag: no transposed copy) over the
+reversed map in its mask order (computed once per map and cached, like the forward's), or over a
+submanifold map itself, which is its own reverse with the offsets flipped, taking the weight's offsets
+in reverse (`dgrad_operands`): no reversed table to hold. wgrad runs over the
 per-offset pair lists (`KernelMap.csr`), each offset's list split into shares sized so that about
 `wgrad_warps_per_sm` warps per SM are launched; a second kernel sums their fp32 partial weight
 gradients in a fixed order.
 
 `prepare_weight` pads the weight to multiples of 16 channels on both sides (the fragment size) when
-it is not already; features stay unpadded. Each layer's launches (kernels, grid, fixed arguments) are
-prepared once and kept with its kernel map (`KernelMap.launch_plan`), so a call costs its allocations
-and one driver call per kernel.
+it is not already; features stay unpadded. The launches of a layer signature (dtype, kernel volume,
+channel counts, parameters, device: kernels and fixed arguments) are prepared once, and take the map's
+arrays and row count per call, so a call, over any map, costs its allocations and one driver call per
+kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ WARP_TILE = 32  # every warp computes 32 x 32 of its block's tile (raw_kernels/w
 VECTOR_BYTES = 16  # pipelined copies move 8 fp16/bf16 values
 MAX_GRID_Z = 65535
 MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
+# The fp32 partials of one wgrad call are transient but come at the peak of a training step (the first
+# layers of the backward pass are the widest at the finest level): 16 shares of a 27 x 96 x 96 layer.
+MAX_WORKSPACE_BYTES = 16 * 2**20
 
 # (rows, channels) of a forward / dgrad block's output tile.
 FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
@@ -200,9 +205,13 @@ def _current_stream() -> int:
     return cupy_module().cuda.get_current_stream().ptr
 
 
+def current_device() -> int:
+    return cupy_module().cuda.runtime.getDevice()
+
+
 class _LazyLaunches(dict):
-    """`PreparedLaunch`es by pipeline depth, each prepared on first use: a plan is made for every new
-    kernel map, and most layers only ever launch one of its variants."""
+    """`PreparedLaunch`es by pipeline depth, each prepared on first use: most layers only ever launch
+    one of a plan's variants."""
 
     def __init__(self, prepare):
         super().__init__()
@@ -214,117 +223,124 @@ class _LazyLaunches(dict):
 
 
 class _GemmPlan:
-    """The launches of `_implicit_gemm` for one pair table (a map's or its reverse's), row order, dtype,
-    channel counts, tile, pipeline depth and weight layout: prepared once per layer and kept with the
-    map, so that a call only allocates its output and launches."""
+    """The launches of `_implicit_gemm` for one dtype, kernel volume, channel counts, tile, pipeline
+    depth, row order and weight layout, over any pair table of that kernel volume: made once per
+    signature, so that a call over a new map only allocates its output and launches."""
 
-    def __init__(self, pair_table, row_order, dtype, in_channels, out_channels, in_padded, out_padded, tile, stages,
-                 weight_transposed: bool):
-        cupy = cupy_module()
-        kernel_volume, num_out = pair_table.shape
-        pair_table = cupy.ascontiguousarray(pair_table, dtype=np.int32)
-        row_order = _NULL_POINTER if row_order is None else cupy.ascontiguousarray(row_order, dtype=np.int32)
+    def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+                 sort_rows: bool, weight_transposed: bool):
+        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         self.dtype = dtype
-        self.out_shape = (num_out, out_channels)
+        self.out_channels = out_channels
+        self.sort_rows = sort_rows
+        self.rows, self.column_tiles = tile[0], -(-out_padded // tile[1])
         block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
         type_name = cuda_type_name(dtype)
-        grid = (-(-num_out // tile[0]) * -(-out_padded // tile[1]),)
-        sizes = tuple(np.int32(size) for size in (num_out, kernel_volume, in_channels, in_padded, out_channels,
-                                                  out_padded))
-        # features, weight and out are the per-call addresses.
-        arguments = (None, pair_table, row_order, None, None, *sizes)
+        sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
+        # features, pair table, row order, weight, out, the row count and the offset order are per call.
+        arguments = (None, None, None, None, None, None, *sizes, None)
 
         def prepared(kernel_stages: int) -> PreparedLaunch:
             name = _forward_kernel_name(type_name, tile, block_k, kernel_stages, weight_transposed)
-            return PreparedLaunch(_SOURCES[dtype].get(name), grid, (_threads(tile),), arguments)
+            return PreparedLaunch(_SOURCES[dtype].get(name), (1,), (_threads(tile),), arguments)
 
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
         self._launches = _LazyLaunches(prepared)
         self._stages = stages
 
-    def launch(self, features: int, weight: int, out: int, stream: int) -> None:
-        """Launch on device addresses (row-major arrays; the weight padded, in the layout the plan
-        reads), on the raw CUDA stream handle `stream`."""
+    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
+               reverse_weight_offsets: int = 0) -> None:
+        """Launch over `kernel_map`'s pair table on device addresses (row-major arrays; the weight padded,
+        in the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
+        raw CUDA stream handle `stream`."""
+        num_out = kernel_map.num_out
+        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
+        grid = (-(-num_out // self.rows) * self.column_tiles, 1, 1)
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
         pipelined = self.vector_rows and features % VECTOR_BYTES == 0
-        self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(stream, features, weight, out)
+        self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(
+            stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out, reverse_weight_offsets,
+            grid=grid)
 
-    def __call__(self, features, padded_weight):
-        out = cupy_module().empty(self.out_shape, dtype=self.dtype)  # every element is written once
-        self.launch(features.data.ptr, padded_weight.data.ptr, out.data.ptr, _current_stream())
+    def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
+        out = cupy_module().empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # all written once
+        self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr, _current_stream(),
+                    reverse_weight_offsets)
         return out
 
 
-def _gemm_plan(kernel_map, sort_rows: bool, dtype, in_channels: int, out_channels: int, tile, stages,
-               weight_transposed: bool = False) -> _GemmPlan:
-    """`_GemmPlan` over `kernel_map`, made on first use and kept with the map."""
-    in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-    return kernel_map.launch_plan(
-        (_GemmPlan, dtype, in_channels, out_channels, tile, stages, sort_rows, weight_transposed),
-        lambda: _GemmPlan(kernel_map.pair_table, kernel_map.mask_sorted_order() if sort_rows else None, dtype,
-                          in_channels, out_channels, in_padded, out_padded, tile, stages, weight_transposed),
-    )
+@functools.cache
+def _gemm_plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+               sort_rows: bool, weight_transposed: bool = False) -> _GemmPlan:
+    """`_GemmPlan` for this signature on `device`, made on first use."""
+    return _GemmPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
 
 
 def _implicit_gemm(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile,
-                   stages, weight_transposed: bool = False):
+                   stages, weight_transposed: bool = False, reverse_weight_offsets: int = 0):
     """`out[i] = Σ_k W[k]^T · features[pair_table[k, i]]` → `[N_out, out_channels]` over `kernel_map`'s
-    pair table, W the padded weight or, when `weight_transposed`, its transpose, with the output rows
-    visited in the map's mask order when `sort_rows`, pipelined `stages` deep when the feature rows
-    allow 16-byte copies."""
+    pair table, W the padded weight or, when `weight_transposed`, its transpose (W[K-1-k] for offset k
+    when `reverse_weight_offsets`), with the output rows visited in the map's mask order when
+    `sort_rows`, pipelined `stages` deep when the feature rows allow 16-byte copies."""
     cupy = cupy_module()
     kernel_volume, num_out = kernel_map.pair_table.shape
     if num_out == 0 or out_channels == 0 or features.shape[0] == 0 or kernel_volume == 0 or in_channels == 0:
         return cupy.zeros((num_out, out_channels), dtype=features.dtype)
     if not features.flags.c_contiguous:
         features = cupy.ascontiguousarray(features)
-    plan = _gemm_plan(kernel_map, sort_rows, np.dtype(features.dtype), in_channels, out_channels, tile, stages,
-                      weight_transposed)
-    return plan(features, padded_weight)
+    plan = _gemm_plan(current_device(), np.dtype(features.dtype), kernel_volume, in_channels, out_channels,
+                      tuple(tile), stages, sort_rows, weight_transposed)
+    return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
+
+
+def dgrad_operands(kernel_map):
+    """(map, reverse_weight_offsets) dgrad runs the forward kernel over: a mirror-symmetric map itself
+    with its weight's offsets taken in reverse (its reverse is its own table with the offsets flipped,
+    so no reversed table, mask or row order is made), else the reversed map."""
+    if kernel_map.mirror_symmetric:
+        return kernel_map, 1
+    return kernel_map.reversed(), 0
 
 
 class WgradPlan:
-    """wgrad's two launches for one map, dtype, channel counts and occupancy target, computed once per
-    layer and kept with the map: the split-K gather-gather GEMMs into an fp32 workspace, then the sum
-    of its shares into the weight gradient. The GEMM kernels are wmma_conv_wgrad's; a subclass swaps
-    them (`tile_for`, `threads`, `prepare_gemm`, `launch_gemm`) and keeps the shares and the sum."""
+    """wgrad's two launches for one dtype, kernel volume, channel counts and occupancy target, over any
+    map of that kernel volume: the split-K gather-gather GEMMs over the map's per-offset pair lists
+    into an fp32 workspace, then the sum of its shares into the weight gradient. The GEMM kernels are
+    wmma_conv_wgrad's; a subclass swaps them (`tile_for`, `threads`, `prepare_gemm`, `launch_gemm`) and
+    keeps the shares and the sum."""
 
-    def __init__(self, kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
-        cupy = cupy_module()
-        kernel_volume, num_out = kernel_map.kernel_volume, kernel_map.num_out
-        pairs = kernel_map.csr()
+    def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         tile = self.tile_for(in_padded, out_padded)
-        tiles = -(-in_padded // tile[0]) * -(-out_padded // tile[1])
-        # Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
-        # MIN_PAIRS_PER_SHARE pairs (an offset has at most num_out), grid z in range. Their pair
-        # ranges are computed on the device from the CSR offsets: no synchronisation here.
-        wanted_warps = wgrad_warps_per_sm * _multiprocessors(cupy.cuda.Device().id)
-        warps_per_share = kernel_volume * tiles * self.threads(tile) // WARP_SIZE
-        shares = max(
-            1, min(-(-wanted_warps // warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE), MAX_GRID_Z // kernel_volume)
-        )
-        pair_lists = (
-            cupy.ascontiguousarray(pairs.in_idx, dtype=np.int32),
-            cupy.ascontiguousarray(pairs.out_idx, dtype=np.int32),
-            cupy.ascontiguousarray(pairs.offsets, dtype=np.int64),
-        )
+        self.kernel_volume = kernel_volume
         self.dtype = dtype
-        self.workspace_shape = (shares, kernel_volume, in_padded, out_padded)
+        self.padded_sizes = (in_padded, out_padded)
         self.out_shape = (kernel_volume, in_channels, out_channels)
-        type_name = cuda_type_name(dtype)
-        grid = (-(-in_padded // tile[0]), -(-out_padded // tile[1]), kernel_volume * shares)
-        sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded,
-                                                  shares))
-        # features, grad_output and the workspace are the per-call addresses.
-        self.prepare_gemm(dtype, tile, grid, (None, None, *pair_lists, *sizes, None))
+        self.grid_xy = (-(-in_padded // tile[0]), -(-out_padded // tile[1]))
+        self.wanted_warps = wgrad_warps_per_sm * _multiprocessors(current_device())
+        self.warps_per_share = kernel_volume * self.grid_xy[0] * self.grid_xy[1] * self.threads(tile) // WARP_SIZE
+        sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
+        # features, grad_output, the three pair lists, the share count and the workspace are per call.
+        self.prepare_gemm(dtype, tile, (None, None, None, None, None, *sizes, None, None))
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
-        sum_sizes = tuple(np.int32(size) for size in (shares, kernel_volume, in_channels, in_padded, out_channels,
-                                                      out_padded))
-        self.sum = PreparedLaunch(_SOURCES[dtype].get(_sum_kernel_name(type_name)),
-                                  *launch_config(kernel_volume * in_channels * out_channels), (None, None, *sum_sizes))
+        # workspace, grad_weight and the share count are per call.
+        sum_kernel = _SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
+        self.sum = PreparedLaunch(sum_kernel, *launch_config(kernel_volume * in_channels * out_channels),
+                                  (None, None, None, *sizes))
+
+    def shares(self, num_out: int) -> int:
+        """Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
+        MIN_PAIRS_PER_SHARE pairs (an offset has at most `num_out`), grid z in range, partials within
+        MAX_WORKSPACE_BYTES. Their pair ranges are computed on the device from the CSR offsets: no
+        synchronisation."""
+        share_bytes = self.kernel_volume * self.padded_sizes[0] * self.padded_sizes[1] * 4
+        return max(1, min(-(-self.wanted_warps // self.warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE),
+                          MAX_GRID_Z // self.kernel_volume, MAX_WORKSPACE_BYTES // share_bytes))
+
+    def workspace_shape(self, kernel_map) -> tuple[int, int, int, int]:
+        return (self.shares(kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
 
     def tile_for(self, in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
@@ -332,38 +348,41 @@ class WgradPlan:
     def threads(self, tile) -> int:
         return _threads(tile)
 
-    def prepare_gemm(self, dtype, tile, grid, arguments) -> None:
+    def prepare_gemm(self, dtype, tile, arguments) -> None:
         type_name = cuda_type_name(dtype)
         self._gemms = _LazyLaunches(lambda stages: PreparedLaunch(
-            _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), grid, (self.threads(tile),), arguments))
+            _SOURCES[dtype].get(_wgrad_kernel_name(type_name, tile, stages)), (1,), (self.threads(tile),), arguments))
 
-    def launch_gemm(self, stream: int, features: int, grad_output: int, workspace: int, vectors: bool) -> None:
-        self._gemms[WGRAD_STAGES if vectors else SYNCHRONOUS_STAGES].launch(stream, features, grad_output, workspace)
+    def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
+        self._gemms[WGRAD_STAGES if vectors else SYNCHRONOUS_STAGES].launch(stream, *values, grid=grid)
 
-    def launch(self, features: int, grad_output: int, workspace: int, grad_weight: int, stream: int) -> None:
-        """Launch on device addresses (row-major arrays, the fp32 workspace of `workspace_shape`), on
-        the raw CUDA stream handle `stream`."""
+    def launch(self, kernel_map, features: int, grad_output: int, workspace: int, grad_weight: int,
+               stream: int) -> None:
+        """Launch over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
+        workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle `stream`."""
+        pairs = kernel_map.csr()
+        shares = self.shares(kernel_map.num_out)
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
-        self.launch_gemm(stream, features, grad_output, workspace, vectors)
-        self.sum.launch(stream, workspace, grad_weight)
+        values = (features, grad_output, pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr,
+                  shares, workspace)
+        self.launch_gemm(stream, (*self.grid_xy, self.kernel_volume * shares), values, vectors)
+        self.sum.launch(stream, workspace, grad_weight, shares)
 
-    def __call__(self, features, grad_output):
+    def __call__(self, kernel_map, features, grad_output):
         cupy = cupy_module()
         # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
-        workspace = cupy.empty(self.workspace_shape, dtype=np.float32)
+        workspace = cupy.empty(self.workspace_shape(kernel_map), dtype=np.float32)
         grad_weight = cupy.empty(self.out_shape, dtype=self.dtype)
-        self.launch(features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
+        self.launch(kernel_map, features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
                     _current_stream())
         return grad_weight
 
 
-def wgrad_plan(kernel_map, dtype, in_channels: int, out_channels: int, wgrad_warps_per_sm: int,
+@functools.cache
+def wgrad_plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int,
                plan_class: type[WgradPlan] = WgradPlan) -> WgradPlan:
-    """`plan_class` over `kernel_map`, made on first use and kept with the map."""
-    return kernel_map.launch_plan(
-        (plan_class, dtype, in_channels, out_channels, wgrad_warps_per_sm),
-        lambda: plan_class(kernel_map, dtype, in_channels, out_channels, wgrad_warps_per_sm),
-    )
+    """`plan_class` for this signature on `device`, made on first use."""
+    return plan_class(dtype, kernel_volume, in_channels, out_channels, wgrad_warps_per_sm)
 
 
 @register
@@ -452,9 +471,10 @@ class WmmaImplicitGemm(Algorithm):
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         check_weight(weight, kernel_map)
         check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         return _implicit_gemm(
-            grad_output, kernel_map.reversed(), True, weight.padded, weight.out_channels, weight.in_channels,
-            tile, DGRAD_STAGES, weight_transposed=True,
+            grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels,
+            tile, DGRAD_STAGES, weight_transposed=True, reverse_weight_offsets=reverse_weight_offsets,
         )
 
     def wgrad(
@@ -478,31 +498,41 @@ class WmmaImplicitGemm(Algorithm):
             features = cupy_module().ascontiguousarray(features)
         if not grad_output.flags.c_contiguous:
             grad_output = cupy_module().ascontiguousarray(grad_output)
-        return wgrad_plan(kernel_map, np.dtype(features.dtype), in_channels, out_channels, wgrad_warps_per_sm,
-                          self.wgrad_plan_class)(
-            features, grad_output
-        )
+        plan = wgrad_plan(current_device(), np.dtype(features.dtype), kernel_map.kernel_volume, in_channels,
+                          out_channels, wgrad_warps_per_sm, self.wgrad_plan_class)
+        return plan(kernel_map, features, grad_output)
 
-    def forward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> ForwardPlan | None:
+    def forward_plan(self, problem: ConvProblem, params: dict) -> ForwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("forward"), **params}
-        _check_tile(params["tile"], "forward")
-        plan = _gemm_plan(kernel_map, params["sort_rows"], problem.dtype, problem.in_channels, problem.out_channels,
-                          tuple(params["tile"]), params["stages"])
-        weight_shape = (problem.kernel_volume, padded_channels(problem.in_channels),
-                        padded_channels(problem.out_channels))
-        return ForwardPlan(weight_shape, plan.out_shape, plan.launch)
+        tile = _check_tile(params["tile"], "forward")
+        plan = _gemm_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
+                          problem.out_channels, tile, params["stages"], params["sort_rows"])
+        return ForwardPlan(padded_weight_shape(problem), plan.launch)
 
-    def backward_plan(self, kernel_map, problem: ConvProblem, params: dict) -> BackwardPlan | None:
+    def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("backward"), **params}
-        _check_tile(params["tile"], "dgrad")
-        dgrad = _gemm_plan(kernel_map.reversed(), True, problem.dtype, problem.out_channels, problem.in_channels,
-                           tuple(params["tile"]), DGRAD_STAGES, weight_transposed=True)
-        wgrad = wgrad_plan(kernel_map, problem.dtype, problem.in_channels, problem.out_channels,
-                            params["wgrad_warps_per_sm"])
-        weight_shape = (problem.kernel_volume, padded_channels(problem.in_channels),
-                        padded_channels(problem.out_channels))
-        return BackwardPlan(weight_shape, wgrad.workspace_shape, dgrad.launch, wgrad.launch)
+        tile = _check_tile(params["tile"], "dgrad")
+        device = current_device()
+        dgrad = _gemm_plan(device, problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels,
+                           tile, DGRAD_STAGES, True, weight_transposed=True)
+        wgrad = wgrad_plan(device, problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels,
+                           params["wgrad_warps_per_sm"], self.wgrad_plan_class)
+        return backward_plan(problem, dgrad, wgrad)
+
+
+def padded_weight_shape(problem: ConvProblem) -> tuple[int, int, int]:
+    return problem.kernel_volume, padded_channels(problem.in_channels), padded_channels(problem.out_channels)
+
+
+def backward_plan(problem: ConvProblem, dgrad, wgrad: WgradPlan) -> BackwardPlan:
+    """The `BackwardPlan` of a dgrad plan (launched over `dgrad_operands`) and a wgrad plan."""
+
+    def launch_dgrad(kernel_map, grad_output: int, weight: int, grad_input: int, stream: int) -> None:
+        table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
+        dgrad.launch(table_map, grad_output, weight, grad_input, stream, reverse_weight_offsets)
+
+    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch_dgrad, wgrad.launch)
