@@ -62,9 +62,6 @@ BLOCK_KS = (16, 32)  # input channels per forward stage: 32 when the padded coun
 
 MIN_COMPUTE_CAPABILITY = {FLOAT16: 70, BFLOAT16: 80}
 
-# A kernel pointer argument of nullptr: CuPy passes None as -1, a NumPy scalar as its bytes.
-_NULL_POINTER = np.uint64(0)
-
 
 def padded_channels(channels: int) -> int:
     """`channels` rounded up to a multiple of the fragment size."""
