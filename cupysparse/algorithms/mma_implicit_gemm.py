@@ -19,21 +19,17 @@ import numpy as np
 from ..backend import cupy_module
 from ..compile import KernelSource, PreparedLaunch
 from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
-from .base import BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
+from .base import ConvProblem, gpu_only_reason, register
 from .wmma_implicit_gemm import (
     VECTOR_BYTES,
     WGRAD_WARPS_PER_SM,
     WgradPlan,
     WmmaImplicitGemm,
-    backward_plan,
     check_operand,
-    dgrad_operands,
     check_weight,
     current_device,
-    empty_problem,
+    dgrad_operands,
     padded_channels,
-    padded_weight_shape,
-    wgrad_plan,
 )
 
 WARP_SIZE = 32
@@ -194,6 +190,7 @@ class MmaImplicitGemm(WmmaImplicitGemm):
     # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad.
     backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
     wgrad_plan_class: ClassVar[type[WgradPlan]] = _MmaWgradPlan
+    dgrad_stages: ClassVar[int] = DGRAD_STAGES
 
     def auto_priority(self, problem: ConvProblem) -> int:
         """wmma_implicit_gemm's tier, so `auto` measures both: on an H200 this one is ahead from 64
@@ -244,23 +241,10 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         _check_tile(tile, "wgrad")
         return super().wgrad(features, grad_output, kernel_map, wgrad_warps_per_sm=wgrad_warps_per_sm)
 
-    def forward_plan(self, problem: ConvProblem, params: dict) -> ForwardPlan | None:
-        if self.unsupported_reason(problem) or empty_problem(problem):
-            return None
-        params = {**self.default_params("forward"), **params}
-        tile = _check_tile(params["tile"], "forward")
-        plan = _plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
-                     problem.out_channels, tile, params["stages"], params["sort_rows"], False)
-        return ForwardPlan(padded_weight_shape(problem), plan.launch)
+    def checked_tile(self, tile, phase: str) -> tuple:
+        return _check_tile(tile, phase)
 
-    def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
-        if self.unsupported_reason(problem) or empty_problem(problem):
-            return None
-        params = {**self.default_params("backward"), **params}
-        tile = _check_tile(params["tile"], "dgrad")
-        device = current_device()
-        dgrad = _plan(device, problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
-                      DGRAD_STAGES, True, True)
-        wgrad = wgrad_plan(device, problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels,
-                           params["wgrad_warps_per_sm"], self.wgrad_plan_class)
-        return backward_plan(problem, dgrad, wgrad)
+    def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+                  sort_rows: bool, weight_transposed: bool) -> _MmaPlan:
+        return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
+                     weight_transposed)

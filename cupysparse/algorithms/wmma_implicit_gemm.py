@@ -499,25 +499,37 @@ class WmmaImplicitGemm(Algorithm):
                           out_channels, wgrad_warps_per_sm, self.wgrad_plan_class)
         return plan(kernel_map, features, grad_output)
 
+    # What a subclass with its own forward kernel swaps: the tile check, the plan of that kernel, and
+    # the pipeline depth dgrad runs it at.
+    dgrad_stages: ClassVar[int] = DGRAD_STAGES
+
+    def checked_tile(self, tile, phase: str) -> tuple:
+        return _check_tile(tile, phase)
+
+    def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+                  sort_rows: bool, weight_transposed: bool):
+        """The forward kernel's plan for this signature on the current device."""
+        return _gemm_plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
+                          weight_transposed)
+
     def forward_plan(self, problem: ConvProblem, params: dict) -> ForwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("forward"), **params}
-        tile = _check_tile(params["tile"], "forward")
-        plan = _gemm_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
-                          problem.out_channels, tile, params["stages"], params["sort_rows"])
+        tile = self.checked_tile(params["tile"], "forward")
+        plan = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels, tile,
+                              params["stages"], params["sort_rows"], False)
         return ForwardPlan(padded_weight_shape(problem), plan.launch)
 
     def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("backward"), **params}
-        tile = _check_tile(params["tile"], "dgrad")
-        device = current_device()
-        dgrad = _gemm_plan(device, problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels,
-                           tile, DGRAD_STAGES, True, weight_transposed=True)
-        wgrad = wgrad_plan(device, problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels,
-                           params["wgrad_warps_per_sm"], self.wgrad_plan_class)
+        tile = self.checked_tile(params["tile"], "dgrad")
+        dgrad = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
+                               self.dgrad_stages, True, True)
+        wgrad = wgrad_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
+                           problem.out_channels, params["wgrad_warps_per_sm"], self.wgrad_plan_class)
         return backward_plan(problem, dgrad, wgrad)
 
 
