@@ -60,6 +60,12 @@ class KernelSource:
         """The compiled kernel `name_expression` on the current CUDA device."""
         return get_kernel(self, name_expression)
 
+    def prepared(self, name_expression: str, block: int, num_arguments: int) -> PreparedLaunch:
+        """A `PreparedLaunch` of `name_expression` on the current device with every one of its
+        `num_arguments` arguments given per call: for small kernels launched many times a call, where
+        a CuPy `Function` call's conversions cost more than the kernel."""
+        return _prepared_launch(self, name_expression, cupy_module().cuda.Device().id, block, num_arguments)
+
 
 def registered_sources() -> tuple[KernelSource, ...]:
     return tuple(_REGISTRY)
@@ -332,6 +338,12 @@ def get_kernel(source: KernelSource, name_expression: str):
             loaded.lowered_names[name_expression]
         )
     return function
+
+
+@functools.cache
+def _prepared_launch(source: KernelSource, name_expression: str, device: int, block: int,
+                     num_arguments: int) -> PreparedLaunch:
+    return PreparedLaunch(source.get(name_expression), (1,), (block,), (None,) * num_arguments)
 
 
 def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], tuple[int]]:

@@ -10,6 +10,7 @@ sign -1 and the stride as divisor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ _KERNELS = KernelSource(
             "insert_coordinates",
             "insert_smallest_row",
             "mark_first_occurrence",
-            "gather_divided_rows",
+            "write_first_rows",
             "query_pair_table",
         )
         for d in (2, 3, 4)
@@ -58,6 +59,7 @@ class Query:
     divisor: tuple[int, ...]
     sign: int = 1
 
+    @functools.cache  # one record per geometry: building it costs more than the query's launch
     def as_struct(self) -> np.void:
         pad = (1,) * (4 - len(self.kernel_size))
         record = np.zeros((), dtype=_GEOMETRY_DTYPE)
@@ -162,7 +164,16 @@ def _empty_slots(num_keys: int):
     import cupy
 
     capacity = 1 << max(4, (2 * num_keys - 1).bit_length())
-    return cupy.full((capacity, 2), EMPTY_SLOT, dtype=np.uint64), np.uint64(capacity - 1)
+    slots = cupy.empty((capacity, 2), dtype=np.uint64)
+    _mark_empty(slots)
+    return slots, np.uint64(capacity - 1)
+
+
+def _mark_empty(slots) -> None:
+    """Every slot EMPTY_SLOT (all bits set): one memset, cheaper to issue than a fill kernel."""
+    import cupy
+
+    cupy.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, cupy.cuda.get_current_stream().ptr)
 
 
 _DIVISOR_DTYPE = np.dtype([("value", np.int32, (4,))])  # mirrors `struct Divisor`
@@ -175,37 +186,59 @@ def unique_coordinates(coords, divisor=None):
     On the GPU a hash table keeps the smallest row of each coordinate, so nothing is sorted; the
     CPU gives the same rows in the same order. Synchronises once on the GPU, for the count.
     """
-    spatial_dims = coords.shape[1] - 1
-    divisor = tuple(divisor or (1,) * spatial_dims)
+    return unique_coordinates_by(coords, [divisor or (1,) * (coords.shape[1] - 1)])[0]
+
+
+def unique_coordinates_by(coords, divisors) -> list:
+    """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
+    all of their counts."""
+    divisors = [tuple(divisor) for divisor in divisors]
     if not is_cupy_array(coords):
-        divided = coords.copy()
-        divided[:, 1:] = np.floor_divide(coords[:, 1:], np.asarray(divisor, dtype=np.int32))
-        keys = pack_keys(divided)
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        starts = np.ones(len(keys), dtype=bool)
-        starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        return divided[np.sort(order[starts])]
+        return [_unique_on_cpu(coords, divisor) for divisor in divisors]
     import cupy
 
     coords = cupy.ascontiguousarray(coords)
-    num_coords = coords.shape[0]
-    if num_coords == 0:
-        return coords.copy()
+    num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
+    if num_coords == 0 or not divisors:
+        return [coords.copy() for _ in divisors]
+    grid, block = launch_config(num_coords)
+    slots, capacity_mask = _empty_slots(num_coords)
+    is_first = cupy.empty((len(divisors), num_coords), dtype=bool)
+    positions = cupy.empty((len(divisors), num_coords), dtype=np.int32)  # inclusive running counts of is_first
+    structs = [_divisor_struct(divisor, spatial_dims) for divisor in divisors]
+    for level, by in enumerate(structs):
+        if level:
+            _mark_empty(slots)  # one table serves every divisor in turn
+        _KERNELS.get(f"insert_smallest_row<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask)
+        )
+        _KERNELS.get(f"mark_first_occurrence<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask, is_first[level])
+        )
+        cupy.cumsum(is_first[level], dtype=np.int32, out=positions[level])
+    counts = positions[:, -1].get()  # the one synchronisation
+    uniques = []
+    for level, by in enumerate(structs):
+        unique = cupy.empty((int(counts[level]), 1 + spatial_dims), dtype=np.int32)
+        _KERNELS.get(f"write_first_rows<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, is_first[level], positions[level], unique)
+        )
+        uniques.append(unique)
+    return uniques
+
+
+def _divisor_struct(divisor: tuple[int, ...], spatial_dims: int) -> np.void:
     record = np.zeros((), dtype=_DIVISOR_DTYPE)
     record["value"] = divisor + (1,) * (4 - spatial_dims)
-    by = record[()]
-    slots, capacity_mask = _empty_slots(num_coords)
-    grid, block = launch_config(num_coords)
-    _KERNELS.get(f"insert_smallest_row<{spatial_dims}>")(grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask))
-    is_first = cupy.empty(num_coords, dtype=bool)
-    _KERNELS.get(f"mark_first_occurrence<{spatial_dims}>")(
-        grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask, is_first)
-    )
-    first_rows = cupy.flatnonzero(is_first)
-    unique = cupy.empty((first_rows.shape[0], 1 + spatial_dims), dtype=np.int32)
-    grid, block = launch_config(first_rows.shape[0])
-    _KERNELS.get(f"gather_divided_rows<{spatial_dims}>")(
-        grid, block, (coords, first_rows, np.int32(first_rows.shape[0]), by, unique)
-    )
-    return unique
+    return record[()]
+
+
+def _unique_on_cpu(coords: np.ndarray, divisor: tuple[int, ...]) -> np.ndarray:
+    divided = coords.copy()
+    divided[:, 1:] = np.floor_divide(coords[:, 1:], np.asarray(divisor, dtype=np.int32))
+    keys = pack_keys(divided)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.ones(len(keys), dtype=bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return divided[np.sort(order[starts])]

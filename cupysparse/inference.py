@@ -133,6 +133,8 @@ class InferenceNetwork:
         if input.num_channels != self.network.in_channels:
             raise ValueError(f"{self.network.name} takes {self.network.in_channels} input channels, "
                              f"got {input.num_channels}")
+        input.map_cache.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level))
+                                       for level in networks.downsampled_strides(self.network)])
         return self._run(self.network.root, "", input, {}, observer or LayerObserver())
 
     def _run(self, layer, path: str, tensor: SparseTensor, skips: dict, observer: LayerObserver) -> SparseTensor:

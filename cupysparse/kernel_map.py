@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .backend import array_module, is_cupy_array
 from .compile import KernelSource, launch_config
-from .coordinate_index import Query, build_index, unique_coordinates
+from .coordinate_index import Query, build_index, unique_coordinates, unique_coordinates_by
 from .coords import as_tuple, kernel_offsets, key_layout
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
@@ -354,35 +355,39 @@ def mask_sorted_order(mask, kernel_volume: int | None = None):
     num_key_buffers = min(num_passes - 1, 2) if carry_keys else 0
     # One scratch allocation: the digit totals of every pass (zeroed once), the tile counts (reused
     # by every pass), the digit starts (a by-product of the scan), rows and keys between passes.
+    # The launches are prepared and take device addresses: a sort is a dozen small kernels, each
+    # shorter than a CuPy launch's argument conversions.
     sizes = (num_passes * _RADIX, _RADIX * num_tiles, _RADIX + 1, num_rows if num_passes > 1 else 0,
              num_key_buffers * num_rows)
     scratch = cupy.empty(sum(sizes), dtype=np.uint32)
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(scratch[start : start + size])
-        start += size
-    digit_totals, tile_counts, digit_starts, rows_between, keys_between = parts
-    digit_totals.fill(0)
-    rows_between = rows_between.view(np.int32)
-    key_buffers = (keys_between[:num_rows], keys_between[num_rows:])
+    digit_totals, tile_counts, digit_starts, rows_between, keys_between = (
+        scratch.data.ptr + 4 * start for start in itertools.accumulate(sizes[:-1], initial=0)
+    )
+    key_buffers = (keys_between, keys_between + 4 * num_rows)
     order = cupy.empty(num_rows, dtype=np.int32)
-    grid, block = (num_tiles,), (_RADIX,)
-    rows_in, keys_in = order, mask  # placeholders: the first pass takes the rows in order, keys from the mask
+    stream = cupy.cuda.get_current_stream().ptr
+    cupy.cuda.runtime.memsetAsync(digit_totals, 0, 4 * sizes[0], stream)
+    grid = (num_tiles, 1, 1)
+    # Placeholders: the first pass takes the rows in order, keys from the mask.
+    rows_in, keys_in = order.data.ptr, mask.data.ptr
     for step in range(num_passes):
         word, shift = divmod(step * _RADIX_BITS, 32)
         source = _ROWS_IN_ORDER if step == 0 else _CARRIED_KEYS if carry_keys else _GATHERED_KEYS
         write_keys = carry_keys and step < num_passes - 1
-        rows_out = order if (num_passes - 1 - step) % 2 == 0 else rows_between  # the last pass writes `order`
-        keys_out = key_buffers[step % 2] if write_keys else mask  # mask: a placeholder, not written
-        totals = digit_totals[step * _RADIX : (step + 1) * _RADIX]
-        reads = (mask, np.int32(num_words), keys_in, rows_in, np.int32(num_rows), np.int32(word), np.int32(shift))
-        _FORMAT_KERNELS.get(_radix_count(source))(grid, block, (*reads, np.int32(num_tiles), tile_counts, totals))
-        # Tile counts become where each tile's rows of each digit go.
-        _FORMAT_KERNELS.get(_SCAN_32)(
-            (_RADIX,), (_SCAN_BLOCK,), (tile_counts, np.int32(num_tiles), totals, np.int32(_RADIX), digit_starts)
+        # The last pass writes `order`.
+        rows_out = order.data.ptr if (num_passes - 1 - step) % 2 == 0 else rows_between
+        keys_out = key_buffers[step % 2] if write_keys else mask.data.ptr  # mask: a placeholder, not written
+        totals = digit_totals + 4 * step * _RADIX
+        reads = (mask.data.ptr, num_words, keys_in, rows_in, num_rows, word, shift)
+        _FORMAT_KERNELS.prepared(_radix_count(source), _RADIX, 10).launch(
+            stream, *reads, num_tiles, tile_counts, totals, grid=grid
         )
-        _FORMAT_KERNELS.get(_radix_scatter(source, write_keys))(
-            grid, block, (*reads, tile_counts, np.int32(num_tiles), keys_out, rows_out)
+        # Tile counts become where each tile's rows of each digit go.
+        _FORMAT_KERNELS.prepared(_SCAN_32, _SCAN_BLOCK, 5).launch(
+            stream, tile_counts, num_tiles, totals, _RADIX, digit_starts, grid=(_RADIX, 1, 1)
+        )
+        _FORMAT_KERNELS.prepared(_radix_scatter(source, write_keys), _RADIX, 11).launch(
+            stream, *reads, tile_counts, num_tiles, keys_out, rows_out, grid=grid
         )
         rows_in, keys_in = rows_out, keys_out
     return order
@@ -524,7 +529,8 @@ class KernelMapCache:
 
     def __init__(self, coordinates, tensor_stride: tuple[int, ...], derive_in=contextlib.nullcontext):
         self.derive_in = derive_in
-        self._coordinates = {tuple(tensor_stride): coordinates}
+        self._input_stride = tuple(tensor_stride)
+        self._coordinates = {self._input_stride: coordinates}
         self._indices = {}
         self._maps: dict[tuple, MapResult] = {}
         self._by_arguments: dict[tuple, MapResult] = {}
@@ -539,6 +545,30 @@ class KernelMapCache:
                 "a transposed convolution returns to the coordinates of a tensor this one was downsampled "
                 "from; use generative=True to create new coordinates instead"
             ) from None
+
+    def downsample_to(self, tensor_strides) -> None:
+        """Compute now the coordinates at each of `tensor_strides` (multiples of the input's stride),
+        which strided convolutions reach later.
+
+        One pass over the input coordinates gives every level (`unique(floor(c / 4))` has the rows of
+        two steps of 2, in the same order), with one synchronisation of the GPU for all of them: a
+        strided convolution reaching a level alone synchronises once per level, after the layers
+        queued before it. A network calls this with its levels before its first layer.
+        """
+        wanted = []
+        for tensor_stride in tensor_strides:
+            tensor_stride = tuple(int(s) for s in tensor_stride)
+            if len(tensor_stride) != len(self._input_stride) or any(
+                s < 1 or s % b for s, b in zip(tensor_stride, self._input_stride)
+            ):
+                raise ValueError(f"cannot downsample coordinates at tensor stride {self._input_stride} to "
+                                 f"{tensor_stride}: each axis needs a positive multiple of the input's")
+            if tensor_stride not in self._coordinates and tensor_stride not in wanted:
+                wanted.append(tensor_stride)
+        divisors = [tuple(s // b for s, b in zip(stride, self._input_stride)) for stride in wanted]
+        for tensor_stride, coords in zip(wanted, unique_coordinates_by(self._coordinates[self._input_stride],
+                                                                       divisors)):
+            self._coordinates[tensor_stride] = coords
 
     def _index(self, tensor_stride):
         if tensor_stride not in self._indices:

@@ -163,6 +163,35 @@ def convolutions(network: Network) -> list[tuple[str, Conv]]:
     return [(path, layer) for path, layer in walk(network.root) if isinstance(layer, Conv)]
 
 
+def downsampled_strides(network: Network) -> list[tuple[int, ...]]:
+    """The tensor strides, relative to the input's, that the strided convolutions of `network`
+    reach, each once, in running order (what `KernelMapCache.downsample_to` computes up front)."""
+    reached = []
+
+    def run(layer, stride: tuple[int, ...]) -> tuple[int, ...]:
+        if isinstance(layer, Conv):
+            step = as_tuple(layer.stride, SPATIAL_DIMS, "stride")
+            if layer.transposed:
+                return tuple(s // t for s, t in zip(stride, step))
+            stride = tuple(s * t for s, t in zip(stride, step))
+            if layer.kind() == "strided" and stride not in reached:
+                reached.append(stride)
+            return stride
+        if isinstance(layer, Residual):
+            out = stride
+            for child in layer.body:
+                out = run(child, out)
+            if layer.shortcut is not None:
+                run(layer.shortcut, stride)  # from the block's input, beside the body
+            return out
+        for child in children(layer):
+            stride = run(child, stride)
+        return stride
+
+    run(network.root, (1,) * SPATIAL_DIMS)
+    return reached
+
+
 def _conv_norm_relu(prefix: str, in_channels: int, out_channels: int, **conv) -> tuple:
     """A convolution, batch norm and ReLU named `{prefix}conv`, `{prefix}norm`, `{prefix}relu`."""
     return (Conv(f"{prefix}conv", in_channels, out_channels, **conv), BatchNorm(f"{prefix}norm", out_channels),

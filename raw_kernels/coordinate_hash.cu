@@ -64,15 +64,19 @@ __global__ void mark_first_occurrence(const int* __restrict__ coords, int num_co
   is_first[row] = find_key(slots, capacity_mask, divided_row<D>(coords, row, divisor, divided)) == row;
 }
 
+// Compaction of the first occurrences: `positions` is the inclusive running count of `is_first`,
+// so a first occurrence's place in `out` is its count minus one, and row order is kept.
 template <int D>
-__global__ void gather_divided_rows(const int* __restrict__ coords, const long long* __restrict__ rows, int num_rows,
-                                    Divisor divisor, int* __restrict__ out) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= num_rows) return;
+__global__ void write_first_rows(const int* __restrict__ coords, int num_coords, Divisor divisor,
+                                 const bool* __restrict__ is_first, const int* __restrict__ positions,
+                                 int* __restrict__ out) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= num_coords || !is_first[row]) return;
   int divided[D + 1];
-  divided_row<D>(coords, rows[i], divisor, divided);
+  divided_row<D>(coords, row, divisor, divided);
+  const long long i = positions[row] - 1;
 #pragma unroll
-  for (int column = 0; column <= D; ++column) out[(long long)i * (D + 1) + column] = divided[column];
+  for (int column = 0; column <= D; ++column) out[i * (D + 1) + column] = divided[column];
 }
 
 // One thread per output row, looping over the offsets: the row's coordinates are read once and

@@ -18,8 +18,8 @@ import pytest
 from cupysparse import kernel_map as kernel_map_module
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.coords import kernel_offsets, key_layout, offset_range
-from cupysparse.coordinate_index import unique_coordinates
-from cupysparse.kernel_map import KernelMap, generative_map, offset_mask, strided_map, submanifold_map, transposed_map
+from cupysparse.coordinate_index import unique_coordinates, unique_coordinates_by
+from cupysparse.kernel_map import KernelMap, KernelMapCache, generative_map, offset_mask, strided_map, submanifold_map, transposed_map
 
 # The offsets of one kernel axis, written out: odd sizes centred, even sizes lean positive.
 AXIS_OFFSETS = {
@@ -546,6 +546,50 @@ def test_unique_coordinates_keep_first_occurrence_order(device):
     unique = unique_coordinates(coords if device == "cpu" else cupy_module().asarray(coords))
     unique = unique if device == "cpu" else unique.get()
     assert as_tuples(unique) == first_occurrences(as_tuples(coords))
+
+
+DIVISORS = [(2, 2, 2), (4, 4, 4), (1, 1, 3), (8, 4, 2)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(device):
+    rng = np.random.default_rng(11)
+    coords = np.concatenate([rng.integers(0, 3, (6000, 1)), rng.integers(-20, 20, (6000, 3))], axis=1).astype(np.int32)
+    uniques = unique_coordinates_by(coords if device == "cpu" else cupy_module().asarray(coords), DIVISORS)
+    assert len(uniques) == len(DIVISORS)
+    for divisor, unique in zip(DIVISORS, uniques):
+        divided = [(row[0], *(c // d for c, d in zip(row[1:], divisor))) for row in as_tuples(coords)]
+        assert as_tuples(unique if device == "cpu" else unique.get()) == first_occurrences(divided)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+def test_downsampling_every_level_up_front_gives_the_maps_of_level_by_level(device):
+    """`downsample_to` computes the coarse levels from the input in one pass; the strided maps and
+    coordinates then equal those of a cache that reaches each level from the one before it."""
+    rng = np.random.default_rng(5)
+    coords = np.concatenate([rng.integers(0, 2, (4000, 1)), rng.integers(-30, 30, (4000, 3))], axis=1).astype(np.int32)
+    coords = np.unique(coords, axis=0)[rng.permutation(len(np.unique(coords, axis=0)))]
+    if device == "cuda":
+        coords = cupy_module().asarray(coords)
+    stepwise, up_front = KernelMapCache(coords, (1, 1, 1)), KernelMapCache(coords, (1, 1, 1))
+    up_front.downsample_to([(4, 4, 4), (2, 2, 2), (8, 8, 8), (2, 2, 2)])
+    host = (lambda array: array) if device == "cpu" else (lambda array: array.get())
+    for level in (1, 2, 4):
+        step, ahead = (cache.kernel_map((level,) * 3, 2, 2) for cache in (stepwise, up_front))
+        np.testing.assert_array_equal(host(ahead.out_coordinates), host(step.out_coordinates))
+        np.testing.assert_array_equal(host(ahead.kernel_map.pair_table), host(step.kernel_map.pair_table))
+    coarsest = host(up_front.coordinates((8, 8, 8)))
+    assert as_tuples(coarsest) == first_occurrences(
+        [(row[0], *(c // 8 for c in row[1:])) for row in as_tuples(host(coords))]
+    )
+
+
+def test_downsample_to_refuses_strides_that_are_not_multiples_of_the_input():
+    cache = KernelMapCache(np.zeros((1, 4), np.int32), (2, 2, 2))
+    with pytest.raises(ValueError, match="positive multiple"):
+        cache.downsample_to([(4, 4, 3)])
+    with pytest.raises(ValueError, match="positive multiple"):
+        cache.downsample_to([(4, 4)])
 
 
 @pytest.mark.parametrize("case", SMALL_CASES, ids=str)

@@ -82,6 +82,12 @@ def test_minkunet_channel_progression_and_parameter_count():
     assert described == sum(parameter.numel() for parameter in model.parameters())
 
 
+def test_downsampled_strides_are_the_levels_the_strided_convolutions_reach():
+    assert networks.downsampled_strides(networks.minkunet(18)) == [(2, 2, 2), (4, 4, 4), (8, 8, 8), (16, 16, 16)]
+    assert networks.downsampled_strides(networks.centerpoint_backbone(4)) == [(2, 2, 2), (4, 4, 4), (8, 8, 8),
+                                                                              (8, 8, 16)]
+
+
 def test_centerpoint_backbone_downsamples_eight_times_and_halves_the_height():
     tensor = _voxels("outdoor", 4000, 4)
     out = InferenceNetwork(networks.centerpoint_backbone(4), networks.random_weights(networks.centerpoint_backbone(4)),

@@ -106,6 +106,7 @@ class SparseNetwork(SparseSequential):
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
         self.description = description
+        self._levels = networks.downsampled_strides(description)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         if not isinstance(input, SparseTensor):
@@ -113,6 +114,7 @@ class SparseNetwork(SparseSequential):
         if input.features.shape[1] != self.description.in_channels:
             raise ValueError(f"{self.description.name} takes {self.description.in_channels} input channels, "
                              f"got {input.features.shape[1]}")
+        input.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level)) for level in self._levels])
         return super().forward(input)
 
     def extra_repr(self) -> str:

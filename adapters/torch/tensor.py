@@ -160,6 +160,13 @@ class SparseTensor:
                 result = self._map_cache.kernel_map(*arguments)
         return result
 
+    def downsample_to(self, tensor_strides) -> None:
+        """`KernelMapCache.downsample_to` on torch's stream and allocator: the coordinates at each of
+        `tensor_strides`, computed now with one synchronisation, for the strided convolutions that
+        reach them later."""
+        with on_torch_stream(self.device):
+            self._map_cache.downsample_to(tensor_strides)
+
     def replace_feature(self, features: torch.Tensor) -> SparseTensor:
         """The same coordinates, stride and map cache with new features `[N, C']`."""
         _require_tensor(features, "features")
