@@ -87,6 +87,38 @@ def test_module_output_equals_the_core_functional_api():
     assert out.tensor_stride == (2, 2, 2)
 
 
+def test_batch_norm_in_evaluation_uses_the_running_statistics():
+    x = sparse(channels=3, requires_grad=False)
+    norm = cst.SparseBatchNorm(3).double().eval()
+
+    def set_statistics(mean, var, weight, bias):
+        with torch.no_grad():
+            for tensor, values in ((norm.running_mean, mean), (norm.running_var, var), (norm.weight, weight),
+                                   (norm.bias, bias)):
+                tensor.copy_(torch.tensor(values))
+
+    def expected():
+        return ((x.features - norm.running_mean) / torch.sqrt(norm.running_var + norm.eps) * norm.weight
+                + norm.bias).detach()
+
+    set_statistics([0.5, -1.0, 2.0], [0.25, 4.0, 1.5], [1.5, -0.5, 2.0], [0.1, 0.2, -0.3])
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x).features, expected(), rtol=1e-12, atol=1e-12)
+        set_statistics([-3.0, 0.0, 1.0], [2.0, 0.5, 9.0], [0.5, 1.0, -1.0], [1.0, -2.0, 0.0])  # seen by the next call
+        torch.testing.assert_close(norm(x).features, expected(), rtol=1e-12, atol=1e-12)
+    out = norm(x).features  # gradients wanted: the parameters get them
+    torch.testing.assert_close(out, expected(), rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    torch.testing.assert_close(norm.bias.grad, torch.full((3,), float(len(x)), dtype=torch.float64))
+    trained = norm.train()(x).features  # training mode normalises by the batch's own statistics
+    torch.testing.assert_close(trained.mean(0), norm.bias.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_relu_module_clamps_at_zero():
+    x = sparse(channels=3, requires_grad=False)
+    torch.testing.assert_close(cst.SparseReLU()(x).features, x.features.clamp(min=0), rtol=0, atol=0)
+
+
 def dense_submanifold_reference(x, weight_torch_layout, bias):
     """torch's dense conv3d (zero padding) read at the input voxels: an independent reference."""
     dense, origin = x.to_dense()

@@ -7,6 +7,7 @@ Under autocast a convolution runs in the autocast dtype, as torch's own convolut
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -72,8 +73,8 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
         raise ValueError(f"weight must have shape [K={kernel_map.kernel_volume}, C_in={features.shape[1]}, C_out], "
                          f"got {tuple(weight.shape)}")
-    out = ops.convolution(
-        features, weight.contiguous(), ops.pair_table(kernel_map),
+    out = ops.map_convolution(
+        features, weight.contiguous(), kernel_map,
         ops.algorithm_argument(fwd_algo, CONV, "forward"), ops.algorithm_argument(bwd_algo, CONV, "backward"),
     )
     if bias is not None:
@@ -82,6 +83,14 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
 
 
 def _is_pointwise(kernel_size, stride, spatial_dims: int) -> bool:
+    try:  # a layer asks with the same arguments every call
+        return _is_pointwise_geometry(kernel_size, stride, spatial_dims)
+    except TypeError:  # unhashable (lists): checked without the memo
+        return _is_pointwise_geometry.__wrapped__(kernel_size, stride, spatial_dims)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_pointwise_geometry(kernel_size, stride, spatial_dims: int) -> bool:
     return (all(k == 1 for k in as_tuple(kernel_size, spatial_dims, "kernel_size"))
             and all(s == 1 for s in as_tuple(stride, spatial_dims, "stride")))
 

@@ -1,8 +1,9 @@
 """The convolutions as `torch.library` custom ops, with fake implementations and autograd.
 
-In eager mode a convolution runs the same core calls through a `torch.autograd.Function`
-(`convolution` picks the path): the custom-op machinery costs a hundred microseconds or more per call,
-more than a 100K-voxel layer's kernels, while compilers need the op. Depthwise convolutions always
+In eager mode a convolution runs the same core calls over the kernel map itself, through a
+`torch.autograd.Function` when a gradient is needed and directly otherwise (`convolution` and
+`map_convolution` pick the path): the custom-op machinery costs a hundred microseconds or more per
+call, more than a 100K-voxel layer's kernels, while compilers need the op. Depthwise convolutions always
 use their op. A kernel map is not a tensor, so the ops take its pair table (a torch view of the
 core's array) and find the `KernelMap` it belongs to in a registry keyed by the table's memory: the
 map keeps its derived formats (CSR lists, masks, sorted rows, the reversed map) from call to call,
@@ -161,7 +162,10 @@ def _backward_plan(grad_output, features, weight, kernel_map, bwd_algo: str):
 
 
 def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
-    kernel_map = _kernel_map(table)
+    return _map_forward(features, weight, _kernel_map(table), fwd_algo)
+
+
+def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str) -> torch.Tensor:
     plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
     if plan is not None:
         out = features.new_empty((kernel_map.num_out, weight.shape[2]))
@@ -175,8 +179,13 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
 
 def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_input_grad: bool,
                    needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return _map_backward(grad_output, features, weight, _kernel_map(table), bwd_algo, needs_input_grad,
+                         needs_weight_grad)
+
+
+def _map_backward(grad_output, features, weight, kernel_map: KernelMap, bwd_algo: str, needs_input_grad: bool,
+                  needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients asked for, None for the others."""
-    kernel_map = _kernel_map(table)
     plannable = _plannable_gradient(grad_output, features, weight, kernel_map)
     plan = _backward_plan(grad_output, features, weight, kernel_map, bwd_algo) if plannable else None
     if plan is not None:
@@ -300,30 +309,45 @@ depthwise_forward.register_autograd(_depthwise_backward, setup_context=_save_inp
 
 
 class _Convolution(torch.autograd.Function):
-    """The eager path of `conv_forward` / `conv_backward`: the same core calls, without the op's dispatch."""
+    """The eager path of `conv_forward` / `conv_backward`: the same core calls, over the kernel map
+    itself, without the op's dispatch."""
 
     @staticmethod
-    def forward(ctx, features, weight, table, fwd_algo, bwd_algo):
-        ctx.save_for_backward(features, weight, table)
-        ctx.bwd_algo = bwd_algo
-        _keep_map_alive(ctx, table)
-        if ctx.needs_input_grad[1] and ctx.kernel_map is not None:
+    def forward(ctx, features, weight, kernel_map: KernelMap, fwd_algo, bwd_algo):
+        ctx.save_for_backward(features, weight)
+        # Held until backward: the tensors that own the map may be gone by then.
+        ctx.kernel_map, ctx.bwd_algo = kernel_map, bwd_algo
+        if ctx.needs_input_grad[1]:
             # The weight gradient's pair lists are sized by a count from the GPU: counted now, it has
             # arrived by the backward pass, which then does not wait for the GPU to catch up.
-            ctx.kernel_map.count_pairs_ahead()
-        return _core_forward(features, weight, table, fwd_algo)
+            kernel_map.count_pairs_ahead()
+        return _map_forward(features, weight, kernel_map, fwd_algo)
 
     @staticmethod
     def backward(ctx, grad_output):
-        features, weight, table = ctx.saved_tensors
-        grad_input, grad_weight = _core_backward(
-            grad_output.contiguous(), features, weight, table, ctx.bwd_algo, *ctx.needs_input_grad[:2]
+        features, weight = ctx.saved_tensors
+        grad_input, grad_weight = _map_backward(
+            grad_output.contiguous(), features, weight, ctx.kernel_map, ctx.bwd_algo, *ctx.needs_input_grad[:2]
         )
         return grad_input, grad_weight, None, None, None
 
 
 def convolution(features, weight, table, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
-    """`conv_forward` with autograd: the custom op while compiling, a plain autograd function in eager mode."""
+    """`conv_forward` with autograd: the custom op while compiling, `map_convolution` in eager mode."""
     if torch.compiler.is_compiling():
         return conv_forward(features, weight, table, fwd_algo, bwd_algo)
-    return _Convolution.apply(features, weight, table, fwd_algo, bwd_algo)
+    return _eager_convolution(features, weight, _kernel_map(table), fwd_algo, bwd_algo)
+
+
+def map_convolution(features, weight, kernel_map: KernelMap, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    """`convolution` over `kernel_map`, which eager mode uses without looking up its pair table."""
+    if torch.compiler.is_compiling():
+        return conv_forward(features, weight, pair_table(kernel_map), fwd_algo, bwd_algo)
+    return _eager_convolution(features, weight, kernel_map, fwd_algo, bwd_algo)
+
+
+def _eager_convolution(features, weight, kernel_map: KernelMap, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
+        return _Convolution.apply(features, weight, kernel_map, fwd_algo, bwd_algo)
+    # Nothing to differentiate (inference): autograd's bookkeeping would cost more than the launch.
+    return _map_forward(features, weight, kernel_map, fwd_algo)
