@@ -262,22 +262,31 @@ def count_pairs(pair_table) -> PairCounts:
     kernel_volume, num_out = pair_table.shape
     num_chunks = -(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS))
     num_blocks = kernel_volume * num_chunks  # block k * num_chunks + c: chunk c of offset k
-    scratch = cupy.empty(num_blocks + kernel_volume, dtype=np.uint64)
-    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks:]
-    # Written by the scan (as unsigned: never negative), which empty tables do not launch.
-    offsets = (cupy.empty if num_blocks else cupy.zeros)(kernel_volume + 1, dtype=np.int64)
+    # One allocation: the chunk counts (which the scan turns into the chunks' first pairs), the
+    # offsets' totals and the CSR offsets, written by the scan (as unsigned: never negative).
+    scratch = cupy.empty(num_blocks + 2 * kernel_volume + 1, dtype=np.uint64)
+    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks : num_blocks + kernel_volume]
+    offsets = scratch[num_blocks + kernel_volume :].view(np.int64)
     total = cupyx.empty_pinned(1, dtype=np.int64)
-    total[0] = 0
+    stream = cupy.cuda.get_current_stream()
     if num_blocks:
-        offset_totals.fill(0)
-        table_arguments = (pair_table, np.int32(num_out), np.int32(num_chunks), chunk_counts)
-        _FORMAT_KERNELS.get(_COUNT_PAIRS)((num_blocks,), (_PAIR_BLOCK,), (*table_arguments, offset_totals))
+        cupy.cuda.runtime.memsetAsync(offset_totals.data.ptr, 0, offset_totals.nbytes, stream.ptr)
+        _FORMAT_KERNELS.prepared(_COUNT_PAIRS, _PAIR_BLOCK, 5).launch(
+            stream.ptr, pair_table.data.ptr, num_out, num_chunks, chunk_counts.data.ptr, offset_totals.data.ptr,
+            grid=(num_blocks, 1, 1),
+        )
         # Each block's count becomes the position of its first pair.
-        scan_arguments = (chunk_counts, np.int32(num_chunks), offset_totals, np.int32(kernel_volume), offsets)
-        _FORMAT_KERNELS.get(_SCAN_64)((kernel_volume,), (_SCAN_BLOCK,), scan_arguments)
-        offsets[kernel_volume:].get(out=total, blocking=False)
+        _FORMAT_KERNELS.prepared(_SCAN_64, _SCAN_BLOCK, 5).launch(
+            stream.ptr, chunk_counts.data.ptr, num_chunks, offset_totals.data.ptr, kernel_volume, offsets.data.ptr,
+            grid=(kernel_volume, 1, 1),
+        )
+        cupy.cuda.runtime.memcpyAsync(total.ctypes.data, offsets.data.ptr + 8 * kernel_volume, 8,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    else:
+        offsets.fill(0)
+        total[0] = 0
     copied = cupy.cuda.Event(block=False, disable_timing=True)
-    copied.record()
+    copied.record(stream)
     return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
 
 
@@ -303,11 +312,14 @@ def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
     counts = counts or count_pairs(pair_table)
     counts.copied.synchronize()
     num_pairs = int(counts.total[0])
-    in_idx = cupy.empty(num_pairs, dtype=np.int32)
-    out_idx = cupy.empty(num_pairs, dtype=np.int32)
+    lists = cupy.empty((2, num_pairs), dtype=np.int32)  # one allocation for both
+    in_idx, out_idx = lists
     if num_pairs:
-        arguments = (pair_table, np.int32(num_out), np.int32(counts.num_chunks), counts.chunk_starts, in_idx, out_idx)
-        _FORMAT_KERNELS.get(_FILL_PAIRS)((kernel_volume * counts.num_chunks,), (_PAIR_BLOCK,), arguments)
+        _FORMAT_KERNELS.prepared(_FILL_PAIRS, _PAIR_BLOCK, 6).launch(
+            cupy.cuda.get_current_stream().ptr, pair_table.data.ptr, num_out, counts.num_chunks,
+            counts.chunk_starts.data.ptr, in_idx.data.ptr, out_idx.data.ptr,
+            grid=(kernel_volume * counts.num_chunks, 1, 1),
+        )
     return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
 
 

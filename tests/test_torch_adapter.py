@@ -114,6 +114,27 @@ def test_batch_norm_in_evaluation_uses_the_running_statistics():
     torch.testing.assert_close(trained.mean(0), norm.bias.detach(), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_in_training_equals_torch_batch_norm(momentum):
+    """Outputs, gradients, running statistics and the batch count of two steps, bit for bit."""
+    x = sparse(channels=3, requires_grad=True)
+    ours, reference = cst.SparseBatchNorm(3, momentum=momentum).double(), torch.nn.BatchNorm1d(3, momentum=momentum)
+    reference = reference.double()
+    with torch.no_grad():
+        for module in (ours, reference):
+            module.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+            module.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+    for step in range(2):
+        features = x.features * (step + 1)
+        out, expected = ours(x.replace_feature(features)).features, reference(features)
+        assert torch.equal(out, expected)
+        grads = torch.autograd.grad(out.square().sum(), (ours.weight, ours.bias))
+        expected_grads = torch.autograd.grad(expected.square().sum(), (reference.weight, reference.bias))
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(ours, name), getattr(reference, name)), name
+
+
 def test_relu_module_clamps_at_zero():
     x = sparse(channels=3, requires_grad=False)
     torch.testing.assert_close(cst.SparseReLU()(x).features, x.features.clamp(min=0), rtol=0, atol=0)

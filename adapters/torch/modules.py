@@ -188,7 +188,8 @@ class SparseBatchNorm(nn.BatchNorm1d):
     per-channel multiply-add, `x · scale + shift`, with the two vectors computed in float32 (float64
     for float64 features) once per change of the statistics or parameters and rounded to the
     features' dtype: one kernel and one torch call where `F.batch_norm` costs three kernels and tens
-    of microseconds of host time a layer.
+    of microseconds of host time a layer. In training with a momentum it makes `F.batch_norm`'s own
+    call (and counts the batch) without the module's Python path in between.
     """
 
     def __init__(self, *args, **kwargs):
@@ -197,9 +198,19 @@ class SparseBatchNorm(nn.BatchNorm1d):
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         features = input.features
-        if self.training or self.running_mean is None or torch.compiler.is_compiling() or (
-            torch.is_grad_enabled() and (features.requires_grad or any(p.requires_grad for p in self.parameters()))
-        ):
+        if self.running_mean is None or torch.compiler.is_compiling():
+            return input.replace_feature(super().forward(features))
+        if self.training:
+            # The module's path for a cumulative average (momentum None) and for the error it raises
+            # on one value per channel.
+            if self.momentum is None or features.shape[0] < 2:
+                return input.replace_feature(super().forward(features))
+            self.num_batches_tracked.add_(1)
+            return input.replace_feature(torch.batch_norm(
+                features, self.weight, self.bias, self.running_mean, self.running_var, True, self.momentum, self.eps,
+                torch.backends.cudnn.enabled,
+            ))
+        if torch.is_grad_enabled() and (features.requires_grad or any(p.requires_grad for p in self.parameters())):
             return input.replace_feature(super().forward(features))
         scale, shift = self._evaluation_affine(features.dtype)
         return input.replace_feature(torch.addcmul(shift, features, scale))
