@@ -137,8 +137,11 @@ class GpuHashTable:
         out_coords = cupy.ascontiguousarray(out_coords)
         kernel_volume = int(np.prod(query.kernel_size))
         num_out = out_coords.shape[0]
-        table = cupy.empty((kernel_volume, num_out), dtype=np.int32)
-        mask = cupy.empty((num_out, -(-kernel_volume // 32)), dtype=np.uint32)
+        # One allocation for both: the map keeps them together.
+        num_words = -(-kernel_volume // 32)
+        storage = cupy.empty(kernel_volume * num_out + num_out * num_words, dtype=np.uint32)
+        table = storage[: kernel_volume * num_out].view(np.int32).reshape(kernel_volume, num_out)
+        mask = storage[kernel_volume * num_out :].reshape(num_out, num_words)
         if num_out == 0:
             return table, mask
         grid, block = launch_config(num_out)

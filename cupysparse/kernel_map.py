@@ -484,7 +484,9 @@ def invert_pair_table(pair_table, num_in: int):
     import cupy
 
     table = cupy.ascontiguousarray(pair_table)
-    inverse = cupy.full((kernel_volume, num_in), -1, dtype=np.int32)
+    inverse = cupy.empty((kernel_volume, num_in), dtype=np.int32)
+    # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
+    cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
     if kernel_volume and num_out and num_in:
         grid, block = launch_config(num_out)
         _FORMAT_KERNELS.get("invert_pairs")(

@@ -93,11 +93,16 @@ def from_core(array) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if bf16 else tensor
 
 
+@functools.lru_cache(maxsize=64)
+def _cuda_device(device_id: int) -> torch.device:
+    return torch.device("cuda", device_id)
+
+
 def _torch_allocation(size: int):
     """A CuPy memory pointer into a byte tensor from torch's caching allocator (on its current stream)."""
     cupy = cupy_module()
-    device_id = cupy.cuda.Device().id
-    block = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", device_id))
+    device_id = cupy.cuda.runtime.getDevice()
+    block = torch.empty(size, dtype=torch.uint8, device=_cuda_device(device_id))
     if size:
         _allocations[block.data_ptr()] = block
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), size, block, device_id), 0)
@@ -117,7 +122,7 @@ def _device_id(device: torch.device) -> int:
 def cupy_stream(device: torch.device):
     """torch's current stream on CUDA `device` as a CuPy stream, for launches."""
     device_id = _device_id(device)
-    return _external_stream(torch.cuda.current_stream(device_id).cuda_stream, device_id)
+    return _external_stream(torch._C._cuda_getCurrentRawStream(device_id), device_id)
 
 
 def stream_handle(device: torch.device) -> int:
