@@ -19,7 +19,8 @@ from cupysparse import kernel_map as kernel_map_module
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.coords import kernel_offsets, key_layout, offset_range
 from cupysparse.coordinate_index import unique_coordinates, unique_coordinates_by
-from cupysparse.kernel_map import KernelMap, KernelMapCache, generative_map, offset_mask, strided_map, submanifold_map, transposed_map
+from cupysparse.kernel_map import (KernelMap, KernelMapCache, generative_map, offset_mask, strided_map, submanifold_map,
+                                   transposed_map)
 
 # The offsets of one kernel axis, written out: odd sizes centred, even sizes lean positive.
 AXIS_OFFSETS = {
@@ -39,6 +40,12 @@ def reference_offsets(kernel_size):
 
 def per_axis(value, spatial_dims):
     return tuple(value) if isinstance(value, tuple) else (value,) * spatial_dims
+
+
+ON_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]),
+]
 
 
 # --- coordinate sets ------------------------------------------------------------------------------
@@ -539,7 +546,7 @@ def test_generative_map_refuses_coordinates_outside_the_key_range(stride):
         generative_map(coords, 3, stride)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", ON_DEVICES)
 def test_unique_coordinates_keep_first_occurrence_order(device):
     rng = np.random.default_rng(7)
     coords = np.concatenate([rng.integers(0, 2, (5000, 1)), rng.integers(-4, 4, (5000, 3))], axis=1).astype(np.int32)
@@ -551,7 +558,7 @@ def test_unique_coordinates_keep_first_occurrence_order(device):
 DIVISORS = [(2, 2, 2), (4, 4, 4), (1, 1, 3), (8, 4, 2)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", ON_DEVICES)
 def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(device):
     rng = np.random.default_rng(11)
     coords = np.concatenate([rng.integers(0, 3, (6000, 1)), rng.integers(-20, 20, (6000, 3))], axis=1).astype(np.int32)
@@ -562,7 +569,7 @@ def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(devi
         assert as_tuples(unique if device == "cpu" else unique.get()) == first_occurrences(divided)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("device", ON_DEVICES)
 def test_downsampling_every_level_up_front_gives_the_maps_of_level_by_level(device):
     """`downsample_to` computes the coarse levels from the input in one pass; the strided maps and
     coordinates then equal those of a cache that reaches each level from the one before it."""
@@ -613,10 +620,6 @@ def test_reversed_map_indexes_the_same_pairs_by_input_row(case):
 
 FORMAT_SIZES = (1, 2, 255, 256, 257, 4097, 100003)
 FORMAT_VOLUMES = (8, 27, 125)
-ON_DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]),
-]
 
 
 def on_device(array, device):
