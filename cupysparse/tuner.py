@@ -13,9 +13,9 @@ Each candidate's first run is compared with `explicit_gemm`; a candidate that fa
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
 `explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU: the
 checked run is the warm-up, then the median of several runs) and stored best-first under a key of
-the problem's shape, dtype and device architecture, so caches of different GPUs never match: each
-algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every candidate of
-the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
+the problem's shape, dtype (and TF32 use) and device architecture, so caches of different GPUs never
+match: each algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every
+candidate of the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
 `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
 """
 
@@ -35,6 +35,7 @@ from .backend import array_module, cupy_module, is_cupy_array
 from .benchmark_cache import default_cache
 from .compile import source_digest
 from .dtypes import accumulation_dtype
+from .precision import TF32, get_fp32_precision
 from .selection import Selection, describe_problem, rule_based_selection
 
 log = logging.getLogger("cupysparse.tuner")
@@ -50,7 +51,7 @@ WARMUP_RUNS = 1
 TIMED_RUNS = 3
 # Largest |candidate - reference| accepted, relative to max |reference|: far above rounding
 # (fp32 accumulation, one rounding to the output dtype), far below a wrong pair or layout.
-AGREEMENT = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+AGREEMENT = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "tf32": 1e-2}
 # Values in a dtype's subnormal range carry an absolute rounding error of a few of these steps however
 # exact the algorithm (fp16 gradients of a mean over 10⁴ voxels live there); the check allows 16 of them.
 SUBNORMAL_STEP = {"float64": 2.0**-1074, "float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}
@@ -81,7 +82,7 @@ def tuning_key(problem: ConvProblem) -> tuple[tuple[str, object], ...]:
         ("stride", tuple(problem.stride)),
         ("transposed", problem.transposed),
         ("generative", problem.generative),
-    )
+    ) + ((("fp32_precision", TF32),) if problem.tf32 else ())
 
 
 def candidates(search_space: AlgorithmFilter, problem: ConvProblem) -> list[tuple[Algorithm, dict]]:
@@ -132,10 +133,10 @@ def _as_tuple(result) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
-def disagreement(result, reference, dtype) -> str | None:
-    """Why `result` is not `reference` within `AGREEMENT` for `dtype`, or None. Computed where the
-    arrays live, so only a few scalars cross to the host."""
-    tolerance = AGREEMENT[np.dtype(dtype).name]
+def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
+    """Why `result` is not `reference` within `AGREEMENT` for `dtype` (for TF32 products when
+    `tf32`), or None. Computed where the arrays live, so only a few scalars cross to the host."""
+    tolerance = AGREEMENT[TF32 if tf32 else np.dtype(dtype).name]
     floor = SUBNORMAL_STEPS_ALLOWED * SUBNORMAL_STEP[np.dtype(dtype).name]
     for got, expected in zip(_as_tuple(result), _as_tuple(reference)):
         if got is None and expected is None:
@@ -331,7 +332,8 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
     for algorithm, params in pool:
         try:
             first = run(algorithm, params)
-            reason = None if algorithm is reference_algorithm else disagreement(first, reference, problem.dtype)
+            reason = (None if algorithm is reference_algorithm
+                      else disagreement(first, reference, problem.dtype, problem.tf32))
             if reason is None:
                 # The checked first run warmed this candidate up; time it straight away.
                 time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
@@ -354,10 +356,10 @@ def default_tuner() -> Tuner:
     return _default_tuner
 
 
-def choices_version() -> tuple[int, bool]:
+def choices_version() -> tuple[int, bool, str]:
     """Changes whenever `select_algorithm` may answer a repeated call differently: what callers that
     keep a selection (with its launch plans) check before reusing it."""
-    return _default_tuner.generation, tuning_enabled()
+    return _default_tuner.generation, tuning_enabled(), get_fp32_precision()
 
 
 def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:

@@ -10,6 +10,8 @@ constexpr int WARP_SIZE = 32;
 // 16 rows and a multiple of 16 columns away from its buffer's start, which keeps it 32-byte aligned.
 constexpr int HALF_ROW_PAD = 8;
 constexpr int VECTOR = 8;  // 16-bit elements per 16-byte copy
+template <typename T>
+constexpr int VECTOR_ELEMENTS = 16 / (int)sizeof(T);  // elements of T per 16-byte copy
 // A tile reads the pair-table entries of up to 32 offsets at once (one bit each in a mask), in at most
 // 16 KB of shared memory.
 constexpr int MAX_OFFSET_BATCH = 32;
@@ -46,20 +48,21 @@ __device__ __forceinline__ void wait_async_copies() {
 
 // Copies the tile [ROWS x COLS] of a row-major matrix with `num_cols` columns into shared memory
 // (row stride `ld`): tile row r is matrix row `row_of(r)` (-1: zeros), tile column c is matrix column
-// `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 8 elements at once through
-// copy_16_bytes and needs `num_cols` and `col0` to be multiples of 8 and `src` 16-byte aligned.
+// `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 16 bytes at once through copy_16_bytes
+// and needs `num_cols` and `col0` to be whole vectors (VECTOR_ELEMENTS<T>) and `src` 16-byte aligned.
 template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
 __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
                                           T* __restrict__ dst, int ld) {
   if constexpr (VECTOR_COPIES) {
-    static_assert(COLS % VECTOR == 0, "tile columns must be whole vectors");
-    constexpr int VECTORS_PER_ROW = COLS / VECTOR;
+    constexpr int ELEMENTS = VECTOR_ELEMENTS<T>;
+    static_assert(COLS % ELEMENTS == 0, "tile columns must be whole vectors");
+    constexpr int VECTORS_PER_ROW = COLS / ELEMENTS;
     constexpr int VECTORS = ROWS * VECTORS_PER_ROW;
 #pragma unroll
     for (int i = 0; i < (VECTORS + THREADS - 1) / THREADS; ++i) {
       const int v = threadIdx.x + i * THREADS;
       if (VECTORS % THREADS != 0 && v >= VECTORS) break;
-      const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * VECTOR;
+      const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * ELEMENTS;
       const long long row = row_of(r);
       const int col = col0 + c;
       const bool valid = row >= 0 && col < num_cols;

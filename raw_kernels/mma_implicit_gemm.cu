@@ -1,6 +1,7 @@
-// Implicit GEMM on tensor cores through mma.sync.m16n8k16 (sm_80+): fp16 or bf16 inputs, fp32
-// accumulation in registers, operands moved into shared memory by a STAGES-deep cp.async pipeline and
-// into registers by ldmatrix.
+// Implicit GEMM on tensor cores through mma.sync (sm_80+): fp16 or bf16 inputs (m16n8k16), or fp32
+// inputs rounded to TF32 (m16n8k8), fp32 accumulation in registers, operands moved into shared memory by
+// a STAGES-deep cp.async pipeline and into registers by ldmatrix (or, for TF32 operands stored k-major,
+// element by element: ldmatrix transposes 16-bit elements only).
 //
 // Forward (and dgrad: the forward over the reversed pair table, reading the weight transposed) is
 // output-stationary, as in wmma_implicit_gemm.cu: a block owns BLOCK_M output rows x BLOCK_N output
@@ -11,13 +12,24 @@
 // loaded from shared memory for more multiplications.
 //
 // The weight comes zero-padded to multiples of 16 in both channel dimensions; chunks past its padded
-// input channels stage zeros. Feature rows are copied in 16-byte vectors when `vector_rows` (channels a
-// multiple of 8, base 16-byte aligned), else element by element; either way any channel count works.
+// input channels stage zeros. Feature rows are copied in 16-byte vectors when `vector_rows` (rows a
+// multiple of 16 bytes, base 16-byte aligned), else element by element; either way any channel count
+// works.
 // Shared memory is dynamic, sized by the host with the same formula as `shared_bytes` below.
 #include "float_conversion.cuh"
 #include "gather_tiles.cuh"
 
-constexpr int MMA_M = 16, MMA_N = 8, MMA_K = 16;
+constexpr int MMA_M = 16, MMA_N = 8;
+// The k of one mma: 16 for 16-bit operands, 8 for TF32. An 8 x 8 matrix of ldmatrix is 8 rows of 16
+// bytes, MMA_K / 2 elements.
+template <typename T>
+constexpr int MMA_K = 16;
+template <>
+constexpr int MMA_K<float> = 8;
+// Shared-memory rows read k-major (the weight as [k][n] in the forward, both wgrad operands) are padded
+// by 8 elements: TF32 fragments read them element by element, and lanes (k = lane % 4, n = lane / 4)
+// then fall in 32 different banks.
+constexpr int K_MAJOR_ROW_PAD = 8;
 
 template <typename T>
 struct PairOf;
@@ -29,25 +41,72 @@ template <>
 struct PairOf<__nv_bfloat16> {
   using type = __nv_bfloat162;
 };
+template <>
+struct PairOf<float> {
+  using type = float2;
+};
 
-// d += a * b for one 16 x 8 x 16 tile (fragments in the PTX ISA's layouts for .row.col).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], __half) {
+// d += a * b for one 16 x 8 x MMA_K<T> tile (fragments in the PTX ISA's layouts for .row.col).
+__device__ __forceinline__ void mma_tile(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], __half) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                          __nv_bfloat16) {
+__device__ __forceinline__ void mma_tile(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                         __nv_bfloat16) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Four 8 x 8 matrices of 16-bit values from shared memory; lane t gives the address of row t % 8 of
-// matrix t / 8. TRANSPOSE hands every lane a column pair instead of a row pair.
+__device__ __forceinline__ void mma_tile(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], float) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// An fp32 value rounded to TF32 (10 mantissa bits, to nearest, ties away from zero), as the mma reads it.
+__device__ __forceinline__ unsigned to_tf32(float value) {
+  unsigned rounded;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(rounded) : "f"(value));
+  return rounded;
+}
+
+// Rounds fp32 operands loaded by ldmatrix to TF32; 16-bit operands are used as loaded.
+template <typename T, int N>
+__device__ __forceinline__ void round_operands(unsigned (&r)[N]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r[i] = to_tf32(__uint_as_float(r[i]));
+  }
+}
+
+// TF32 fragments from fp32 tiles stored k-major ([k][m] or [k][n], row stride ld), element by element
+// (g = lane / 4, t = lane % 4): A 16 x 8 at (m0, k0) holds (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4);
+// B 8 x 8 at (k0, n0) holds (t, g), (t + 4, g).
+__device__ __forceinline__ void load_a_k_major(unsigned (&a)[4], const float* tile, int ld, int m0, int k0,
+                                               int lane) {
+  const float* base = tile + (k0 + lane % 4) * ld + m0 + lane / 4;
+  a[0] = to_tf32(base[0]);
+  a[1] = to_tf32(base[8]);
+  a[2] = to_tf32(base[4 * ld]);
+  a[3] = to_tf32(base[4 * ld + 8]);
+}
+
+__device__ __forceinline__ void load_b_k_major(unsigned (&b)[2], const float* tile, int ld, int k0, int n0,
+                                               int lane) {
+  const float* base = tile + (k0 + lane % 4) * ld + n0 + lane / 4;
+  b[0] = to_tf32(base[0]);
+  b[1] = to_tf32(base[4 * ld]);
+}
+
+// Four 8 x 8 matrices of 16-bit values (8 rows of 16 bytes; of fp32 values, 8 x 4) from shared memory;
+// lane t gives the address of row t % 8 of matrix t / 8. TRANSPOSE hands every lane a column pair
+// instead of a row pair.
 template <bool TRANSPOSE>
 __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* shared_row) {
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared_row));
@@ -70,12 +129,13 @@ __device__ __forceinline__ unsigned dynamic_shared_bytes() {
 
 // Per stage: the gathered feature tile [BLOCK_M][BLOCK_K + pad], then the weight tile as it lies in
 // memory, [BLOCK_K][BLOCK_N + pad] or transposed [BLOCK_N][BLOCK_K + pad]; after the stages, the pair-table
-// entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M] and one mask word per warp.
+// entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M] and one mask word per warp. Rows that
+// ldmatrix reads untransposed are padded by 16 bytes, k-major rows by K_MAJOR_ROW_PAD.
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, int OFFSET_BATCH, int WARPS,
           bool WEIGHT_TRANSPOSED>
 struct ForwardSharedLayout {
-  static constexpr int LDA = BLOCK_K + HALF_ROW_PAD;
-  static constexpr int LDB = (WEIGHT_TRANSPOSED ? BLOCK_K : BLOCK_N) + HALF_ROW_PAD;
+  static constexpr int LDA = BLOCK_K + VECTOR_ELEMENTS<T>;
+  static constexpr int LDB = WEIGHT_TRANSPOSED ? BLOCK_K + VECTOR_ELEMENTS<T> : BLOCK_N + K_MAJOR_ROW_PAD;
   static constexpr int A_BYTES = BLOCK_M * LDA * (int)sizeof(T);
   static constexpr int STAGE_BYTES = A_BYTES + (WEIGHT_TRANSPOSED ? BLOCK_N : BLOCK_K) * LDB * (int)sizeof(T);
   static constexpr int IN_ROWS = STAGES * STAGE_BYTES;
@@ -103,7 +163,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   constexpr int WARP_M = BLOCK_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
   constexpr int TILES_M = WARP_M / MMA_M, TILES_N = WARP_N / MMA_N;
   static_assert(WARP_M % MMA_M == 0 && WARP_N % (2 * MMA_N) == 0, "warp tiles are whole pairs of mma tiles");
-  static_assert(BLOCK_K % MMA_K == 0 && STAGES >= 2, "whole k steps, at least double buffering");
+  constexpr int STEP_K = MMA_K<T>, HALF_K = STEP_K / 2;
+  static_assert(BLOCK_K % STEP_K == 0 && STAGES >= 2, "whole k steps, at least double buffering");
   constexpr int OFFSET_BATCH = smaller(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT / (BLOCK_M * (int)sizeof(int)));
   using Layout = ForwardSharedLayout<T, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, OFFSET_BATCH, WARPS, WEIGHT_TRANSPOSED>;
   constexpr int LDA = Layout::LDA, LDB = Layout::LDB;
@@ -137,28 +198,38 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     const T* a_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES);
     const T* b_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES + Layout::A_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_K; kk += MMA_K) {
+    for (int kk = 0; kk < BLOCK_K; kk += STEP_K) {
       unsigned a[TILES_M][4], b[TILES_N][2];
-      // A 16 x 16: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+      // A 16 x STEP_K: matrices (rows 0-7, first k half), (rows 8-15, first), (rows 0-7, second),
+      // (rows 8-15, second).
 #pragma unroll
-      for (int i = 0; i < TILES_M; ++i)
-        load_matrices<false>(a[i], a_tile + (warp_row + i * MMA_M + lane % 16) * LDA + kk + (lane / 16) * 8);
-      // B 16 x 16 (two n8 tiles): matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15),
-      // transposed on load from [k][n] rows, or as they are from [n][k] rows.
+      for (int i = 0; i < TILES_M; ++i) {
+        load_matrices<false>(a[i], a_tile + (warp_row + i * MMA_M + lane % 16) * LDA + kk + (lane / 16) * HALF_K);
+        round_operands<T>(a[i]);
+      }
+      // B STEP_K x 16 (two n8 tiles): matrices (first k half, n 0-7), (second, n 0-7), (first, n 8-15),
+      // (second, n 8-15), as they are from [n][k] rows, or transposed on load from [k][n] rows (fp32
+      // element by element).
 #pragma unroll
       for (int j = 0; j < TILES_N; j += 2) {
         const int n0 = warp_col + j * MMA_N;
-        unsigned r[4];
-        if constexpr (WEIGHT_TRANSPOSED)
-          load_matrices<false>(r, b_tile + (n0 + lane % 8 + (lane / 16) * 8) * LDB + kk + (lane / 8) % 2 * 8);
-        else
-          load_matrices<true>(r, b_tile + (kk + lane % 16) * LDB + n0 + (lane / 16) * 8);
-        b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+        if constexpr (!WEIGHT_TRANSPOSED && sizeof(T) == 4) {
+          load_b_k_major(b[j], b_tile, LDB, kk, n0, lane);
+          load_b_k_major(b[j + 1], b_tile, LDB, kk, n0 + MMA_N, lane);
+        } else {
+          unsigned r[4];
+          if constexpr (WEIGHT_TRANSPOSED)
+            load_matrices<false>(r, b_tile + (n0 + lane % 8 + (lane / 16) * 8) * LDB + kk + (lane / 8) % 2 * HALF_K);
+          else
+            load_matrices<true>(r, b_tile + (kk + lane % 16) * LDB + n0 + (lane / 16) * 8);
+          round_operands<T>(r);
+          b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+        }
       }
 #pragma unroll
       for (int i = 0; i < TILES_M; ++i)
 #pragma unroll
-        for (int j = 0; j < TILES_N; ++j) mma_16816(acc[i][j], a[i], b[j], T());
+        for (int j = 0; j < TILES_N; ++j) mma_tile(acc[i][j], a[i], b[j], T());
     }
   };
 
@@ -236,14 +307,15 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
 // shares): dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over share s = z % split_k of offset
 // k = z / split_k's pairs, for the TILE_M x TILE_N tile (blockIdx.x, blockIdx.y) of dW_k, written
 // unreduced in fp32 to workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded]
-// (zeros where the share is empty: no initialisation needed). Per stage, PAIRS gathered rows of x and dy
-// sit in shared memory as [PAIRS][channels]: x^T's fragments come from them transposed on load.
-template <int TILE_M, int TILE_N, int STAGES>
+// (zeros where the share is empty: no initialisation needed). Per stage, PAIRS (two k steps) gathered
+// rows of x and dy sit in shared memory as [PAIRS][channels]: both operands' fragments are read k-major
+// (transposed on load, or element by element for TF32).
+template <typename T, int TILE_M, int TILE_N, int STAGES>
 struct WgradSharedLayout {
-  static constexpr int PAIRS = 32;
-  static constexpr int LDX = TILE_M + HALF_ROW_PAD, LDY = TILE_N + HALF_ROW_PAD;
-  static constexpr int X_BYTES = PAIRS * LDX * 2;
-  static constexpr int STAGE_BYTES = X_BYTES + PAIRS * LDY * 2;
+  static constexpr int PAIRS = 2 * MMA_K<T>;
+  static constexpr int LDX = TILE_M + K_MAJOR_ROW_PAD, LDY = TILE_N + K_MAJOR_ROW_PAD;
+  static constexpr int X_BYTES = PAIRS * LDX * (int)sizeof(T);
+  static constexpr int STAGE_BYTES = X_BYTES + PAIRS * LDY * (int)sizeof(T);
   static constexpr int BYTES = STAGES * STAGE_BYTES;
   static_assert(X_BYTES % 128 == 0 && STAGE_BYTES % 128 == 0, "operand tiles start 128-byte aligned");
 };
@@ -259,9 +331,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   constexpr int TILES_M = WARP_M / MMA_M, TILES_N = WARP_N / MMA_N;
   static_assert(WARP_M % MMA_M == 0 && WARP_N % (2 * MMA_N) == 0, "warp tiles are whole pairs of mma tiles");
   static_assert(STAGES >= 2, "at least double buffering");
-  using Layout = WgradSharedLayout<TILE_M, TILE_N, STAGES>;
-  constexpr int PAIRS = Layout::PAIRS, LDX = Layout::LDX, LDY = Layout::LDY;
-  static_assert(PAIRS % MMA_K == 0, "whole k steps");
+  using Layout = WgradSharedLayout<T, TILE_M, TILE_N, STAGES>;
+  constexpr int PAIRS = Layout::PAIRS, LDX = Layout::LDX, LDY = Layout::LDY, STEP_K = MMA_K<T>;
 
   extern __shared__ __align__(128) unsigned char shared[];
   if (dynamic_shared_bytes() < Layout::BYTES) __trap();  // launched with the wrong size: refuse, loudly
@@ -304,24 +375,31 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     const T* x_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES);
     const T* dy_tile = reinterpret_cast<const T*>(shared + buffer * Layout::STAGE_BYTES + Layout::X_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < PAIRS; kk += MMA_K) {
+    for (int kk = 0; kk < PAIRS; kk += STEP_K) {
       unsigned a[TILES_M][4], b[TILES_N][2];
-      // A = x^T 16 x 16 from [pair][channel] rows, transposed on load: matrices (m 0-7, k 0-7),
-      // (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15), each 8 pair rows at a channel offset.
+      if constexpr (sizeof(T) == 4) {
 #pragma unroll
-      for (int i = 0; i < TILES_M; ++i)
-        load_matrices<true>(a[i], x_tile + (kk + lane % 8 + (lane / 16) * 8) * LDX + warp_row + i * MMA_M +
-                                      (lane / 8) % 2 * 8);
+        for (int i = 0; i < TILES_M; ++i) load_a_k_major(a[i], x_tile, LDX, warp_row + i * MMA_M, kk, lane);
 #pragma unroll
-      for (int j = 0; j < TILES_N; j += 2) {
-        unsigned r[4];
-        load_matrices<true>(r, dy_tile + (kk + lane % 16) * LDY + warp_col + j * MMA_N + (lane / 16) * 8);
-        b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+        for (int j = 0; j < TILES_N; ++j) load_b_k_major(b[j], dy_tile, LDY, kk, warp_col + j * MMA_N, lane);
+      } else {
+        // A = x^T 16 x 16 from [pair][channel] rows, transposed on load: matrices (m 0-7, k 0-7),
+        // (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15), each 8 pair rows at a channel offset.
+#pragma unroll
+        for (int i = 0; i < TILES_M; ++i)
+          load_matrices<true>(a[i], x_tile + (kk + lane % 8 + (lane / 16) * 8) * LDX + warp_row + i * MMA_M +
+                                        (lane / 8) % 2 * 8);
+#pragma unroll
+        for (int j = 0; j < TILES_N; j += 2) {
+          unsigned r[4];
+          load_matrices<true>(r, dy_tile + (kk + lane % 16) * LDY + warp_col + j * MMA_N + (lane / 16) * 8);
+          b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
+        }
       }
 #pragma unroll
       for (int i = 0; i < TILES_M; ++i)
 #pragma unroll
-        for (int j = 0; j < TILES_N; ++j) mma_16816(acc[i][j], a[i], b[j], T());
+        for (int j = 0; j < TILES_N; ++j) mma_tile(acc[i][j], a[i], b[j], T());
     }
   };
 

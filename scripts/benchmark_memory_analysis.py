@@ -12,6 +12,10 @@ and wgrad one each, backward two, both three), and the peak memory of one call.
     cupysparse-benchmark-memory-analysis --num-voxels 100K,1M --channels 32,32 64,64 --dtypes fp16
     cupysparse-benchmark-memory-analysis --backends auto,spconv,torch --phases forward,backward --max-memory-gb 40
     cupysparse-benchmark-memory-analysis --precompile --cold --output-dir cold-start
+    cupysparse-benchmark-memory-analysis --dtypes fp32 tf32 --backends auto,spconv
+
+The dtype `tf32` is fp32 features with TF32 products (`cupysparse.precision`; spconv with
+SPCONV_ALLOW_TF32), `fp32` exact fp32 for both, whatever CUPYSPARSE_FP32_PRECISION says.
 
 Backends: every registered algorithm by name (the tuner picks its parameters, as for
 `algo=name`), `auto` (the tuner's choice among algorithms, as for `algo="auto"`), `spconv` (2.x,
@@ -63,9 +67,10 @@ from cupysparse import backend, compile
 from cupysparse.algorithm_modes import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.algorithms.wmma_implicit_gemm import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
-from cupysparse.dtypes import BFLOAT16, accumulation_dtype, as_feature_dtype, cuda_type_name, short_name
+from cupysparse.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, cuda_type_name, short_name
 from cupysparse.functional import backward_runner, forward_runner
 from cupysparse.kernel_map import KernelMapCache
+from cupysparse.precision import IEEE, TF32, fp32_precision
 from cupysparse.scenes import make_scene
 from cupysparse.scripts.benchmark_first_call import host_ms, synchronize
 from cupysparse.scripts.benchmarking import (
@@ -120,7 +125,7 @@ BREAKDOWN_COLUMNS = (
 COMPILE_COLUMNS = ("source", "dtype", "instantiations", "needed_by", "compiled", "compile_ms", "error")
 DEFAULT_NUM_VOXELS = ("30K", "100K", "300K", "1M")
 DEFAULT_CHANNELS = ("32,32", "64,64", "128,128", "256,256")
-DTYPE_CHOICES = ("fp16", "bf16", "fp32", "fp64", "float16", "bfloat16", "float32", "float64")
+DTYPE_CHOICES = ("fp16", "bf16", "fp32", "tf32", "fp64", "float16", "bfloat16", "float32", "float64")
 DEFAULT_DENSE_MAX_CELLS = 2**24
 MIB = 2**20
 
@@ -136,11 +141,18 @@ class Configuration:
     out_channels: int
     kernel_size: int
     stride: int
-    dtype: str  # short name: fp16, bf16, fp32, fp64
+    dtype: str  # short name: fp16, bf16, fp32, tf32 (fp32 features, TF32 products), fp64
+
+    @property
+    def feature_dtype(self) -> np.dtype:
+        return FLOAT32 if self.dtype == TF32 else as_feature_dtype(self.dtype)
+
+    @property
+    def fp32_precision(self) -> str:
+        return TF32 if self.dtype == TF32 else IEEE
 
     def sizes(self) -> tuple[int, ...]:
-        return (self.num_voxels, self.in_channels, self.out_channels, self.kernel_size,
-                as_feature_dtype(self.dtype).itemsize)
+        return (self.num_voxels, self.in_channels, self.out_channels, self.kernel_size, self.feature_dtype.itemsize)
 
     def at_least_as_large_as(self, other: Configuration) -> bool:
         """Whether this layer needs at least the memory of `other`: same scene, batch and stride,
@@ -191,7 +203,7 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-sizes", nargs="+", default=("3",), metavar="K", help="kernel sizes, e.g. 3 5")
     parser.add_argument("--strides", nargs="+", default=("1",), metavar="S", help="strides (1: submanifold)")
     parser.add_argument("--dtypes", nargs="+", default=("fp16",), choices=DTYPE_CHOICES, metavar="DTYPE",
-                        help="fp16, bf16, fp32, fp64")
+                        help="fp16, bf16, fp32, tf32 (fp32 features, TF32 products), fp64")
     parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
     parser.add_argument("--batch-size", type=int, default=1, help="scenes per batch, sharing the voxel count")
     parser.add_argument("--backends", default=",".join(backend_names()),
@@ -217,7 +229,7 @@ def parse_args(argv=None):
         args.channels = tuple(dict.fromkeys(_parse_channel_pair(pair) for pair in args.channels))
         args.kernel_sizes = _positive_ints(args.kernel_sizes, "--kernel-sizes")
         args.strides = _positive_ints(args.strides, "--strides")
-        args.dtypes = tuple(dict.fromkeys(short_name(dtype) for dtype in args.dtypes))
+        args.dtypes = tuple(dict.fromkeys(TF32 if dtype == TF32 else short_name(dtype) for dtype in args.dtypes))
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     args.backends = tuple(dict.fromkeys(name.strip() for name in args.backends.split(",") if name.strip()))
@@ -318,7 +330,7 @@ class LayerArrays:
 
     def __init__(self, config: Configuration, case: MapCase, device: str):
         kernel_map = case.kernel_map
-        dtype = as_feature_dtype(config.dtype)
+        dtype = config.feature_dtype
         rng = np.random.default_rng([config.num_voxels, config.in_channels, config.out_channels, config.kernel_size])
         scale = 1.0 / math.sqrt(config.in_channels * kernel_map.kernel_volume)  # keeps fp16 outputs O(1)
         self.host = {
@@ -564,8 +576,8 @@ class SpconvRunner:
 
     def unsupported_reason(self, phase: str) -> str | None:
         config = self.config
-        if config.dtype not in ("fp16", "fp32"):
-            return f"spconv 2.x runs fp16 and fp32, not {config.dtype}"
+        if config.dtype not in ("fp16", "fp32", TF32):
+            return f"spconv 2.x runs fp16, fp32 and tf32, not {config.dtype}"
         if phase in ("dgrad", "wgrad"):
             return "spconv's backward computes both gradients at once: see the backward phase"
         if not spconv_matches_geometry(config.kernel_size, config.stride):
@@ -580,7 +592,7 @@ class SpconvRunner:
             host = self.layer.host
             self._layer = spconv_layer(self.torch, self.coordinates, host["features"], host["weight"],
                                        host["grad_output"], self.config.kernel_size, self.config.stride,
-                                       self.config.batch_size)
+                                       self.config.batch_size, allow_tf32=self.config.dtype == TF32)
         layer = self._layer
         return {"forward": layer.forward, "backward": layer.backward, "both": layer.forward_backward}[phase]
 
@@ -607,7 +619,7 @@ class DenseTorchLayer:
     def __init__(self, torch, coordinates_numpy, features, weight, config: Configuration, device: str):
         """`features` `[N, C_in]` and `weight` `[K, C_in, C_out]`: ours, NumPy."""
         kernel_size, stride = config.kernel_size, config.stride
-        dtype = getattr(torch, as_feature_dtype(config.dtype).name)
+        dtype = getattr(torch, config.feature_dtype.name)
         self.torch, self.stride, self.device = torch, stride, device
         self.origin, shape = dense_grid(coordinates_numpy, kernel_size, stride)
         before = (kernel_size - 1) // 2  # the offsets run from -before to kernel_size - 1 - before
@@ -757,8 +769,7 @@ class Harness:
     def runners(self, config: Configuration, coordinates_numpy, layer: LayerArrays, case: MapCase):
         kernel_map = case.kernel_map
         shape = LayerShape(kernel_map.num_in, kernel_map.num_out, config.in_channels, config.out_channels,
-                           kernel_map.kernel_volume, case.max_offset_pairs, as_feature_dtype(config.dtype),
-                           self.device)
+                           kernel_map.kernel_volume, case.max_offset_pairs, config.feature_dtype, self.device)
         torch_gpu = torch_cuda() if self.device == "cuda" else None
         for name in self.args.backends:
             if name == SPCONV:
@@ -856,28 +867,33 @@ class Harness:
                 cases.clear()  # frees the previous voxel count's maps before building the next
                 count = config.num_voxels
                 coordinates_numpy = scene_coordinates(config.scene, count, config.batch_size)
-            measurements = list(itertools.product(self.args.backends, self.args.phases))
-            if all(self.skipped_by_frontier(name, phase, config) for name, phase in measurements):
-                self.record_failure(config, measurements, None)  # nothing left to run: not even the map
-                continue
-            try:
-                map_key = (config.kernel_size, config.stride)
-                if map_key not in cases:
-                    cases[map_key] = build_map(backend.to_device(coordinates_numpy, self.device), config.kernel_size,
-                                               config.stride, self.device, warmup=self.args.warmup > 0)
-                case = cases[map_key]
-                layer = LayerArrays(config, case, self.device)
-            except Exception as error:  # noqa: BLE001 - a layer too large to build is a result as well
-                failure = (OOM if is_out_of_memory(error) else ERROR,
-                           f"building the layer: {type(error).__name__}: {error}")
-                self.meter.release()
-                self.record_failure(config, measurements, failure)
-                continue
-            for name, runner in self.runners(config, coordinates_numpy, layer, case):
-                for phase in self.args.phases:
-                    row = self.record(config, name, phase, case, self.measure(name, runner, phase, config), runner)
-                    print_row(len(self.full_rows), self.total, config, row)
-            layer = runner = None  # frees this layer's arrays before the next one allocates
+            with fp32_precision(config.fp32_precision):  # the layer's problems, their tuning and spconv's
+                self.run_configuration(config, coordinates_numpy, cases)
+
+    def run_configuration(self, config: Configuration, coordinates_numpy, cases: dict) -> None:
+        """Every backend and phase of one layer, its map taken from `cases` (by kernel size and stride)
+        or built there."""
+        measurements = list(itertools.product(self.args.backends, self.args.phases))
+        if all(self.skipped_by_frontier(name, phase, config) for name, phase in measurements):
+            self.record_failure(config, measurements, None)  # nothing left to run: not even the map
+            return
+        try:
+            map_key = (config.kernel_size, config.stride)
+            if map_key not in cases:
+                cases[map_key] = build_map(backend.to_device(coordinates_numpy, self.device), config.kernel_size,
+                                           config.stride, self.device, warmup=self.args.warmup > 0)
+            case = cases[map_key]
+            layer = LayerArrays(config, case, self.device)
+        except Exception as error:  # noqa: BLE001 - a layer too large to build is a result as well
+            failure = (OOM if is_out_of_memory(error) else ERROR,
+                       f"building the layer: {type(error).__name__}: {error}")
+            self.meter.release()
+            self.record_failure(config, measurements, failure)
+            return
+        for name, runner in self.runners(config, coordinates_numpy, layer, case):
+            for phase in self.args.phases:
+                row = self.record(config, name, phase, case, self.measure(name, runner, phase, config), runner)
+                print_row(len(self.full_rows), self.total, config, row)
 
     def record_failure(self, config: Configuration, measurements, failure: tuple[str, str] | None) -> None:
         """Rows for a layer that was not built: `failure` (status, message) for each measurement not
@@ -968,8 +984,8 @@ def grid_problems(grid: list[Configuration]) -> list[ConvProblem]:
     capability = int(backend.cupy_module().cuda.Device().compute_capability)
     return list(dict.fromkeys(
         ConvProblem(config.num_voxels, config.num_voxels, config.in_channels, config.out_channels,
-                    config.kernel_size**3, as_feature_dtype(config.dtype), "cuda", capability,
-                    (config.stride,) * 3)
+                    config.kernel_size**3, config.feature_dtype, "cuda", capability, (config.stride,) * 3,
+                    tf32=config.dtype == TF32)
         for config in grid))
 
 
@@ -1025,6 +1041,10 @@ def main(argv=None) -> int:
             args.device = backend.default_device()
         elif args.device == "cuda" and not backend.gpu_available():
             print("--device cuda: no CUDA GPU is usable (see `python -m cupysparse info`)", file=sys.stderr)
+            return 2
+        if args.device == "cpu" and TF32 in args.dtypes:
+            print("--dtypes tf32: TF32 runs on GPU tensor cores; the CPU computes fp32 exactly (use fp32)",
+                  file=sys.stderr)
             return 2
         grid = configurations(args)
         meter = memory_meter(args.device)

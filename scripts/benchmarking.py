@@ -4,6 +4,7 @@ on the CPU), peak-memory meters, spconv 2.x's layer as the external baseline, an
 from __future__ import annotations
 
 import csv
+import importlib
 import sys
 import tracemalloc
 
@@ -177,10 +178,14 @@ class SpconvLayer:
     """spconv 2.x's convolution of one layer, on the same voxels and weights as ours: `SubMConv3d` at
     stride 1, else `SparseConv3d` with padding 0, whose output voxels and pairs are ours only for a
     2³ kernel at stride 2 (`spconv_matches_geometry`). Its kernel map is built by the first forward
-    (in `__init__`) and cached on the input tensor, as both libraries do within a network pass."""
+    (in `__init__`) and cached on the input tensor, as both libraries do within a network pass.
+    `allow_tf32`: fp32 layers may run spconv's TF32 kernels (its SPCONV_ALLOW_TF32, a module
+    constant read on every call, so each call sets it)."""
 
     def __init__(self, spconv, torch, coords_numpy, features, weight, grad, kernel_size: int, stride: int = 1,
-                 batch_size: int = 1):
+                 batch_size: int = 1, allow_tf32: bool = False):
+        self._constants = importlib.import_module("spconv.constants")
+        self.allow_tf32 = allow_tf32
         shift = coords_numpy[:, 1:].min(axis=0) // stride * stride  # keeps floor(coordinate / stride) ours
         shifted = coords_numpy.copy()
         shifted[:, 1:] -= shift
@@ -200,12 +205,14 @@ class SpconvLayer:
         self._graph_output = None
 
     def forward(self):
+        self._constants.SPCONV_ALLOW_TF32 = self.allow_tf32
         return self.layer(self.tensor).features
 
     def backward(self):
         """Both gradients of one forward graph, kept for repeated calls."""
         if self._graph_output is None:
             self._graph_output = self.forward()
+        self._constants.SPCONV_ALLOW_TF32 = self.allow_tf32
         self._graph_output.backward(self.grad, retain_graph=True)
 
     def forward_backward(self):
@@ -219,7 +226,7 @@ def spconv_matches_geometry(kernel_size: int, stride: int) -> bool:
 
 
 def spconv_layer(torch, coords_numpy, features, weight, grad, kernel_size: int, stride: int = 1,
-                 batch_size: int = 1) -> SpconvLayer | None:
+                 batch_size: int = 1, allow_tf32: bool = False) -> SpconvLayer | None:
     """spconv's layer (see `SpconvLayer`), or None with a message when spconv is not importable."""
     try:
         import spconv.pytorch as spconv
@@ -227,4 +234,4 @@ def spconv_layer(torch, coords_numpy, features, weight, grad, kernel_size: int, 
         print(f"spconv not importable ({type(error).__name__}: {error}); cupysparse only", file=sys.stderr)
         return None
     return SpconvLayer(spconv, torch, np.asarray(coords_numpy), features, weight, grad, kernel_size, stride,
-                       batch_size)
+                       batch_size, allow_tf32)

@@ -142,7 +142,7 @@ def test_unsupported_backends_are_recorded_with_their_reason(suite):
     assert {row["status"] for row in spconv} == {"not_supported"}
     for row in spconv:
         if row["dtype"] == "bf16":
-            assert row["error"] == "spconv 2.x runs fp16 and fp32, not bf16"
+            assert row["error"] == "spconv 2.x runs fp16, fp32 and tf32, not bf16"
         elif row["phase"] in ("dgrad", "wgrad"):
             assert "both gradients at once" in row["error"]
         elif row["stride"] == "2":  # a 3^3 kernel at stride 2 makes other voxels in spconv
@@ -368,3 +368,16 @@ def test_without_matplotlib_the_analysis_names_the_extra_to_install(monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit, match=r"pip install 'cupysparse\[plot\]'"):
         analysis.pyplot()
+
+
+def test_tf32_is_fp32_features_with_tf32_products_and_needs_a_gpu(tmp_path, capsys):
+    tf32 = harness.Configuration("indoor", 1, 1000, 8, 8, 3, 1, "tf32")
+    fp32 = harness.Configuration("indoor", 1, 1000, 8, 8, 3, 1, "fp32")
+    assert (tf32.feature_dtype, tf32.fp32_precision) == (np.dtype(np.float32), "tf32")
+    assert (fp32.feature_dtype, fp32.fp32_precision) == (np.dtype(np.float32), "ieee")
+    assert tf32.at_least_as_large_as(fp32) and fp32.at_least_as_large_as(tf32)
+    argv = ["--device", "cpu", "--num-voxels", "1000", "--channels", "8,8", "--dtypes", "fp32", "tf32",
+            "--output-dir", str(tmp_path / "out")]
+    assert harness.main(argv) == 2
+    assert "TF32 runs on GPU tensor cores" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

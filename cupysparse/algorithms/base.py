@@ -30,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import cupy_module, is_cupy_array
+from ..precision import uses_tf32
 
 CONV = "conv"
 DEPTHWISE = "depthwise"
@@ -41,7 +42,8 @@ class ConvProblem:
     """What an algorithm needs to know to say whether it can run a convolution.
 
     `compute_capability` is e.g. 90 for sm_90, None on the CPU. For depthwise problems
-    `in_channels == out_channels`.
+    `in_channels == out_channels`. `tf32`: fp32 features on a GPU whose products may be rounded to
+    TF32 (`cupysparse.precision`).
     """
 
     num_in: int
@@ -55,6 +57,7 @@ class ConvProblem:
     stride: tuple[int, ...] = ()
     transposed: bool = False
     generative: bool = False
+    tf32: bool = False
 
     @classmethod
     def of(cls, features, kernel_map, out_channels: int) -> ConvProblem:
@@ -75,6 +78,7 @@ class ConvProblem:
             stride=tuple(kernel_map.stride),
             transposed=kernel_map.transposed,
             generative=kernel_map.generative,
+            tf32=uses_tf32(features.dtype, on_gpu),
         )
 
 

@@ -1,5 +1,6 @@
-"""`mma_implicit_gemm`: implicit GEMM on tensor cores through `mma.sync.m16n8k16` and `ldmatrix`
-(sm_80+, fp16 and bf16 features, fp32 accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
+"""`mma_implicit_gemm`: implicit GEMM on tensor cores through `mma.sync` and `ldmatrix` (sm_80+,
+fp16 and bf16 features, and fp32 features rounded to TF32 when `cupysparse.precision` allows it; fp32
+accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
 
 The dataflow is wmma_implicit_gemm's (output-stationary tiles over the mask-sorted rows, offsets a
 tile's rows lack skipped, each output written once, dgrad as the same kernel reading the weight
@@ -18,7 +19,8 @@ import numpy as np
 
 from ..backend import cupy_module
 from ..compile import KernelSource, PreparedLaunch
-from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
+from ..precision import ENVIRONMENT_VARIABLE as FP32_PRECISION_VARIABLE
 from .base import ConvProblem, gpu_only_reason, register
 from .wmma_implicit_gemm import (
     VECTOR_BYTES,
@@ -33,8 +35,9 @@ from .wmma_implicit_gemm import (
 )
 
 WARP_SIZE = 32
-BLOCK_K = 32  # input channels per pipeline stage
-HALF_ROW_PAD = 8  # 16-bit elements each shared-memory row is padded by (raw_kernels/gather_tiles.cuh)
+STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32
+LDMATRIX_ROW_PAD_BYTES = 16  # shared-memory rows read by ldmatrix untransposed are padded by this
+K_MAJOR_ROW_PAD = 8  # elements k-major rows are padded by (raw_kernels/mma_implicit_gemm.cu)
 MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
 # (rows, channels, warps along rows, warps along channels) of a block's output tile.
 TILES = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (256, 128, 4, 2), (128, 32, 4, 1))
@@ -44,8 +47,22 @@ MIN_COMPUTE_CAPABILITY = 80
 # Sides of a wgrad block's dW_k tile: on each side the smallest covering the padded channels, or the
 # largest.
 WGRAD_SIDES = (32, 64, 128)
-WGRAD_PAIRS = 32  # pairs per wgrad pipeline stage (WgradSharedLayout::PAIRS)
 WGRAD_STAGES = 3
+FEATURE_DTYPES = tuple(dtype for dtype in (FLOAT16, BFLOAT16, FLOAT32) if dtype is not None)
+
+
+def _mma_k(itemsize: int) -> int:
+    """The k of one mma: 16 for fp16/bf16 (m16n8k16), 8 for TF32 (m16n8k8)."""
+    return 16 if itemsize == 2 else 8
+
+
+def _block_k(itemsize: int) -> int:
+    return STAGE_ROW_BYTES // itemsize
+
+
+def _wgrad_pairs(itemsize: int) -> int:
+    """Pairs per wgrad pipeline stage: two k steps (WgradSharedLayout::PAIRS)."""
+    return 2 * _mma_k(itemsize)
 
 
 def _wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int, int, int]:
@@ -59,37 +76,38 @@ def _wgrad_warps(side: int) -> int:
     return side // 32 if side <= 64 else side // 64
 
 
-def _kernel_name(type_name: str, tile, stages: int, weight_transposed: bool) -> str:
+def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
     rows, cols, warps_m, warps_n = tile
     flag = "true" if weight_transposed else "false"
-    return f"mma_conv_forward<{type_name}, {rows}, {cols}, {BLOCK_K}, {warps_m}, {warps_n}, {stages}, {flag}>"
+    block_k = _block_k(dtype.itemsize)
+    return (f"mma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {block_k}, {warps_m}, {warps_n}, "
+            f"{stages}, {flag}>")
 
 
-def _wgrad_kernel_name(type_name: str, tile) -> str:
+def _wgrad_kernel_name(dtype, tile) -> str:
     rows, cols, warps_m, warps_n = tile
-    return f"mma_conv_wgrad<{type_name}, {rows}, {cols}, {warps_m}, {warps_n}, {WGRAD_STAGES}>"
+    return f"mma_conv_wgrad<{cuda_type_name(dtype)}, {rows}, {cols}, {warps_m}, {warps_n}, {WGRAD_STAGES}>"
 
 
 def _kernel_source(dtype) -> KernelSource:
-    type_name = cuda_type_name(dtype)
-    forward = tuple(_kernel_name(type_name, tile, stages, False) for tile in TILES for stages in STAGES)
-    dgrad = tuple(_kernel_name(type_name, tile, DGRAD_STAGES, True) for tile in TILES)
-    wgrad = tuple(
-        _wgrad_kernel_name(type_name, _wgrad_tile(rows, cols)) for rows in WGRAD_SIDES for cols in WGRAD_SIDES
-    )
+    forward = tuple(_kernel_name(dtype, tile, stages, False) for tile in TILES for stages in STAGES)
+    dgrad = tuple(_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
+    wgrad = tuple(_wgrad_kernel_name(dtype, _wgrad_tile(rows, cols)) for rows in WGRAD_SIDES for cols in WGRAD_SIDES)
     return KernelSource("mma_implicit_gemm.cu", (*forward, *dgrad, *wgrad))
 
 
-_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
+# One source per dtype: a process compiles only the instantiations of the dtypes it runs.
+_SOURCES = {dtype: _kernel_source(dtype) for dtype in FEATURE_DTYPES}
 
 
 def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2) -> int:
     """Dynamic shared memory of one block: `ForwardSharedLayout::BYTES` in the kernel source."""
     rows, cols, warps_m, warps_n = tile
-    a_bytes = rows * (BLOCK_K + HALF_ROW_PAD) * itemsize
-    b_bytes = (cols * (BLOCK_K + HALF_ROW_PAD) if weight_transposed else BLOCK_K * (cols + HALF_ROW_PAD)) * itemsize
+    block_k, ldmatrix_pad = _block_k(itemsize), LDMATRIX_ROW_PAD_BYTES // itemsize
+    a_bytes = rows * (block_k + ldmatrix_pad) * itemsize
+    b_elements = cols * (block_k + ldmatrix_pad) if weight_transposed else block_k * (cols + K_MAJOR_ROW_PAD)
     offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
-    return stages * (a_bytes + b_bytes) + offset_batch * rows * 4 + rows * 4 + warps_m * warps_n * 4
+    return stages * (a_bytes + b_elements * itemsize) + offset_batch * rows * 4 + rows * 4 + warps_m * warps_n * 4
 
 
 def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
@@ -110,8 +128,8 @@ class _MmaWgradPlan(WgradPlan):
 
     def prepare_gemm(self, dtype, tile, arguments) -> None:
         rows, cols = tile[:2]
-        shared = WGRAD_STAGES * WGRAD_PAIRS * (rows + cols + 2 * HALF_ROW_PAD) * dtype.itemsize
-        kernel = _SOURCES[dtype].get(_wgrad_kernel_name(cuda_type_name(dtype), tile))
+        shared = WGRAD_STAGES * _wgrad_pairs(dtype.itemsize) * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize
+        kernel = _SOURCES[dtype].get(_wgrad_kernel_name(dtype, tile))
         self.gemm = PreparedLaunch(kernel, (1,), (self.threads(tile),), (*arguments, None), shared)
 
     def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
@@ -135,7 +153,7 @@ class _MmaPlan:
         # features, pair table, row order, weight, out, the row count, vector_rows and the offset order are
         # per call.
         arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
-        kernel = _SOURCES[dtype].get(_kernel_name(cuda_type_name(dtype), tile, stages, weight_transposed))
+        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed))
         self.kernel = PreparedLaunch(kernel, (1,), (warps_m * warps_n * WARP_SIZE,), arguments,
                                      shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
 
@@ -191,6 +209,7 @@ class MmaImplicitGemm(WmmaImplicitGemm):
     backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
     wgrad_plan_class: ClassVar[type[WgradPlan]] = _MmaWgradPlan
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
+    feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
 
     def auto_priority(self, problem: ConvProblem) -> int:
         """wmma_implicit_gemm's tier, so `auto` measures both: on an H200 this one is ahead from 64
@@ -211,8 +230,11 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         reason = gpu_only_reason(problem)
         if reason:
             return reason
+        if problem.dtype == FLOAT32 and not problem.tf32:
+            return (f"{self.name} runs fp32 only in TF32, and exact fp32 is chosen (TF32: "
+                    f"cupysparse.precision.set_fp32_precision('tf32') or {FP32_PRECISION_VARIABLE}=tf32)")
         if problem.dtype not in _SOURCES:
-            return f"{self.name} runs fp16 and bf16 on tensor cores, not {problem.dtype}"
+            return f"{self.name} runs fp16, bf16 and TF32 on tensor cores, not {problem.dtype}"
         if (problem.compute_capability or 0) < MIN_COMPUTE_CAPABILITY:
             return (f"{self.name} needs compute capability 8.0 or newer (mma.sync for {short_name(problem.dtype)}); "
                     f"this GPU is sm_{problem.compute_capability}")
@@ -222,7 +244,7 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         weight = self.prepare_weight(weight)
         tile = _check_tile(tile, "forward")
         check_weight(weight, kernel_map)
-        check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
         if stages not in STAGES:
             raise ValueError(f"mma_implicit_gemm stages must be one of {STAGES}, got {stages!r}")
         return _run(features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile,
@@ -232,7 +254,8 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         weight = self.prepare_weight(weight)
         tile = _check_tile(tile, "dgrad")
         check_weight(weight, kernel_map)
-        check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        check_operand(self, "grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out,
+                      weight.out_channels)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         return _run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
                     DGRAD_STAGES, True, reverse_weight_offsets)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..backend import array_module, cupy_module, is_cupy_array
 from ..compile import KernelSource, PreparedLaunch, launch_config
-from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from .base import Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
 FRAGMENT = 16  # the m, n and k of a WMMA fragment
@@ -110,6 +110,8 @@ def _kernel_source(dtype) -> KernelSource:
 # One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
 # an sm_7x GPU running fp16.
 _SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
+# The sum of wgrad's partials, for every dtype a wgrad plan runs (mma_implicit_gemm's TF32 too).
+_SUM_SOURCES = {**_SOURCES, FLOAT32: KernelSource("wmma_implicit_gemm.cu", (_sum_kernel_name("float"),))}
 
 
 class PaddedWeight:
@@ -148,13 +150,14 @@ def _check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"wmma_implicit_gemm {name} must be one of {choices}, got {value!r}")
 
 
-def check_operand(name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
-    """The kernels read `array` as `[rows, channels]` of `dtype` (the dtype of `like`) on the GPU:
-    refuse anything else."""
+def check_operand(algorithm, name: str, array, like: str, dtype, rows: int, channels: int | None = None) -> None:
+    """`algorithm`'s kernels read `array` as `[rows, channels]` of `dtype` (the dtype of `like`), one of
+    its `feature_dtypes`, on the GPU: refuse anything else."""
     if not is_cupy_array(array):
-        raise TypeError(f"{name} must be a CuPy array: wmma_implicit_gemm runs on CUDA GPUs only")
-    if np.dtype(array.dtype) not in _SOURCES:
-        raise TypeError(f"{name} must be fp16 or bf16 for wmma_implicit_gemm, got {array.dtype}")
+        raise TypeError(f"{name} must be a CuPy array: {algorithm.name} runs on CUDA GPUs only")
+    if np.dtype(array.dtype) not in algorithm.feature_dtypes:
+        names = " or ".join(short_name(dtype) for dtype in algorithm.feature_dtypes)
+        raise TypeError(f"{name} must be {names} for {algorithm.name}, got {array.dtype}")
     if np.dtype(array.dtype) != dtype:
         raise TypeError(f"{name} must have the dtype of {like}, {short_name(dtype)}, got {short_name(array.dtype)}")
     if array.ndim != 2 or array.shape[0] != rows or (channels is not None and array.shape[1] != channels):
@@ -326,7 +329,7 @@ class WgradPlan:
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
         # workspace, grad_weight and the share count are per call.
-        sum_kernel = _SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
+        sum_kernel = _SUM_SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
         self.sum = PreparedLaunch(sum_kernel, *launch_config(kernel_volume * in_channels * out_channels),
                                   (None, None, None, *sizes))
 
@@ -392,6 +395,7 @@ def wgrad_plan(device: int, dtype, kernel_volume: int, in_channels: int, out_cha
 class WmmaImplicitGemm(Algorithm):
     name = "wmma_implicit_gemm"
     kernel_sources = ("wmma_implicit_gemm.cu",)
+    feature_dtypes: ClassVar[tuple] = tuple(_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wmma_implicit_gemm_sm80",
         "backward": "wmma_split_k_implicit_gemm_sm80",
@@ -453,7 +457,7 @@ class WmmaImplicitGemm(Algorithm):
         tile = _check_tile(tile, "forward")
         _check_choice("stages", stages, PIPELINE_STAGES)
         check_weight(weight, kernel_map)
-        check_operand("features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
         return _implicit_gemm(
             features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile, stages
         )
@@ -473,7 +477,8 @@ class WmmaImplicitGemm(Algorithm):
         tile = _check_tile(tile, "dgrad")
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         check_weight(weight, kernel_map)
-        check_operand("grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out, weight.out_channels)
+        check_operand(self, "grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out,
+                      weight.out_channels)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         return _implicit_gemm(
             grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels,
@@ -492,8 +497,8 @@ class WmmaImplicitGemm(Algorithm):
         _check_tile(tile, "wgrad")
         _check_choice("wgrad_warps_per_sm", wgrad_warps_per_sm, WGRAD_WARPS_PER_SM)
         _check_kernel_map(kernel_map)
-        check_operand("features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
-        check_operand("grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
+        check_operand(self, "features", features, "features", np.dtype(features.dtype), kernel_map.num_in)
+        check_operand(self, "grad_output", grad_output, "features", np.dtype(features.dtype), kernel_map.num_out)
         in_channels, out_channels = features.shape[1], grad_output.shape[1]
         if 0 in (kernel_map.num_out, kernel_map.num_in, kernel_map.kernel_volume, in_channels, out_channels):
             return cupy_module().zeros((kernel_map.kernel_volume, in_channels, out_channels), dtype=features.dtype)

@@ -1,0 +1,62 @@
+"""How fp32 convolutions multiply: exactly in fp32 ("ieee", the default) or on tensor cores with
+the operands rounded to TF32 ("tf32": 10 mantissa bits, fp32 accumulation, the range of fp32).
+
+TF32 runs the fp32 layers of a network through `mma_implicit_gemm` (sm_80+) several times faster than
+fp32 arithmetic, at the cost of about three decimal digits per product; the sums stay fp32. Like
+PyTorch (whose own flags this library does not read), the choice is global: `set_fp32_precision`,
+the `fp32_precision` context manager, or the environment variable CUPYSPARSE_FP32_PRECISION. fp16,
+bf16 and fp64 convolutions are not affected. The tuner keeps the measurements of TF32 problems apart
+from those of exact fp32 ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+
+IEEE = "ieee"
+TF32 = "tf32"
+FP32_PRECISIONS = (IEEE, TF32)
+ENVIRONMENT_VARIABLE = "CUPYSPARSE_FP32_PRECISION"
+
+_chosen: str | None = None  # set_fp32_precision's value; None: the environment variable decides
+
+
+def _checked(value: str, source: str) -> str:
+    normalized = str(value).strip().lower()
+    if normalized not in FP32_PRECISIONS:
+        raise ValueError(f"{source} must be one of {', '.join(FP32_PRECISIONS)}; got {value!r}")
+    return normalized
+
+
+def get_fp32_precision() -> str:
+    """"ieee" or "tf32": set_fp32_precision's choice, else CUPYSPARSE_FP32_PRECISION, else "ieee"."""
+    if _chosen is not None:
+        return _chosen
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    return _checked(text, f"environment variable {ENVIRONMENT_VARIABLE}") if text else IEEE
+
+
+def set_fp32_precision(precision: str | None) -> None:
+    """Multiply fp32 convolutions exactly ("ieee") or in TF32 ("tf32"); None returns the choice to
+    the environment variable."""
+    global _chosen
+    _chosen = None if precision is None else _checked(precision, "fp32 precision")
+
+
+@contextlib.contextmanager
+def fp32_precision(precision: str):
+    """`with fp32_precision("tf32"):` runs the block's fp32 convolutions in TF32."""
+    previous = _chosen
+    set_fp32_precision(precision)
+    try:
+        yield
+    finally:
+        set_fp32_precision(previous)
+
+
+def uses_tf32(dtype, on_gpu: bool) -> bool:
+    """Whether a convolution of `dtype` features may run in TF32: fp32 on a GPU with "tf32" chosen."""
+    return on_gpu and np.dtype(dtype) == np.float32 and get_fp32_precision() == TF32
