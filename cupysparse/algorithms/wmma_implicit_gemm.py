@@ -41,10 +41,11 @@ VECTOR_BYTES = 16  # pipelined copies move 8 fp16/bf16 values
 MAX_GRID_Z = 65535
 MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
 # The fp32 partials of one wgrad call are transient but come at the peak of a training step (the first
-# layers of the backward pass are the widest at the finest level), so they are capped: at 16 MiB (16
-# shares of a 27 x 96 x 96 layer), or an eighth of the layer's larger operand where that is more. A
-# 1M-voxel 256-channel layer then gets 9 shares, not 2, and fills the GPU (H100: 15.6 -> 7.2 ms).
-MIN_WORKSPACE_CAP_BYTES = 16 * 2**20
+# layers of the backward pass are the widest at the finest level), so they are capped: at 64 MiB (9
+# shares of a 27 x 256 x 256 layer), or an eighth of the layer's larger operand where that is more. A
+# 1M-voxel 256-channel layer gets 9 shares, not 2, and fills the GPU (H100: 15.6 -> 7.2 ms); so does a
+# 100K-voxel one, whose operands alone would allow 2.
+MIN_WORKSPACE_CAP_BYTES = 64 * 2**20
 WORKSPACE_OPERAND_FRACTION = 8
 
 # (rows, channels) of a forward / dgrad block's output tile.
