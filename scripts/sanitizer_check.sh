@@ -27,7 +27,7 @@
 # with no sanitizer error and no failed test.
 set -uo pipefail
 
-usage() { sed -n '8,9p' "$0" | sed 's/^# *//'; }
+usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 tool=both select=kernels shard=1/1 skip_first=0 budget=360 pooled=0 keyword=""
 while [ $# -gt 0 ]; do
