@@ -144,11 +144,18 @@ def find_mma_header() -> str | None:
     return None
 
 
+# Set to 1 to compile kernels with line information (NVRTC's -lineinfo), so that compute-sanitizer
+# and Nsight reports name source lines; the option is part of the kernel cache key.
+LINEINFO_VARIABLE = "CUPYSPARSE_NVRTC_LINEINFO"
+
+
 def compile_options(filename: str) -> tuple[str, ...]:
     """NVRTC options for `filename`: C++17, the kernel folder, and one CUDA header directory (for
     cuda_fp16.h / cuda_bf16.h): the one with crt/mma.h when the file needs it, so all headers of a
-    compilation come from the same toolkit."""
+    compilation come from the same toolkit; -lineinfo when `LINEINFO_VARIABLE` is 1."""
     options = ["-std=c++17", f"-I{KERNEL_DIR}"]
+    if os.environ.get(LINEINFO_VARIABLE) == "1":
+        options.append("-lineinfo")
     if needs_mma_header(filename):
         mma_dir = find_mma_header()
         if mma_dir is None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .backend import is_cupy_array
 from .compile import KernelSource, launch_config
-from .coords import key_layout, kernel_offsets, pack_keys
+from .coords import check_row_count, key_layout, kernel_offsets, pack_keys
 
 _KERNELS = KernelSource(
     "coordinate_hash.cu",
@@ -73,6 +73,7 @@ class Query:
 
 def build_index(coords):
     """An index over the rows of int32 coordinates `[N, 1 + D]` (validated by the caller)."""
+    check_row_count(coords.shape[0], "the indexed coordinates")
     return GpuHashTable(coords) if is_cupy_array(coords) else SortedKeyIndex(coords)
 
 
@@ -90,6 +91,7 @@ class SortedKeyIndex:
         self._sorted_keys = keys[self._order]
 
     def pair_table(self, out_coords: np.ndarray, query: Query, same_coordinates: bool = False):
+        check_row_count(out_coords.shape[0], "the output coordinates")
         offsets = kernel_offsets(query.kernel_size).astype(np.int64)
         table = np.full((offsets.shape[0], out_coords.shape[0]), -1, dtype=np.int32)
         shift = query.sign * offsets * np.asarray(query.dilation, dtype=np.int64)  # [K, D]
@@ -134,6 +136,7 @@ class GpuHashTable:
         is the row itself)."""
         import cupy
 
+        check_row_count(out_coords.shape[0], "the output coordinates")
         out_coords = cupy.ascontiguousarray(out_coords)
         kernel_volume = int(np.prod(query.kernel_size))
         num_out = out_coords.shape[0]
@@ -196,6 +199,7 @@ def unique_coordinates_by(coords, divisors) -> list:
     """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
     all of their counts."""
     divisors = [tuple(divisor) for divisor in divisors]
+    check_row_count(coords.shape[0], "the coordinates to deduplicate")
     if not is_cupy_array(coords):
         return [_unique_on_cpu(coords, divisor) for divisor in divisors]
     import cupy

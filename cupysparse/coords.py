@@ -16,6 +16,12 @@ import numpy as np
 from .backend import array_module
 
 MAX_SPATIAL_DIMS = 4
+# Rows are indexed with int32 (pair tables, pair lists, kernel arguments), and a kernel's thread
+# index runs up to one block (at most 1024 threads) past the last row, so an array of coordinates,
+# or any set of rows a map is built over, has at most this many rows.
+MAX_ROWS = 2**31 - 1024
+# Kernel sizes, strides and dilations reach the kernels as int32.
+MAX_GEOMETRY_VALUE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,18 @@ def as_tuple(value, spatial_dims: int, name: str) -> tuple[int, ...]:
             raise ValueError(f"{name} must be an int or {spatial_dims} ints, got {value!r}")
     if any(v < 1 for v in values):
         raise ValueError(f"{name} must be positive, got {value!r}")
+    if any(v > MAX_GEOMETRY_VALUE for v in values):
+        raise ValueError(f"{name} must be at most {MAX_GEOMETRY_VALUE}, got {value!r}")
     return values
+
+
+def check_row_count(num_rows: int, name: str) -> None:
+    """ValueError unless `num_rows` rows fit the int32 row indices (`MAX_ROWS`)."""
+    if num_rows > MAX_ROWS:
+        raise ValueError(
+            f"{name} has {num_rows} rows, more than the {MAX_ROWS} that cupysparse's int32 row indices "
+            "address: split the input (e.g. by batch item)"
+        )
 
 
 def offset_range(size: int) -> range:
@@ -119,6 +136,7 @@ def check_coordinate_layout(coords, name: str = "coordinates") -> None:
             f"{name} must have shape [N, 1 + D] (batch index, then D = 2..{MAX_SPATIAL_DIMS} coordinates), "
             f"got {tuple(coords.shape)}"
         )
+    check_row_count(coords.shape[0], name)
 
 
 def validate_coordinates(coords, name: str = "coordinates") -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from .backend import array_module, is_cupy_array
 from .compile import KernelSource, launch_config
 from .coordinate_index import Query, build_index, unique_coordinates, unique_coordinates_by
-from .coords import as_tuple, kernel_offsets, key_layout
+from .coords import as_tuple, check_row_count, kernel_offsets, key_layout
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
 # threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
@@ -88,6 +88,8 @@ class KernelMap:
         self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
         offset_mask=None, derive_in=contextlib.nullcontext,
     ):
+        check_row_count(pair_table.shape[1], "a kernel map's output")
+        check_row_count(num_in, "a kernel map's input")
         # The kernels and plans read int32 rows; the builders make them so, and a table given already so
         # is kept as it is.
         self.pair_table = array_module(pair_table).ascontiguousarray(pair_table, dtype=np.int32)
@@ -414,8 +416,12 @@ def generative_coordinates(coords, kernel_size, stride, dilation):
     """Every coordinate `in·stride + dilation·o_k`, unique, in order of first occurrence with
     input rows outer and offsets inner.
 
-    Raises ValueError when one falls outside the key range (it would wrap, not fail, otherwise).
+    Raises ValueError when one falls outside the key range (it would wrap, not fail, otherwise), or
+    when the candidates (input rows x offsets, deduplicated on the device) are more than `coords.MAX_ROWS`.
     """
+    kernel_volume = int(np.prod(kernel_size))
+    check_row_count(coords.shape[0] * kernel_volume, f"the candidates of a generative transposed convolution "
+                    f"({coords.shape[0]} input rows x {kernel_volume} offsets)")
     xp = array_module(coords)
     spatial_dims = coords.shape[1] - 1
     shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64))  # [K, D]

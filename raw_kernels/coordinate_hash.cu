@@ -110,7 +110,8 @@ __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out
     for (int axis = 0; axis < D; ++axis) {
       const int offset = index[axis] - (geometry.kernel_size[axis] - 1) / 2;
       zero_offset = zero_offset && offset == 0;
-      const long long shifted = base[axis] + geometry.sign * geometry.dilation[axis] * offset;
+      // In 64 bits: dilation * offset overflows int32 for dilations past 2^30 (any int32 is allowed).
+      const long long shifted = base[axis] + (long long)geometry.sign * geometry.dilation[axis] * offset;
       const int divisor = geometry.divisor[axis];
       candidate[axis] = shifted;
       if (divisor != 1) {  // transposed queries only: 64-bit division is costly

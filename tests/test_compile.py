@@ -144,6 +144,19 @@ def test_the_kernel_cache_file_changes_with_the_source_and_the_architecture(prob
 
 
 @needs_nvrtc
+def test_the_lineinfo_variable_adds_line_information_and_changes_the_cache_key(probe_source, kernel_dir, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(kernel_dir / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    monkeypatch.delenv(kernel_compile.LINEINFO_VARIABLE, raising=False)
+    plain_path = kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90")
+    assert b".loc" not in kernel_compile.compile_for_architecture(probe_source, "sm_90")
+    monkeypatch.setenv(kernel_compile.LINEINFO_VARIABLE, "1")
+    assert "-lineinfo" in kernel_compile.compile_options("probe.cu")
+    assert kernel_compile.kernel_cache_file(probe_source, "-arch=sm_90") != plain_path
+    assert b".loc" in kernel_compile.compile_for_architecture(probe_source, "sm_90")
+
+
+@needs_nvrtc
 def test_cached_kernels_round_trip_and_damaged_files_are_compiled_again(probe_source, tmp_path):
     compiled = kernel_compile.nvrtc_compile(probe_source, "-arch=sm_90")
     path = tmp_path / "cache" / "probe.msgpack"

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms.base import MAX_GRID_Z
+from cupysparse.algorithms.implicit_gemm import SPLIT_K_FACTORS
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 from cupysparse.kernel_map import KernelMap
@@ -315,6 +317,28 @@ def test_functional_api_on_the_gpu_with_the_automatic_choice(dtype, monkeypatch)
     assert_close(grads.input.get(), reference.input, dtype, 8 * 16, dy, w, "dgrad")
     assert_close(grads.weight.get(), reference.weight, dtype, len(coords), x, dy, "wgrad")
     assert_close(grads.bias.get(), reference.bias, dtype, len(coords), dy, np.ones(1), "bias")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [p for p in supported(CONV, skip=("explicit_gemm",)) if p.values[1] in (FLOAT16, FLOAT32)]
+)
+def test_kernel_volumes_past_the_grid_z_share_of_the_splits_give_every_phase(name, dtype):
+    """21³ = 9261 offsets: times implicit_gemm's 8 splits (or wmma's shares) more than grid z holds,
+    so the splits shrink; every phase still equals the reference."""
+    coords = _coordinates(seed=12, side=6, density=0.3)
+    tensor = SparseTensor(cupy_module().asarray(coords), cupy_module().zeros((len(coords), 1), np.float32))
+    kernel_map = tensor.kernel_map(21).kernel_map
+    assert kernel_map.kernel_volume * max(SPLIT_K_FACTORS) > MAX_GRID_Z
+    algorithm = get_algorithm(name)
+    x, w, dy = _inputs(kernel_map, 8, 16, dtype, seed=6)
+    backward_params = algorithm.default_params("backward")
+    if "split_k_factor" in backward_params:
+        backward_params["split_k_factor"] = max(SPLIT_K_FACTORS)
+    for phase in PHASES:
+        expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+        params = algorithm.default_params("forward") if phase == "forward" else backward_params
+        actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
+        assert_close(actual, expected, dtype, terms, a, b, f"{name} {phase} {params}")
 
 
 @pytest.mark.parametrize(("name", "dtype"), [p for p in supported(CONV) if p.values[1] == FLOAT16])

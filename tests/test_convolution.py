@@ -331,6 +331,23 @@ def test_a_gpu_algorithm_on_cpu_data_is_a_clear_error():
     assert out.features.shape == (tensor.num_points, 2)
 
 
+@pytest.mark.parametrize("kind", [CONV, DEPTHWISE])
+def test_raw_kernels_refuse_more_offsets_than_grid_z_holds_and_the_explicit_ones_take_them(kind):
+    """The raw kernels' weight gradients put offsets on grid z (at most 65535 slices)."""
+    from cupysparse.algorithms import ConvProblem
+
+    for kernel_volume, refused in ((65535, False), (65536, True)):
+        problem = ConvProblem(10, 10, 8, 8, kernel_volume, np.dtype(np.float16), "cuda", 90)
+        for name, algorithm in registered(kind).items():
+            reason = algorithm.unsupported_reason(problem)
+            if name.startswith("explicit"):
+                assert reason is None
+            elif refused:
+                assert "at most 65535 kernel offsets" in reason, name
+            else:
+                assert reason is None, name
+
+
 @pytest.mark.parametrize(
     ("weight_shape", "dtype", "error", "match"),
     [

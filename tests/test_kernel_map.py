@@ -17,7 +17,7 @@ import pytest
 
 from cupysparse import kernel_map as kernel_map_module
 from cupysparse.backend import cupy_module, gpu_available
-from cupysparse.coords import kernel_offsets, key_layout, offset_range
+from cupysparse.coords import MAX_ROWS, kernel_offsets, key_layout, offset_range
 from cupysparse.coordinate_index import unique_coordinates, unique_coordinates_by
 from cupysparse.kernel_map import (KernelMap, KernelMapCache, generative_map, offset_mask, strided_map, submanifold_map,
                                    transposed_map)
@@ -725,3 +725,51 @@ def test_formats_of_empty_tables_and_masks(device):
         np.testing.assert_array_equal(to_host(order), np.arange(len(mask)))
     no_pairs = on_device(np.full((27, 300), -1, dtype=np.int32), device)
     assert to_host(kernel_map_module.csr_pairs(no_pairs).offsets).tolist() == [0] * 28
+
+
+# --- limits: int32 row indices and geometry -------------------------------------------------------
+
+
+def rows_of_zeros(num_rows, columns=4):
+    """`[num_rows, columns]` int32 zeros without the memory (a broadcast view): only shapes are read."""
+    return np.broadcast_to(np.zeros((1, columns), np.int32), (num_rows, columns))
+
+
+def test_more_rows_than_int32_indices_address_are_refused_before_any_work():
+    too_many = rows_of_zeros(MAX_ROWS + 1)
+    with pytest.raises(ValueError, match=f"indexed coordinates has {MAX_ROWS + 1} rows"):
+        submanifold_map(too_many, 3)
+    with pytest.raises(ValueError, match="coordinates to deduplicate"):
+        strided_map(too_many, 2, 2)
+    with pytest.raises(ValueError, match="output coordinates"):
+        strided_map(single_coords(3), 2, 2, out_coords=too_many)
+    with pytest.raises(ValueError, match="kernel map's output"):
+        KernelMap(np.broadcast_to(np.int32(-1), (1, MAX_ROWS + 1)), 1, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+    with pytest.raises(ValueError, match="kernel map's input"):
+        KernelMap(np.full((1, 1), -1, np.int32), MAX_ROWS + 1, (1, 1, 1), (1, 1, 1), (1, 1, 1))
+
+
+def test_generative_candidates_beyond_int32_rows_are_refused_before_any_work():
+    """27 offsets per input row: the candidates pass the limit long before the inputs do."""
+    num_in = MAX_ROWS // 27 + 1
+    with pytest.raises(ValueError, match=f"{num_in} input rows x 27 offsets"):
+        generative_map(rows_of_zeros(num_in), 3, 2)
+    generative_map(single_coords(3), 3, 2)  # far below the limit: built
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_dilations_past_2_30_do_not_wrap_into_false_pairs(device):
+    """Offset ±2 times the largest int32 dilation, wrapped to 32 bits, would be ∓2: voxels 2 apart
+    would pair. The true candidates lie far outside the key range, so only the centre pairs."""
+    coords = np.array([[0, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], np.int32)
+    kernel_map = submanifold_map(on_device(coords, device), (5, 1, 1), dilation=(2**31 - 1, 1, 1))
+    expected = np.full((5, 3), -1, np.int32)
+    expected[2] = [0, 1, 2]
+    np.testing.assert_array_equal(to_host(kernel_map.pair_table), expected)
+
+
+@pytest.mark.parametrize("argument", ["kernel_size", "stride", "dilation"])
+def test_geometry_past_int32_is_refused_naming_the_argument(argument):
+    geometry = {"kernel_size": 3, "stride": 2, "dilation": 1, argument: (1, 1, 2**31)}
+    with pytest.raises(ValueError, match=f"{argument} must be at most {2**31 - 1}"):
+        KernelMapCache(single_coords(3), (1, 1, 1)).kernel_map((1, 1, 1), **geometry)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupysparse.backend import cupy_module, gpu_available, to_numpy
-from cupysparse.coords import key_layout
+from cupysparse.coords import MAX_ROWS, key_layout
 from cupysparse.kernel_map import KernelMapCache
 from cupysparse.sparse_tensor import SparseTensor
 
@@ -178,6 +178,11 @@ BAD_CONSTRUCTOR_INPUTS = {
     "list features": (ONE_VOXEL, [[1.0, 2.0]], TypeError, "features"),
     "1-D features": (ONE_VOXEL, np.ones(1, np.float32), ValueError, "features.*shape"),
     "zero channels": (ONE_VOXEL, np.ones((1, 0), np.float32), ValueError, "features.*channel"),
+    # Broadcast views: rows past the int32 indices without the memory (only the shape is read).
+    "more rows than int32 indices": (
+        np.broadcast_to(ONE_VOXEL, (MAX_ROWS + 1, 4)), np.broadcast_to(ONE_FEATURE_ROW, (MAX_ROWS + 1, 2)), ValueError,
+        f"coordinates has {MAX_ROWS + 1} rows",
+    ),
 }
 
 
@@ -188,7 +193,8 @@ def test_invalid_input_raises_an_error_naming_the_argument(case):
         SparseTensor(coords, feats)
 
 
-@pytest.mark.parametrize("name", ["int64 coordinates", "1-D coordinates", "five spatial columns", "feature rows mismatch", "int features"])
+@pytest.mark.parametrize("name", ["int64 coordinates", "1-D coordinates", "five spatial columns",
+                                  "feature rows mismatch", "int features", "more rows than int32 indices"])
 def test_dtype_and_shape_checks_run_without_validation(name):
     coords, feats, error, message = BAD_CONSTRUCTOR_INPUTS[name]
     with pytest.raises(error, match=message):
@@ -200,7 +206,7 @@ def test_validate_false_skips_the_value_checks():
     assert len(SparseTensor(coords, feats, validate=False)) == 2
 
 
-@pytest.mark.parametrize("stride", [0, (1, 2), (1, 1, -1)])
+@pytest.mark.parametrize("stride", [0, (1, 2), (1, 1, -1), 2**31])
 def test_invalid_tensor_stride_raises(stride):
     with pytest.raises(ValueError, match="tensor_stride"):
         SparseTensor(ONE_VOXEL, ONE_FEATURE_ROW, tensor_stride=stride)

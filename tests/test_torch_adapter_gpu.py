@@ -148,6 +148,7 @@ def graph_cases():
     return cases
 
 
+@pytest.mark.pooled_memory  # capture allocates from torch's caching allocator
 @pytest.mark.parametrize("dtype, name", graph_cases())
 def test_cuda_graph_capture_and_replay_of_a_training_step(dtype, name):
     """Replays equal the eager step bitwise; an algorithm capture cannot record (explicit GEMMs are
@@ -200,6 +201,7 @@ def test_a_second_stream_is_respected(dtype):
     assert not torch.equal(out, expected)
 
 
+@pytest.mark.pooled_memory  # reads the pools' statistics
 @PLANNED_AND_NOT
 def test_cupy_allocations_come_from_torchs_pool(dtype):
     x, first, _, _ = two_layer_inputs(dtype)

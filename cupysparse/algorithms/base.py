@@ -212,5 +212,16 @@ def get_algorithm(name: str, kind: str = CONV) -> Algorithm:
         raise ValueError(f"{name!r} is not a {kind} algorithm; valid names: {valid}") from None
 
 
+# The raw kernels' weight gradients launch one grid z slice per kernel offset (times a split), and
+# gridDim.z is at most 65535.
+MAX_GRID_Z = 65535
+
+
 def gpu_only_reason(problem: ConvProblem) -> str | None:
-    return "runs on CUDA GPUs only (the input is a NumPy array)" if problem.device != "cuda" else None
+    """Why the raw-kernel algorithms (GPU only, offsets on grid z) cannot run `problem`, or None."""
+    if problem.device != "cuda":
+        return "runs on CUDA GPUs only (the input is a NumPy array)"
+    if problem.kernel_volume > MAX_GRID_Z:
+        return (f"its kernels take at most {MAX_GRID_Z} kernel offsets (one CUDA grid slice each), "
+                f"not {problem.kernel_volume}")
+    return None

@@ -19,7 +19,7 @@ import numpy as np
 from ..backend import cupy_module
 from ..compile import KernelSource
 from ..dtypes import BFLOAT16, FEATURE_DTYPES, FLOAT16, FLOAT32, cuda_type_name, short_name
-from .base import Algorithm, ConvProblem, gpu_only_reason, register
+from .base import MAX_GRID_Z, Algorithm, ConvProblem, gpu_only_reason, register
 
 BLOCK_SIZES = (16, 4, 32)
 SPLIT_K_FACTORS = (4, 2, 8)
@@ -159,6 +159,8 @@ class ImplicitGemm(Algorithm):
         features = cupy.ascontiguousarray(features)
         grad_output = cupy.ascontiguousarray(grad_output)
         pair_table = cupy.ascontiguousarray(pair_table)
+        # Grid z holds an offset times a split: fewer splits for large kernels (the sum is the same).
+        split_k_factor = min(split_k_factor, MAX_GRID_Z // kernel_volume)
         # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
         partials = cupy.empty((split_k_factor, kernel_volume, in_channels, out_channels), dtype=np.float32)
         name = f"implicit_gemm_wgrad<{cuda_type_name(features.dtype)}, {gemm_block_size}>"

@@ -32,13 +32,12 @@ import numpy as np
 from ..backend import array_module, cupy_module, is_cupy_array
 from ..compile import KernelSource, PreparedLaunch, launch_config
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
-from .base import Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
+from .base import MAX_GRID_Z, Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
 FRAGMENT = 16  # the m, n and k of a WMMA fragment
 WARP_SIZE = 32
 WARP_TILE = 32  # every warp computes 32 x 32 of its block's tile (raw_kernels/wmma_implicit_gemm.cu)
 VECTOR_BYTES = 16  # pipelined copies move 8 fp16/bf16 values
-MAX_GRID_Z = 65535
 MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
 # The fp32 partials of one wgrad call are transient but come at the peak of a training step (the first
 # layers of the backward pass are the widest at the finest level), so they are capped: at 64 MiB (9
