@@ -6,6 +6,7 @@ from .algorithm_modes import (
     SPARSE_DEPTHWISE_CONV_BWD_ALGO_MODE,
     SPARSE_DEPTHWISE_CONV_FWD_ALGO_MODE,
 )
+from . import precision
 from .functional import (
     spatially_sparse_conv,
     spatially_sparse_conv_backward,
@@ -22,6 +23,7 @@ __all__ = [
     "SPARSE_DEPTHWISE_CONV_BWD_ALGO_MODE",
     "SPARSE_DEPTHWISE_CONV_FWD_ALGO_MODE",
     "SparseTensor",
+    "precision",
     "spatially_sparse_conv",
     "spatially_sparse_conv_backward",
     "spatially_sparse_depthwise_conv",
