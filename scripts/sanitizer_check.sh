@@ -8,10 +8,10 @@
 #   scripts/sanitizer_check.sh [--tool memcheck|racecheck|synccheck|initcheck|both] [--select kernels|frameworks|all]
 #                              [--shard I/N] [--skip-first K] [--budget SECONDS] [--pooled] [-k EXPRESSION]
 #
-# --select kernels (default): tests/test_conv_algorithms_gpu.py, test_kernel_map.py, test_pooling.py:
-#   every algorithm x dtype x phase and every template instantiation of the tuner's space, the maps in
-#   2-4 D with their formats, depthwise and pooling, all on small inputs. frameworks: every other GPU
-#   test (PyTorch and JAX adapters, networks, the fuzz suite, ...). all: both.
+# --select kernels (default): tests/test_conv_algorithms_gpu.py, test_tf32_gpu.py, test_kernel_map.py,
+#   test_pooling.py: every algorithm x dtype x phase (TF32 included) and every template instantiation of
+#   the tuner's space, the maps in 2-4 D with their formats, depthwise and pooling, all on small inputs.
+#   frameworks: every other GPU test (PyTorch and JAX adapters, networks, the fuzz suite, ...). all: both.
 # --shard I/N takes every N-th test from the I-th; --skip-first K resumes a run that its budget stopped
 #   (the summary prints the command). --budget (default 360) is the seconds in which tests may start,
 #   split 60/40 between memcheck and racecheck under --tool both; a test started in time may finish
@@ -46,7 +46,7 @@ done
 case "$tool" in memcheck|racecheck|synccheck|initcheck) tools=("$tool") ;; both) tools=(memcheck racecheck) ;;
   *) echo "--tool must be memcheck, racecheck, synccheck, initcheck or both, got '$tool'" >&2; exit 2 ;; esac
 case "$select" in
-  kernels) files=(test_conv_algorithms_gpu.py test_kernel_map.py test_pooling.py) ;;
+  kernels) files=(test_conv_algorithms_gpu.py test_tf32_gpu.py test_kernel_map.py test_pooling.py) ;;
   frameworks) files=(test_torch_adapter_gpu.py test_jax_adapter.py test_networks_gpu.py test_fuzz.py
                      test_sparse_tensor.py test_compile.py test_info.py) ;;
   all) files=(.) ;;
