@@ -39,6 +39,10 @@ WARP_SIZE = 32
 WARP_TILE = 32  # every warp computes 32 x 32 of its block's tile (raw_kernels/wmma_implicit_gemm.cu)
 VECTOR_BYTES = 16  # pipelined copies move 8 fp16/bf16 values
 MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
+# Long sums in a tensor core's fp32 accumulator drift toward zero: with a million pairs per share, a
+# 20M-voxel fp16 wgrad came out up to 0.3% small (H100, every error toward zero), as if each k step's
+# add truncated. Shares of at most 2^17 pairs bound the drift; the sum over shares rounds to nearest.
+MAX_PAIRS_PER_SHARE = 2**17
 # The fp32 partials of one wgrad call are transient but come at the peak of a training step (the first
 # layers of the backward pass are the widest at the finest level), so they are capped: at 64 MiB (9
 # shares of a 27 x 256 x 256 layer), or an eighth of the layer's larger operand where that is more. A
@@ -335,15 +339,18 @@ class WgradPlan:
 
     def shares(self, num_in: int, num_out: int) -> int:
         """Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
-        MIN_PAIRS_PER_SHARE pairs (an offset has at most `num_out`), grid z in range, partials within
-        the workspace cap (see MIN_WORKSPACE_CAP_BYTES). Their pair ranges are computed on the device
-        from the CSR offsets: no synchronisation."""
+        MIN_PAIRS_PER_SHARE pairs (an offset has at most `num_out`), partials within the workspace cap
+        (see MIN_WORKSPACE_CAP_BYTES); but enough for at most MAX_PAIRS_PER_SHARE pairs each, whatever
+        the cap; grid z in range. Their pair ranges are computed on the device from the CSR offsets: no
+        synchronisation."""
         share_bytes = self.kernel_volume * self.padded_sizes[0] * self.padded_sizes[1] * 4
         _, in_channels, out_channels = self.out_shape
         operand_bytes = max(num_in * in_channels, num_out * out_channels) * self.dtype.itemsize
         cap_bytes = max(MIN_WORKSPACE_CAP_BYTES, operand_bytes // WORKSPACE_OPERAND_FRACTION)
-        return max(1, min(-(-self.wanted_warps // self.warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE),
-                          MAX_GRID_Z // self.kernel_volume, cap_bytes // share_bytes))
+        for_speed = min(-(-self.wanted_warps // self.warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE),
+                        cap_bytes // share_bytes)
+        for_accuracy = -(-num_out // MAX_PAIRS_PER_SHARE)
+        return max(1, min(max(for_speed, for_accuracy), MAX_GRID_Z // self.kernel_volume))
 
     def workspace_shape(self, kernel_map) -> tuple[int, int, int, int]:
         return (self.shares(kernel_map.num_in, kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
