@@ -307,7 +307,8 @@ def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: 
     _synchronize(device)
     entry = tuner.cache.get(namespace, key)
     if entry is None:
-        raise RuntimeError(f"the tuner stored no {namespace} result (every candidate failed? see the log)")
+        raise RuntimeError(f"the tuner stored no {namespace} result: its warning says why (memory ran short, no "
+                           "candidate could run, or the reference overflowed); --resume measures it again")
     winner = next(r for r in entry.results if (r[0], r[1]) == (chosen.algorithm.name, chosen.params))
     source = "measured" if tuner.measurements > measured_before else "cached"
     return PhaseOutcome(phase, winner, time.perf_counter() - begin, source)

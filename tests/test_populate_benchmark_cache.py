@@ -219,3 +219,33 @@ def test_an_interrupted_run_keeps_what_it_measured_and_resume_measures_only_the_
         assert saved_pairs(namespace) == {(4, 8), (8, 8), (8, 16)}
         updated = {entry.key: entry.updated for entry in saved_entries(namespace)}
         assert all(updated[key] == when for key, when in written[namespace].items())  # earlier results untouched
+
+
+def test_a_configuration_that_ran_out_of_memory_is_reported_uncached_and_resume_measures_it(monkeypatch, capsys):
+    real_runner = populate.LayerData.runner
+    memory = {"short": True}
+
+    def runner_short_of_memory_for_c_in_8(data, phase):
+        run = real_runner(data, phase)
+
+        def maybe_out_of_memory(algorithm, params):
+            if memory["short"] and data.problem.in_channels == 8:
+                raise MemoryError("Unable to allocate 12.0 GiB for an array with shape (200000, 16384)")
+            return run(algorithm, params)
+
+        return maybe_out_of_memory
+
+    monkeypatch.setattr(populate.LayerData, "runner", runner_short_of_memory_for_c_in_8)
+    argv = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "8,8", "--dtypes", "float32",
+            "--forward-only"]
+    with pytest.warns(RuntimeWarning, match="the reference explicit_gemm ran out of memory .*12.0 GiB"):
+        assert populate.main(argv) == 1
+    output = capsys.readouterr().out
+    assert "8->8" in output and "FAILED: RuntimeError: the tuner stored no sparse_conv_forward result" in output
+    assert "done 1, skipped 0 (already cached), failed 1" in output
+    assert saved_pairs("sparse_conv_forward") == {(4, 8)}
+
+    memory["short"] = False
+    assert populate.main([*argv, "--resume"]) == 0
+    assert "done 1, skipped 1 (already cached), failed 0" in capsys.readouterr().out
+    assert saved_pairs("sparse_conv_forward") == {(4, 8), (8, 8)}
