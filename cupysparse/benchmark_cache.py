@@ -18,7 +18,7 @@ One msgpack file (never pickle), `paths.benchmark_cache_dir() / CACHE_FILENAME`:
   the file on disk stays as it was (atomic replace). Where the directory lets several users
   replace the file, they share it: another user's lock file is locked read-only.
 - Opened `read_only` (the inspection scripts), nothing is ever written or moved: a bad file raises
-  `NotACacheFile` instead.
+  `NotACacheFile` instead, an unreadable one its OSError.
 - Entries record the digests of the kernel sources they measured; an entry whose sources changed
   is stale: invisible to `get` but listed by `entries` until a new measurement overwrites it.
 """
@@ -248,10 +248,10 @@ def _current_source_digest(filename: str) -> str:
 class BenchmarkCache:
     """Tuning results of one cache file, loaded on first use; see the module docstring.
 
-    `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError and an
-    unreadable file raises `NotACacheFile`. `current_digests(filename)` gives a kernel source's
-    digest now (default `compile.source_digest`); raising FileNotFoundError or KeyError means the
-    source is gone, which makes its entries stale.
+    `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError, a file
+    that is no cache raises `NotACacheFile` and one that cannot be read its OSError.
+    `current_digests(filename)` gives a kernel source's digest now (default `compile.source_digest`);
+    raising FileNotFoundError or KeyError means the source is gone, which makes its entries stale.
     """
 
     def __init__(
@@ -379,6 +379,8 @@ class BenchmarkCache:
             try:
                 on_disk = self._read_file(holding_lock=False)
             except OSError as error:
+                if self._read_only:  # an inspection of a file it cannot read must say so, not show it empty
+                    raise
                 self._fall_back_to_memory(f"cannot read the benchmark cache {self._path} ({error})")
                 on_disk = []
             with self._state_lock:
