@@ -149,13 +149,16 @@ def _labelled(result) -> list[tuple[str, object]]:
     return list(zip(labels, parts))
 
 
-def _position(flat_index: int, shape) -> str:
-    """Where element `flat_index` of an array of `shape` is, in the terms of a features or weight array."""
+def _position(flat_index: int, shape, label: str) -> str:
+    """Where element `flat_index` of the array `label` of `shape` is: a row and channel of features,
+    an offset and channels of a weight gradient (`[K, C_in, C_out]`, or `[K, C]` for depthwise)."""
     index = [int(i) for i in np.unravel_index(flat_index, shape)]
+    if label == "weight gradient" and len(index) == 3:
+        return f"offset {index[0]}, input channel {index[1]}, output channel {index[2]}"
+    if label == "weight gradient" and len(index) == 2:
+        return f"offset {index[0]}, channel {index[1]}"
     if len(index) == 2:
         return f"row {index[0]}, channel {index[1]}"
-    if len(index) == 3:
-        return f"offset {index[0]}, input channel {index[1]}, output channel {index[2]}"
     return f"index {tuple(index)}"
 
 
@@ -184,7 +187,7 @@ def non_finite_reference(reference, dtype) -> str | None:
         if bad == 0:
             continue
         first = int(xp.argmin(finite))  # the first False
-        where = _position(first, expected.shape)
+        where = _position(first, expected.shape, label)
         more = f" (and {bad - 1:,} more)" if bad > 1 else ""
         if bool(xp.isnan(expected.ravel()[first].astype(accumulation_dtype(dtype)))):
             return (f"the reference {name} {label} is NaN at {where}{more}: the inputs hold NaN or inf, "
@@ -221,7 +224,7 @@ def disagreement(result, reference, dtype) -> str | None:
             value, exact = float(got.ravel()[first]), float(expected.ravel()[first])
             named = f"the {short_name(dtype)} {label}"
             what = f"{named} is NaN" if np.isnan(value) else f"overflow: {named} is {value:g}"
-            return f"{what} at {_position(first, got.shape)}, where the reference is {exact:.6g}"
+            return f"{what} at {_position(first, got.shape, label)}, where the reference is {exact:.6g}"
         scale = float(xp.abs(expected).max())
         error = float(xp.abs(got - expected).max())
         if error > tolerance * scale + floor:

@@ -447,3 +447,7 @@ def test_the_check_names_inf_and_nan_in_either_result_with_their_position():
                                        (grad_input, grad_weight.astype(bfloat16)), bfloat16)
     assert reason.startswith(f"overflow: the bf16 weight gradient exceeds {BF16_LARGEST:g} at offset 1, "
                              "input channel 0, output channel 2")
+    depthwise_grad_weight = np.ones((3, 4), np.float32)  # [K, C]
+    depthwise_grad_weight[2, 3] = np.inf
+    reason = tuner_module.disagreement((grad_input, depthwise_grad_weight), (grad_input, np.ones((3, 4))), np.float32)
+    assert reason == "overflow: the fp32 weight gradient is inf at offset 2, channel 3, where the reference is 1"
