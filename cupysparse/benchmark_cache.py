@@ -13,9 +13,12 @@ One msgpack file (never pickle), `paths.benchmark_cache_dir() / CACHE_FILENAME`:
   processes tuning at once lose nothing. Puts are saved by a debounced background thread and at exit.
 - A file that is not a cache of this version (corrupt, truncated, pickle, foreign, other version)
   is renamed to `<file>.corrupt-<timestamp>` with a warning and the cache starts empty.
-- A directory that cannot be read or written gives one warning; the cache then works in memory only.
+- A directory that cannot be read or written, a full disk, or a shared directory whose files
+  another user owns give one warning; the cache then works in memory only, with what it read, and
+  the file on disk stays as it was (atomic replace). Where the directory lets several users
+  replace the file, they share it: another user's lock file is locked read-only.
 - Opened `read_only` (the inspection scripts), nothing is ever written or moved: a bad file raises
-  `NotACacheFile` instead.
+  `NotACacheFile` instead, an unreadable one its OSError.
 - Entries record the digests of the kernel sources they measured; an entry whose sources changed
   is stale: invisible to `get` but listed by `entries` until a new measurement overwrites it.
 """
@@ -190,9 +193,18 @@ def _merge_newer(into: dict[str, dict[tuple, CacheEntry]], entries: Iterable[Cac
             slot[match] = entry
 
 
+def _open_lock_file(lock_path: pathlib.Path) -> int:
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        # Another user's lock file in a shared directory: flock needs no write access to the file,
+        # so users who may replace the cache file still take turns through it.
+        return os.open(lock_path, os.O_RDONLY)
+
+
 @contextlib.contextmanager
 def _exclusive_lock(lock_path: pathlib.Path):
-    descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    descriptor = _open_lock_file(lock_path)
     try:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -236,10 +248,10 @@ def _current_source_digest(filename: str) -> str:
 class BenchmarkCache:
     """Tuning results of one cache file, loaded on first use; see the module docstring.
 
-    `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError and an
-    unreadable file raises `NotACacheFile`. `current_digests(filename)` gives a kernel source's
-    digest now (default `compile.source_digest`); raising FileNotFoundError or KeyError means the
-    source is gone, which makes its entries stale.
+    `read_only`: never write, lock or move the file; `put` and `save` raise PermissionError, a file
+    that is no cache raises `NotACacheFile` and one that cannot be read its OSError.
+    `current_digests(filename)` gives a kernel source's digest now (default `compile.source_digest`);
+    raising FileNotFoundError or KeyError means the source is gone, which makes its entries stale.
     """
 
     def __init__(
@@ -367,6 +379,8 @@ class BenchmarkCache:
             try:
                 on_disk = self._read_file(holding_lock=False)
             except OSError as error:
+                if self._read_only:  # an inspection of a file it cannot read must say so, not show it empty
+                    raise
                 self._fall_back_to_memory(f"cannot read the benchmark cache {self._path} ({error})")
                 on_disk = []
             with self._state_lock:

@@ -16,6 +16,7 @@ from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, DEPTHWISE, ConvProblem
 from .backend import is_cupy_array
 from .dtypes import FEATURE_DTYPES, accumulation_dtype
+from .out_of_memory import naming_sizes
 from .selection import Selection
 from .tuner import select_algorithm
 from .sparse_tensor import SparseTensor
@@ -112,15 +113,18 @@ def select_backward(grad_output, features, weight, kernel_map, algo=None) -> Sel
 
 
 def conv_forward(features, weight, kernel_map, algo=None):
-    """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`)."""
+    """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`).
+    Out of memory, it raises the allocator's error naming the sizes (`out_of_memory`)."""
     selection = select_forward(features, weight, kernel_map, algo)
-    return forward_runner(features, weight, kernel_map)(selection.algorithm, selection.params)
+    with naming_sizes("forward", features, weight, kernel_map, selection.algorithm.name):
+        return forward_runner(features, weight, kernel_map)(selection.algorithm, selection.params)
 
 
 def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
     """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed."""
     selection = select_backward(grad_output, features, weight, kernel_map, algo)
-    return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
+    with naming_sizes("backward", features, weight, kernel_map, selection.algorithm.name):
+        return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
 
 
 def _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):
@@ -229,7 +233,8 @@ def spatially_sparse_depthwise_conv(
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
     run = forward_runner(input_features, depthwise_weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(fwd_algo, DEPTHWISE, "forward"), problem, run)
-    return run(selection.algorithm, selection.params)
+    with naming_sizes("forward", input_features, depthwise_weight, kernel_map, selection.algorithm.name, True):
+        return run(selection.algorithm, selection.params)
 
 
 def spatially_sparse_depthwise_conv_backward(
@@ -243,9 +248,10 @@ def spatially_sparse_depthwise_conv_backward(
     problem = ConvProblem.of(input_features, kernel_map, input_features.shape[1])
     run = backward_runner(grad_output, input_features, depthwise_weight, kernel_map)
     selection = select_algorithm(parse_algorithm_filter(bwd_algo, DEPTHWISE, "backward"), problem, run)
-    return _gradients(
-        selection, grad_output, input_features, depthwise_weight, kernel_map, needs_input_grad, needs_weight_grad
-    )
+    with naming_sizes("backward", input_features, depthwise_weight, kernel_map, selection.algorithm.name, True):
+        return _gradients(
+            selection, grad_output, input_features, depthwise_weight, kernel_map, needs_input_grad, needs_weight_grad
+        )
 
 
 __all__ = [

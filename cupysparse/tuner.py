@@ -17,6 +17,13 @@ the problem's shape, dtype (and TF32 use) and device architecture, so caches of 
 match: each algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every
 candidate of the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
 `CUPYSPARSE_AUTOTUNE=0` turns measuring off (the priority rule decides).
+
+What a moment or a machine may not repeat is not stored: a measurement during which memory ran
+short, one in which every candidate but the reference raised (a compile error, say), and an
+algorithm whose every candidate raised; each is warned about once per process. A wrong answer is
+a result, and stored. A reference result holding inf (the exact sum is out of the dtype's range:
+an overflow) or NaN checks nothing: the candidates are skipped, the reference's result is the
+call's, and the next call tunes again.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +42,8 @@ from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, 
 from .backend import array_module, cupy_module, is_cupy_array
 from .benchmark_cache import default_cache
 from .compile import source_digest
-from .dtypes import accumulation_dtype
+from .dtypes import BFLOAT16, accumulation_dtype, short_name
+from .out_of_memory import is_out_of_memory
 from .precision import TF32, get_fp32_precision
 from .selection import Selection, describe_problem, rule_based_selection
 
@@ -133,12 +142,75 @@ def _as_tuple(result) -> tuple:
     return result if isinstance(result, tuple) else (result,)
 
 
+def _labelled(result) -> list[tuple[str, object]]:
+    """The arrays of a run's result with what they are: a forward's output, or a backward's
+    (input gradient, weight gradient)."""
+    parts = _as_tuple(result)
+    labels = ("input gradient", "weight gradient") if len(parts) == 2 else ("output",) * len(parts)
+    return list(zip(labels, parts))
+
+
+def _position(flat_index: int, shape, label: str) -> str:
+    """Where element `flat_index` of the array `label` of `shape` is: a row and channel of features,
+    an offset and channels of a weight gradient (`[K, C_in, C_out]`, or `[K, C]` for depthwise)."""
+    index = [int(i) for i in np.unravel_index(flat_index, shape)]
+    if label == "weight gradient" and len(index) == 3:
+        return f"offset {index[0]}, input channel {index[1]}, output channel {index[2]}"
+    if label == "weight gradient" and len(index) == 2:
+        return f"offset {index[0]}, channel {index[1]}"
+    if len(index) == 2:
+        return f"row {index[0]}, channel {index[1]}"
+    return f"index {tuple(index)}"
+
+
+def largest_finite(dtype) -> float:
+    """The largest finite value of `dtype` (65504 for fp16)."""
+    dtype = np.dtype(dtype)
+    if dtype == BFLOAT16:  # NumPy's finfo does not know it; the package that defines it does
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+    return float(np.finfo(dtype).max)
+
+
+def non_finite_reference(reference, dtype) -> str | None:
+    """Why the reference result cannot check the candidates, or None: it holds inf (the exact
+    result, accumulated in fp32 or wider, lies beyond `dtype`'s range: an overflow) or NaN (NaN or
+    inf in the inputs). Then every candidate would "agree" on those values, or differ for no fault
+    of its own."""
+    name = short_name(dtype)
+    for label, expected in _labelled(reference):
+        if expected is None or expected.size == 0:
+            continue
+        xp = array_module(expected)
+        finite = xp.isfinite(expected.astype(accumulation_dtype(dtype))).ravel()
+        bad = int(finite.size - int(finite.sum()))
+        if bad == 0:
+            continue
+        first = int(xp.argmin(finite))  # the first False
+        where = _position(first, expected.shape, label)
+        more = f" (and {bad - 1:,} more)" if bad > 1 else ""
+        if bool(xp.isnan(expected.ravel()[first].astype(accumulation_dtype(dtype)))):
+            return (f"the reference {name} {label} is NaN at {where}{more}: the inputs hold NaN or inf, "
+                    "so no candidate can be checked")
+        return (f"overflow: the {name} {label} exceeds {largest_finite(dtype):g} at {where}{more}: the reference, "
+                f"accumulated in {short_name(accumulation_dtype(dtype))}, is out of {name}'s range there, so no "
+                "candidate can be checked; scale the inputs or weights down, or compute in a wider dtype")
+    return None
+
+
 def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
     """Why `result` is not `reference` within `AGREEMENT` for `dtype` (for TF32 products when
-    `tf32`), or None. Computed where the arrays live, so only a few scalars cross to the host."""
+    `tf32`), or None. Computed where the arrays live, so only a few scalars cross to the host. A
+    reference with inf or NaN checks nothing (`non_finite_reference` says why); inf or NaN in
+    `result` where the reference is finite is reported as what it is (an overflow, or NaN), with its
+    position."""
+    unusable = non_finite_reference(reference, dtype)
+    if unusable is not None:
+        return unusable
     tolerance = AGREEMENT[TF32 if tf32 else np.dtype(dtype).name]
     floor = SUBNORMAL_STEPS_ALLOWED * SUBNORMAL_STEP[np.dtype(dtype).name]
-    for got, expected in zip(_as_tuple(result), _as_tuple(reference)):
+    for (label, got), expected in zip(_labelled(result), _as_tuple(reference)):
         if got is None and expected is None:
             continue
         if got.shape != expected.shape:
@@ -148,11 +220,15 @@ def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
         xp = array_module(expected)
         wide = accumulation_dtype(dtype)
         got, expected = got.astype(wide), expected.astype(wide)
-        finite = xp.isfinite(expected)
-        if not bool(xp.array_equal(xp.isfinite(got), finite)):
-            return "non-finite values where the reference has finite ones (overflow?)"
-        scale = float(xp.where(finite, xp.abs(expected), 0).max())
-        error = float(xp.where(finite, xp.abs(got - expected), 0).max())
+        finite = xp.isfinite(got).ravel()
+        if not bool(finite.all()):
+            first = int(xp.argmin(finite))
+            value, exact = float(got.ravel()[first]), float(expected.ravel()[first])
+            named = f"the {short_name(dtype)} {label}"
+            what = f"{named} is NaN" if np.isnan(value) else f"overflow: {named} is {value:g}"
+            return f"{what} at {_position(first, got.shape, label)}, where the reference is {exact:.6g}"
+        scale = float(xp.abs(expected).max())
+        error = float(xp.abs(got - expected).max())
         if error > tolerance * scale + floor:
             return f"differs from the reference answer by {error:.3g} (max |reference| {scale:.3g})"
     return None
@@ -179,6 +255,7 @@ class Tuner:
         self._by_call: dict[tuple, Selection] = {}  # by filter and exact problem: a repeated call's one look-up
         self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
         self.generation = 0  # bumped whenever remembered choices are dropped
+        self._reported: set = set()  # topics `_warn_once` has warned about in this process
 
     @property
     def cache(self):
@@ -197,7 +274,9 @@ class Tuner:
         call_key = (search_space, problem, run is None, tuning_enabled())
         chosen = self._by_call.get(call_key)
         if chosen is None:
-            chosen = self._by_call[call_key] = self._select(search_space, problem, run)
+            chosen, remember = self._select(search_space, problem, run)
+            if remember:
+                self._by_call[call_key] = chosen
         if not chosen.algorithm.capturable and _is_capturing(problem):
             return self._capturable_selection(search_space, problem)
         return chosen
@@ -225,20 +304,31 @@ class Tuner:
                 return Selection(get_algorithm(name, search_space.kind), dict(params))
         return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
 
-    def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> Selection:
+    def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> tuple[Selection, bool]:
+        """The selection, and whether this process may keep it for the problem (not when the data
+        of this call could check nothing: the next call's may)."""
         pool = candidates(search_space, problem)
         if not pool:
-            return rule_based_selection(search_space, problem)  # raises, listing the valid choices
+            return rule_based_selection(search_space, problem), True  # raises, listing the valid choices
         if run is None or (len(pool) == 1 and not self._measure_single) or not tuning_enabled():
-            return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
+            return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool))), True
         key = tuning_key(problem)
         memo_key = (search_space.kind, search_space.phase, key, tuple((a.name, _params_key(p)) for a, p in pool))
-        if memo_key not in self._chosen:
-            self._chosen[memo_key] = self._tuned(search_space, problem, key, pool, run)
-        return self._chosen[memo_key]
+        chosen = self._chosen.get(memo_key)
+        if chosen is None:
+            chosen, remember = self._tuned(search_space, problem, key, pool, run)
+            if not remember:
+                return chosen, False
+            self._chosen[memo_key] = chosen
+        return chosen, True
 
-    def _tuned(self, search_space: AlgorithmFilter, problem: ConvProblem, key, pool, run) -> Selection:
+    def _tuned(self, search_space: AlgorithmFilter, problem: ConvProblem, key, pool, run) -> tuple[Selection, bool]:
+        """Measure what the cache lacks and choose. A measurement is cached unless memory ran
+        short, every candidate but the reference raised, or nothing could be checked; an algorithm
+        whose every candidate raised is never cached as failed (a broken install, say, may be
+        repaired). Those failures are warned about once per process."""
         phase, kind = search_space.phase, search_space.kind
+        keep = True
         sweeps: dict[Algorithm, list[dict]] = {}
         for algorithm, params in pool:
             sweeps.setdefault(algorithm, []).append(params)
@@ -254,10 +344,6 @@ class Tuner:
             begin = time.perf_counter()
             self.measurements += 1
             measurement = measure([(a, p) for a in unknown for p in sweeps[a]], run, problem, kind)
-            for algorithm in unknown:
-                known[algorithm] = [result for result in measurement.results if result[0] == algorithm.name]
-                if algorithm.name not in measurement.retry_later:
-                    self.cache.put(algorithm.tuning_namespace(phase), key, known[algorithm], _sources([algorithm]))
             log.info(
                 "tuned %s %s in %.0f ms: %s",
                 NAMESPACES[(kind, phase)],
@@ -265,13 +351,85 @@ class Tuner:
                 (time.perf_counter() - begin) * 1e3,
                 measurement.results[:3],
             )
+            if measurement.unchecked is not None:
+                return self._unchecked_selection(search_space, problem, pool, measurement)
+            keep = not measurement.short_of_memory and not measurement.every_candidate_raised(REFERENCE[kind])
+            always_raised = measurement.algorithms_that_always_raised()
+            for algorithm in unknown:
+                known[algorithm] = [result for result in measurement.results if result[0] == algorithm.name]
+                if keep and algorithm.name not in always_raised:
+                    self.cache.put(algorithm.tuning_namespace(phase), key, known[algorithm], _sources([algorithm]))
+            self._report_failures(search_space, problem, measurement)
         ranking = sorted((result for results in known.values() for result in results), key=lambda r: r[2])
-        self._record_ranking(NAMESPACES[(kind, phase)], key, ranking, kind)
+        if keep:
+            self._record_ranking(NAMESPACES[(kind, phase)], key, ranking, kind)
         if not ranking:
             reference = get_algorithm(REFERENCE[kind], kind)
-            return Selection(reference, reference.default_params(phase))
+            return Selection(reference, reference.default_params(phase)), True
         name, params, _ = ranking[0]
-        return Selection(get_algorithm(name, kind), params)
+        return Selection(get_algorithm(name, kind), params), True
+
+    def _unchecked_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, pool,
+                             measurement: Measurement) -> tuple[Selection, bool]:
+        """When the reference could check nothing. Out of memory: the priority rule among the
+        other candidates, kept for the process (the reference would run out again). inf or NaN
+        in its result: the reference itself, for this call only (the next call's data may tune)."""
+        kind, phase = search_space.kind, search_space.phase
+        reference = get_algorithm(REFERENCE[kind], kind)
+        namespace = NAMESPACES[(kind, phase)]
+        if measurement.short_of_memory:
+            others = [algorithm for algorithm in dict.fromkeys(a for a, _ in pool) if algorithm is not reference]
+            chosen = (rule_based_selection(search_space, problem, others) if others
+                      else Selection(reference, reference.default_params(phase)))
+            self._warn_once(
+                ("reference out of memory", namespace, tuning_key(problem)),
+                f"cupysparse: tuning {namespace} for {_describe(problem)}: {measurement.unchecked}; "
+                f"{chosen.algorithm.name} runs unmeasured and nothing is cached (the next process measures again)",
+            )
+            return chosen, True
+        self._warn_once(
+            ("reference not finite", namespace, tuning_key(problem)),
+            f"cupysparse: tuning {namespace} for {_describe(problem)}: {measurement.unchecked}. "
+            f"{reference.name} runs; nothing is measured or cached, and the next call tunes again",
+        )
+        return Selection(reference, reference.default_params(phase)), False
+
+    def _report_failures(self, search_space: AlgorithmFilter, problem: ConvProblem, measurement: Measurement):
+        """One warning per process for each set of errors: algorithms that could not run (every
+        candidate raised), and candidates that ran out of memory."""
+        namespace = NAMESPACES[(search_space.kind, search_space.phase)]
+        reference = REFERENCE[search_space.kind]
+        failed = measurement.algorithms_that_always_raised()
+        errors = "; ".join(f"{name}: {' | '.join(texts)}" for name, texts in failed.items())
+        if measurement.every_candidate_raised(reference):
+            self._warn_once(
+                ("every candidate raised", errors),
+                f"cupysparse: no {namespace} candidate could run for {_describe(problem)}, so {reference} runs. "
+                f"{errors}. Nothing is cached: the next process tries them again",
+            )
+            return
+        if failed:
+            self._warn_once(
+                ("could not run", errors),
+                f"cupysparse: {', '.join(failed)} could not run for {_describe(problem)} and "
+                f"{'is' if len(failed) == 1 else 'are'} left out of the choice. {errors}. Not cached as failed: "
+                "the next process tries again",
+            )
+        if measurement.short_of_memory:
+            self._warn_once(
+                ("out of memory",),
+                f"cupysparse: while tuning {namespace} for {_describe(problem)} some candidates ran out of memory "
+                "and were skipped; the choice holds for this process and is not cached (the next process "
+                "measures again). Later problems short of memory are only logged",
+            )
+
+    def _warn_once(self, topic: tuple, message: str) -> None:
+        """A RuntimeWarning the first time `topic` comes up in this process; later, a log line."""
+        if topic in self._reported:
+            log.info("%s", message)
+            return
+        self._reported.add(topic)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _cached_sweep(self, algorithm: Algorithm, phase: str, key, wanted: list[dict]) -> list | None:
         """The cached results of `wanted` parameters of `algorithm`, [] when its whole sweep failed,
@@ -298,6 +456,10 @@ class Tuner:
         self.cache.put(namespace, key, merged, _sources(algorithms))
 
 
+def _describe(problem: ConvProblem) -> str:
+    return f"{describe_problem(problem)}, {problem.num_in:,} -> {problem.num_out:,} rows"
+
+
 def _params_key(params: dict) -> tuple:
     return tuple(sorted(params.items()))
 
@@ -306,30 +468,64 @@ def _sources(algorithms) -> set[tuple[str, str]]:
     return {(filename, source_digest(filename)) for algorithm in algorithms for filename in algorithm.kernel_sources}
 
 
-def _is_out_of_memory(error: Exception) -> bool:
-    return isinstance(error, MemoryError) or "out of memory" in str(error).lower()
-
-
 @dataclass
 class Measurement:
-    """What `measure` found: `results` best-first as (name, params, ms) for the candidates that ran
-    and agreed with the reference; `skipped` maps each other candidate to its reason;
-    `retry_later` names the algorithms with a candidate that ran out of memory, a failure that
-    another moment may not repeat, so their sweeps are not cached."""
+    """What `measure` found. `results` best-first as (name, params, ms) for the candidates that ran
+    and agreed with the reference; `skipped` maps each other candidate to its reason, and `raised`
+    those whose run raised to the error. `short_of_memory`: some run ran out of memory, a failure
+    another moment may not repeat. `unchecked`: why no candidate could be checked (the reference ran
+    out of memory, or its result holds inf or NaN); then nothing else ran."""
 
     results: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
-    retry_later: set = field(default_factory=set)
+    raised: dict = field(default_factory=dict)
+    short_of_memory: bool = False
+    unchecked: str | None = None
+
+    def every_candidate_raised(self, reference: str) -> bool:
+        """Whether candidates other than `reference` were measured and each of them raised."""
+        measured = {key for key in self.skipped if key[0] != reference}
+        measured.update((name, _params_key(params)) for name, params, _ in self.results if name != reference)
+        return bool(measured) and all(key in self.raised for key in measured)
+
+    def algorithms_that_always_raised(self) -> dict[str, list[str]]:
+        """The algorithms whose every measured candidate raised, each with its distinct errors."""
+        ran = {name for name, _, _ in self.results}
+        ran.update(name for (name, params), _ in self.skipped.items() if (name, params) not in self.raised)
+        errors: dict[str, list[str]] = {}
+        for (name, _), error in self.raised.items():
+            if name not in ran and error not in errors.setdefault(name, []):
+                errors[name].append(error)
+        return errors
+
+
+def _error_summary(error: Exception) -> str:
+    """`Type: first line of the message`, at most 300 characters (an NVRTC log runs to pages)."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
     """Time every (algorithm, params) of `pool` through `run` after checking its first run against
-    the reference algorithm; a failing or disagreeing candidate is logged and skipped."""
+    the reference algorithm; a failing or disagreeing candidate is logged and skipped. If the
+    reference itself runs out of memory or gives inf or NaN, nothing is checked or timed."""
     reference_algorithm = get_algorithm(REFERENCE[kind], kind)
-    reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
-    on_gpu = problem.device == "cuda"
     measurement = Measurement()
+    try:
+        reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise  # the reference is the library's own answer: its failure is the call's
+        measurement.short_of_memory = True
+        measurement.unchecked = f"the reference {reference_algorithm.name} ran out of memory ({_error_summary(error)})"
+        return measurement
+    measurement.unchecked = non_finite_reference(reference, problem.dtype)
+    if measurement.unchecked is not None:
+        return measurement
+    on_gpu = problem.device == "cuda"
     for algorithm, params in pool:
+        candidate = (algorithm.name, _params_key(params))
         try:
             first = run(algorithm, params)
             reason = (None if algorithm is reference_algorithm
@@ -338,13 +534,15 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
                 # The checked first run warmed this candidate up; time it straight away.
                 time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
                 measurement.results.append((algorithm.name, params, time_ms))
+            else:
+                log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
         except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
             reason = f"{type(error).__name__}: {error}"
-            if _is_out_of_memory(error):
-                measurement.retry_later.add(algorithm.name)
+            measurement.raised[candidate] = _error_summary(error)
+            measurement.short_of_memory |= is_out_of_memory(error)
+            log.info("tuner: skipping %s %s: %s", algorithm.name, params, reason)
         if reason is not None:
-            measurement.skipped[(algorithm.name, _params_key(params))] = reason
-            log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
+            measurement.skipped[candidate] = reason
     measurement.results.sort(key=lambda result: result[2])
     return measurement
 

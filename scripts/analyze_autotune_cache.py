@@ -366,6 +366,9 @@ def main(argv=None) -> int:
     except NotACacheFile as problem:
         print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
         return 1
+    except OSError as error:  # e.g. another user's cache file in a shared directory
+        print(f"Cannot read {path}: {error}", file=sys.stderr)
+        return 1
     namespaces = args.namespace or list(DEFAULT_NAMESPACES)
     analysed = {namespace: measured_entries(cache, namespace) for namespace in namespaces}
     analysed = {namespace: entries for namespace, entries in analysed.items() if entries}

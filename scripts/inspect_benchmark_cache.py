@@ -171,6 +171,9 @@ def main(argv=None) -> int:
     except NotACacheFile as problem:
         print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
         return 1
+    except OSError as error:  # e.g. another user's cache file in a shared directory
+        print(f"Cannot read {path}: {error}", file=sys.stderr)
+        return 1
     top_k = 1 if args.best_only else args.top_k
     if args.namespace is None:
         if args.search:

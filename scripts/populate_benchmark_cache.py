@@ -18,6 +18,10 @@ counts in one bucket would measure the same key. Each scene is cut to at most th
 voxel count (the builder lands within ±5% of it), so the measured key is the listed bucket.
 A problem with a single candidate (on the CPU: `explicit_gemm` only), which normal calls do not
 measure, is measured too, so every configuration gets an entry.
+
+Each phase's results are saved before the next one is measured, so an interrupted run (Ctrl-C,
+exit status 130; a killed process) loses at most the phase it was measuring: run it again with
+`--resume` to measure only what is missing.
 """
 
 from __future__ import annotations
@@ -303,7 +307,8 @@ def tune_phase(data: LayerData, phase: str, algo_mode: str, device: str, tuner: 
     _synchronize(device)
     entry = tuner.cache.get(namespace, key)
     if entry is None:
-        raise RuntimeError(f"the tuner stored no {namespace} result (every candidate failed? see the log)")
+        raise RuntimeError(f"the tuner stored no {namespace} result: its warning says why (memory ran short, no "
+                           "candidate could run, or the reference overflowed); --resume measures it again")
     winner = next(r for r in entry.results if (r[0], r[1]) == (chosen.algorithm.name, chosen.params))
     source = "measured" if tuner.measurements > measured_before else "cached"
     return PhaseOutcome(phase, winner, time.perf_counter() - begin, source)
@@ -336,28 +341,39 @@ def main(argv=None) -> int:
     scenes = SceneMaps(args.batch_size, args.device)
     progress = Progress(len(grid))
     done = skipped = failed = 0
-    for index, config in enumerate(grid, 1):
-        progress.show(index, config.label())
-        prefix = f"{progress.tag(index)} {config.label()}"
-        try:
-            data = LayerData(config, scenes.kernel_map(config.num_voxels, config.kernel_size), args.device)
-            phases = [p for p in args.phases if not (args.resume and is_cached(data, p, cache))]
-            if not phases:
-                skipped += 1
+    index = 0
+    try:
+        for index, config in enumerate(grid, 1):
+            progress.show(index, config.label())
+            prefix = f"{progress.tag(index)} {config.label()}"
+            try:
+                data = LayerData(config, scenes.kernel_map(config.num_voxels, config.kernel_size), args.device)
+                phases = [p for p in args.phases if not (args.resume and is_cached(data, p, cache))]
+                if not phases:
+                    skipped += 1
+                    progress.clear()
+                    print(f"{prefix}  skipped: already cached", flush=True)
+                    continue
+                outcomes = []
+                for phase in phases:
+                    outcomes.append(tune_phase(data, phase, args.algo_mode, args.device, tuner))
+                    cache.flush()  # each problem on disk before the next: an interruption loses only its own
+                done += 1
                 progress.clear()
-                print(f"{prefix}  skipped: already cached", flush=True)
-                continue
-            outcomes = [tune_phase(data, phase, args.algo_mode, args.device, tuner) for phase in phases]
-            done += 1
-            progress.clear()
-            print(f"{prefix}  " + "; ".join(outcome.describe() for outcome in outcomes), flush=True)
-        except Exception as error:  # noqa: BLE001 - one failing configuration must not stop the others
-            failed += 1
-            progress.clear()
-            print(f"{prefix}  FAILED: {type(error).__name__}: {error}", flush=True)
-        finally:
-            data = None  # frees the configuration's arrays before the next one allocates
-    cache.flush()
+                print(f"{prefix}  " + "; ".join(outcome.describe() for outcome in outcomes), flush=True)
+            except Exception as error:  # noqa: BLE001 - one failing configuration must not stop the others
+                failed += 1
+                progress.clear()
+                print(f"{prefix}  FAILED: {type(error).__name__}: {error}", flush=True)
+            finally:
+                data = None  # frees the configuration's arrays before the next one allocates
+                cache.flush()  # whatever a failing configuration stored
+    except KeyboardInterrupt:
+        progress.clear()
+        print(f"interrupted in configuration {index}/{len(grid)} after {done} done, {skipped} skipped, "
+              f"{failed} failed; what was measured is saved in {cache.path}: run again with --resume to go on",
+              flush=True)
+        return 130
     print(f"done {done}, skipped {skipped} (already cached), failed {failed}; cache file {cache.path}")
     return 1 if failed else 0
 

@@ -1,7 +1,11 @@
 """The benchmark-cache scripts on a hand-made cache: inspect's layout, limits and search; analyze's
 statistics, margins and recommended candidate set, whose expected values are worked out by hand."""
 
+import errno
+import os
+import pathlib
 import sys
+import warnings
 
 import pytest
 from cupysparse.scripts import analyze_autotune_cache as analyze
@@ -208,6 +212,25 @@ def test_the_scripts_report_a_corrupt_cache_and_leave_it_in_place(script, cache_
     assert script.main([]) == 1
     assert f"Cannot read {path} is not a cupysparse benchmark cache" in capsys.readouterr().err
     assert path.read_bytes() == b"\x92\x01\x02" and [p.name for p in cache_dir.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("script", [inspect_cache, analyze])
+def test_the_scripts_report_a_cache_file_they_may_not_read(script, cache_dir, capsys, monkeypatch):
+    cache_dir.mkdir()
+    path = cache_file_path()
+    path.write_bytes(b"\x92\x01\x02")
+    real_read_bytes = pathlib.Path.read_bytes
+
+    def read_bytes(self):  # another user's file, mode 0600, in a shared directory
+        if self == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_read_bytes(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "kept in memory only": an inspection says what it cannot read
+        assert script.main([]) == 1
+    assert f"Cannot read {path}: [Errno 13] Permission denied: '{path}'" in capsys.readouterr().err
 
 
 # ---- analyze ----

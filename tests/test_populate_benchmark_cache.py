@@ -1,5 +1,5 @@
 """populate_benchmark_cache end to end on the CPU: the grid, a real run into a temporary cache,
---resume, and a failing configuration."""
+--resume, a failing configuration, and an interrupted run resumed."""
 
 import csv
 import math
@@ -7,6 +7,7 @@ import math
 import pytest
 from cupysparse.scripts import populate_benchmark_cache as populate
 
+from cupysparse import benchmark_cache
 from cupysparse.benchmark_cache import BenchmarkCache, cache_file_path
 from cupysparse.tuner import default_tuner
 
@@ -166,3 +167,85 @@ def test_populate_inspect_and_analyze_end_to_end_on_the_cpu(tmp_path, capsys):
     assert "## sparse_conv_forward (4 configurations)" in text and "## sparse_conv_backward (4 configurations)" in text
     assert "| explicit_gemm | 4 | 100.0% | 100.0% | 4 |" in text
     assert "| 1 | explicit_gemm | 4/4 (100.0%) |" in text
+
+
+def saved_pairs(namespace) -> set:
+    return {(dict(entry.key)["in_channels"], dict(entry.key)["out_channels"]) for entry in saved_entries(namespace)}
+
+
+def test_an_interrupted_run_keeps_what_it_measured_and_resume_measures_only_the_rest(monkeypatch, capsys):
+    monkeypatch.setattr(benchmark_cache, "SAVE_DELAY_S", 3600)  # no background save: only the script's own
+    argv = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "8,8", "8,16", "--dtypes", "float32",
+            "--algo-mode", "all"]
+    real_runner = populate.LayerData.runner
+    on_disk_at_interruption = {}
+    measured = []
+
+    def runner(data, phase):
+        run = real_runner(data, phase)
+        pair = (data.problem.in_channels, data.problem.out_channels)
+
+        def interrupted_run(algorithm, params):
+            if pair == (8, 16) and phase == "backward":  # Ctrl-C in the middle of the third configuration
+                on_disk_at_interruption.update({ns: saved_pairs(ns) for ns in NAMESPACES})
+                raise KeyboardInterrupt
+            measured.append((pair, phase))
+            return run(algorithm, params)
+
+        return interrupted_run
+
+    monkeypatch.setattr(populate.LayerData, "runner", runner)
+    assert populate.main(argv) == 130
+    output = capsys.readouterr().out
+    assert "interrupted in configuration 3/3 after 2 done" in output and "--resume" in output
+    # Saved as it went: the two finished configurations and the third's forward were on disk already.
+    assert on_disk_at_interruption == {"sparse_conv_forward": {(4, 8), (8, 8), (8, 16)},
+                                       "sparse_conv_backward": {(4, 8), (8, 8)}}
+    assert saved_pairs("sparse_conv_backward") == {(4, 8), (8, 8)}
+    written = {ns: {entry.key: entry.updated for entry in saved_entries(ns)} for ns in NAMESPACES}
+
+    monkeypatch.setattr(benchmark_cache, "_default_cache", None)  # a new process: the cache comes from disk
+    def recording_runner(data, phase):
+        measured.append(((data.problem.in_channels, data.problem.out_channels), phase))
+        return real_runner(data, phase)
+
+    monkeypatch.setattr(populate.LayerData, "runner", recording_runner)
+    measured.clear()
+    assert populate.main([*argv, "--resume"]) == 0
+    output = capsys.readouterr().out
+    assert "done 1, skipped 2 (already cached), failed 0" in output
+    assert measured == [((8, 16), "backward")]  # the one phase missing, nothing else
+    for namespace in NAMESPACES:
+        assert saved_pairs(namespace) == {(4, 8), (8, 8), (8, 16)}
+        updated = {entry.key: entry.updated for entry in saved_entries(namespace)}
+        assert all(updated[key] == when for key, when in written[namespace].items())  # earlier results untouched
+
+
+def test_a_configuration_that_ran_out_of_memory_is_reported_uncached_and_resume_measures_it(monkeypatch, capsys):
+    real_runner = populate.LayerData.runner
+    memory = {"short": True}
+
+    def runner_short_of_memory_for_c_in_8(data, phase):
+        run = real_runner(data, phase)
+
+        def maybe_out_of_memory(algorithm, params):
+            if memory["short"] and data.problem.in_channels == 8:
+                raise MemoryError("Unable to allocate 12.0 GiB for an array with shape (200000, 16384)")
+            return run(algorithm, params)
+
+        return maybe_out_of_memory
+
+    monkeypatch.setattr(populate.LayerData, "runner", runner_short_of_memory_for_c_in_8)
+    argv = ["--device", "cpu", "--num-voxels", "2000", "--channels", "4,8", "8,8", "--dtypes", "float32",
+            "--forward-only"]
+    with pytest.warns(RuntimeWarning, match="the reference explicit_gemm ran out of memory .*12.0 GiB"):
+        assert populate.main(argv) == 1
+    output = capsys.readouterr().out
+    assert "8->8" in output and "FAILED: RuntimeError: the tuner stored no sparse_conv_forward result" in output
+    assert "done 1, skipped 0 (already cached), failed 1" in output
+    assert saved_pairs("sparse_conv_forward") == {(4, 8)}
+
+    memory["short"] = False
+    assert populate.main([*argv, "--resume"]) == 0
+    assert "done 1, skipped 1 (already cached), failed 0" in capsys.readouterr().out
+    assert saved_pairs("sparse_conv_forward") == {(4, 8), (8, 8)}

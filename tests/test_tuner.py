@@ -1,4 +1,8 @@
-"""The tuner on the CPU with injected timings: candidate sets, choices, cache use, failures."""
+"""The tuner on the CPU with injected timings: candidate sets, choices, cache use, failures,
+running out of memory, and results out of the dtype's range."""
+
+import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -147,10 +151,12 @@ def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_res
 def test_when_every_candidate_fails_the_reference_runs(algorithms, timings, tmp_path, caplog):
     cache = cache_file(tmp_path / "cache.msgpack")
     run, _ = runner(algorithms)
-    with caplog.at_level("WARNING", logger="cupysparse.tuner"):
+    with caplog.at_level("WARNING", logger="cupysparse.tuner"), pytest.warns(RuntimeWarning) as warned:
         chosen = Tuner(cache).select(space("names", "broken", "wrong"), PROBLEM, run)
     assert chosen.algorithm.name == "explicit_gemm"
-    assert "compile failed" in caplog.text and "differs" in caplog.text
+    (warning,) = [str(w.message) for w in warned]
+    assert "broken could not run" in warning and "RuntimeError: compile failed" in warning
+    assert "differs" in caplog.text  # a wrong answer is logged per candidate
 
 
 def test_tuning_refuses_to_run_during_graph_capture(algorithms, timings, tmp_path, monkeypatch):
@@ -211,7 +217,9 @@ def test_each_algorithm_keeps_its_parameter_sweep_in_its_own_namespace(algorithm
     sweep = lambda name: [(r[1]["size"], r[2]) for r in cache.get(f"{name}_forward_sweep", tuning_key(PROBLEM)).results]  # noqa: E731
     assert sweep("fast") == [(2, 1.5), (3, 2.0), (1, 3.0)]
     assert sweep("slow") == [(2, 1.0), (1, 5.0)]
-    assert sweep("broken") == [] and sweep("wrong") == []  # remembered as failed: not measured again
+    assert sweep("wrong") == []  # a wrong answer is a result: remembered, not measured again
+    # An algorithm that raised on every candidate is not remembered as failed: the next process tries it.
+    assert cache.get("broken_forward_sweep", tuning_key(PROBLEM)) is None
     assert cache.get("elsewhere_forward_sweep", tuning_key(PROBLEM)) is None  # unsupported: never run
     assert cache.get("fast_forward_sweep", tuning_key(PROBLEM)).kernel_sources == (("fast.cu", "digest-1"),)
 
@@ -248,11 +256,12 @@ def test_a_changed_kernel_source_invalidates_only_its_own_algorithm(algorithms, 
 def test_running_out_of_memory_is_skipped_but_not_remembered(algorithms, timings, tmp_path, caplog):
     algorithms["broken"].error = MemoryError("out of memory allocating 12 GiB")
     cache = cache_file(tmp_path / "c.msgpack")
-    with caplog.at_level("WARNING", logger="cupysparse.tuner"):
+    with caplog.at_level("INFO", logger="cupysparse.tuner"), pytest.warns(RuntimeWarning, match="out of memory"):
         chosen = Tuner(cache).select(space("names", "broken", "fast"), PROBLEM, runner(algorithms)[0])
-    assert chosen.algorithm.name == "fast" and "12 GiB" in caplog.text
-    assert cache.get("broken_forward_sweep", tuning_key(PROBLEM)) is None  # tried again by the next process
-    assert cache.get("fast_forward_sweep", tuning_key(PROBLEM)) is not None
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2}) and "12 GiB" in caplog.text
+    # A ranking measured while memory was short is not stored at all: the next process measures again.
+    for namespace in ("broken_forward_sweep", "fast_forward_sweep", "sparse_conv_forward"):
+        assert cache.get(namespace, tuning_key(PROBLEM)) is None
 
 
 def test_every_registered_algorithm_has_its_own_namespaces_apart_from_the_phase_ones():
@@ -309,3 +318,136 @@ def test_the_agreement_check_allows_rounding_in_the_subnormal_range_and_nothing_
     normal = np.linspace(-1, 1, 64).astype(np.float16)
     assert tuner_module.disagreement(normal + np.float16(0.005), normal, np.float16) is None
     assert "differs" in tuner_module.disagreement(normal + np.float16(0.02), normal, np.float16)
+
+
+def test_a_sweep_where_every_candidate_raised_is_not_cached_and_is_reported_once(algorithms, timings, tmp_path):
+    for name in ("fast", "slow", "wrong"):
+        algorithms[name].error = RuntimeError(f"NVRTC failed on {name}.cu (-arch=sm_90):\nerror: identifier undefined")
+    cache = cache_file(tmp_path / "c.msgpack")
+    tuner = Tuner(cache)
+    with pytest.warns(RuntimeWarning) as warned:
+        chosen = tuner.select(space("all"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("explicit_gemm", {"size": 0})
+    (warning,) = [str(w.message) for w in warned]
+    assert "no sparse_conv_forward candidate could run" in warning and "so explicit_gemm runs" in warning
+    for name in ("fast", "slow", "wrong"):
+        assert f"{name}: RuntimeError: NVRTC failed on {name}.cu (-arch=sm_90):" in warning
+    assert "broken: RuntimeError: compile failed" in warning
+    assert "identifier undefined" not in warning  # first lines only: an NVRTC log runs to pages
+    assert cache.entries() == []  # neither the failed sweeps nor a ranking of explicit_gemm alone
+
+    other = dataclasses.replace(PROBLEM, in_channels=64)  # the same failures for another layer: no new warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuner.select(space("all"), other, runner(algorithms)[0]).algorithm.name == "explicit_gemm"
+    assert cache.entries() == []
+
+    for name in ("fast", "slow", "wrong"):  # repaired: the next process measures and caches the winner
+        algorithms[name].error = None
+    chosen = Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results[0][0] == "slow"
+
+
+def test_a_candidate_out_of_cupy_memory_is_skipped_and_the_ranking_waits_for_memory(algorithms, timings, tmp_path):
+    out_of_memory = pytest.importorskip("cupy.cuda.memory").OutOfMemoryError
+    _, timed = timings
+    algorithms["fast"].error = out_of_memory(12 * 2**30, 70 * 2**30)
+    cache = cache_file(tmp_path / "c.msgpack")
+    tuner = Tuner(cache)
+    with pytest.warns(RuntimeWarning, match="ran out of memory and were skipped"):
+        chosen = tuner.select(space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert cache.entries() == []
+    timed.clear()
+    assert tuner.select(space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0]).params == {"size": 2}
+    assert timed == [] and tuner.measurements == 1  # the process keeps its choice
+
+    algorithms["fast"].error = None  # the next process has the memory
+    chosen = Tuner(cache).select(space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    entry = cache.get("sparse_conv_forward", tuning_key(PROBLEM))
+    assert [(name, params["size"]) for name, params, _ in entry.results] == [
+        ("slow", 2), ("fast", 2), ("fast", 3), ("fast", 1), ("slow", 1)]
+
+
+def test_a_reference_out_of_memory_leaves_the_choice_to_the_priority_rule(algorithms, timings, tmp_path):
+    _, timed = timings
+    algorithms["explicit_gemm"].error = MemoryError("Unable to allocate 9.00 GiB for an array")
+    cache = cache_file(tmp_path / "c.msgpack")
+    with pytest.warns(RuntimeWarning, match="the reference explicit_gemm ran out of memory .*9.00 GiB"):
+        chosen = Tuner(cache).select(space("all"), PROBLEM, runner(algorithms)[0])
+    # The highest priority among the others (fast, broken and wrong share 2; fast comes first), unmeasured.
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 1})
+    assert timed == [] and cache.entries() == []
+
+
+FP16_LARGEST = (2 - 2**-10) * 2**15  # 65504
+BF16_LARGEST = (2 - 2**-7) * 2**127
+
+
+def test_an_overflowing_reference_checks_nothing_and_its_result_stands(algorithms, timings, tmp_path):
+    _, timed = timings
+    exact = np.array([[1.0, 2.0], [70000.0, -3.0], [5.0, -80000.0]], np.float32)  # fp32 sums beyond fp16
+    for algorithm in algorithms.values():
+        algorithm.answer = exact.astype(np.float16)  # every candidate "agrees": inf where the reference is
+    cache = cache_file(tmp_path / "c.msgpack")
+    tuner = Tuner(cache)
+    run, calls = runner(algorithms)
+    with pytest.warns(RuntimeWarning) as warned:
+        chosen = tuner.select(space("names", "fast", "slow"), PROBLEM, run)
+    assert chosen.algorithm.name == "explicit_gemm"
+    (warning,) = [str(w.message) for w in warned]
+    assert f"overflow: the fp16 output exceeds {FP16_LARGEST:g} at row 1, channel 0 (and 1 more)" in warning
+    assert calls == [("explicit_gemm", 0)] and timed == []  # no candidate ran: nothing could check it
+    assert cache.entries() == []
+
+    with warnings.catch_warnings():  # the next call, still overflowing: tuned again, warned only once
+        warnings.simplefilter("error")
+        assert tuner.select(space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0]).algorithm.name \
+            == "explicit_gemm"
+    for algorithm in algorithms.values():  # a call with data in range tunes as usual
+        algorithm.answer = REFERENCE_OUTPUT
+    chosen = tuner.select(space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert cache.get("sparse_conv_forward", tuning_key(PROBLEM)) is not None
+
+
+def test_a_candidate_that_overflows_where_the_reference_is_finite_is_skipped_as_an_overflow(
+        algorithms, timings, tmp_path, caplog):
+    reference = np.array([[1.0, 2.0], [60000.0, -3.0]], np.float16)
+    algorithms["explicit_gemm"].answer = reference
+    algorithms["slow"].answer = reference.copy()
+    overflowed = reference.copy()
+    overflowed[1, 0] = np.inf  # as if it summed in fp16 and passed 65504 on the way
+    algorithms["fast"].answer = overflowed
+    with caplog.at_level("WARNING", logger="cupysparse.tuner"):
+        chosen = Tuner(cache_file(tmp_path / "c.msgpack")).select(
+            space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert caplog.text.count("overflow: the fp16 output is inf at row 1, channel 0, where the reference is 60000") == 3
+
+
+def test_the_check_names_inf_and_nan_in_either_result_with_their_position():
+    with_inf = np.array([[1, np.inf], [2, 3]], np.float16)
+    assert tuner_module.disagreement(with_inf, with_inf, np.float16).startswith(
+        f"overflow: the fp16 output exceeds {FP16_LARGEST:g} at row 0, channel 1:")
+    with_nan = np.array([[1, 2], [np.nan, 3]], np.float32)
+    assert "reference fp32 output is NaN at row 1, channel 0" in tuner_module.disagreement(
+        with_nan, with_nan, np.float32)
+    finite = np.array([[1, 2], [4, 3]], np.float32)
+    assert tuner_module.disagreement(with_nan, finite, np.float32) == (
+        "the fp32 output is NaN at row 1, channel 0, where the reference is 4")
+    # A backward's weight gradient [K, C_in, C_out], in bf16, whose range is fp32's.
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    grad_input = np.ones((3, 2), bfloat16)
+    grad_weight = np.ones((2, 2, 3), np.float32)
+    grad_weight[1, 0, 2] = -np.inf
+    reason = tuner_module.disagreement((grad_input, grad_weight.astype(bfloat16)),
+                                       (grad_input, grad_weight.astype(bfloat16)), bfloat16)
+    assert reason.startswith(f"overflow: the bf16 weight gradient exceeds {BF16_LARGEST:g} at offset 1, "
+                             "input channel 0, output channel 2")
+    depthwise_grad_weight = np.ones((3, 4), np.float32)  # [K, C]
+    depthwise_grad_weight[2, 3] = np.inf
+    reason = tuner_module.disagreement((grad_input, depthwise_grad_weight), (grad_input, np.ones((3, 4))), np.float32)
+    assert reason == "overflow: the fp32 weight gradient is inf at offset 2, channel 3, where the reference is 1"

@@ -33,6 +33,7 @@ from cupysparse import functional
 from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
+from cupysparse.out_of_memory import naming_sizes
 from cupysparse.tuner import choices_version, size_bucket
 
 from .bridge import from_core, on_torch_stream, stream_handle, to_core
@@ -168,9 +169,11 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
 def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str) -> torch.Tensor:
     plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
     if plan is not None:
-        out = features.new_empty((kernel_map.num_out, weight.shape[2]))
-        padded = _padded(weight, plan.weight_shape)
-        plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(), stream_handle(features.device))
+        with naming_sizes("forward", features, weight, kernel_map):
+            out = features.new_empty((kernel_map.num_out, weight.shape[2]))
+            padded = _padded(weight, plan.weight_shape)
+            plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(),
+                        stream_handle(features.device))
         return out
     with on_torch_stream(features.device):
         out = functional.conv_forward(to_core(features), to_core(weight), kernel_map, _algorithm(fwd_algo))
@@ -189,8 +192,9 @@ def _map_backward(grad_output, features, weight, kernel_map: KernelMap, bwd_algo
     plannable = _plannable_gradient(grad_output, features, weight, kernel_map)
     plan = _backward_plan(grad_output, features, weight, kernel_map, bwd_algo) if plannable else None
     if plan is not None:
-        return _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad,
-                                 needs_weight_grad)
+        with naming_sizes("backward", features, weight, kernel_map):
+            return _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad,
+                                     needs_weight_grad)
     with on_torch_stream(features.device):
         grad_input, grad_weight = functional.conv_backward(
             to_core(grad_output), to_core(features), to_core(weight), kernel_map, _algorithm(bwd_algo),
