@@ -8,7 +8,7 @@ way for transposed scatters), from which the output, the input gradient and the 
 follow as plain sums. An input the library documents as invalid (a coordinate out of range, a
 missing batch, a coordinate twice, generated coordinates past the key range) must raise
 ValueError; anything else must equal the oracle. CPU in CI with a fixed, seeded example count;
-`pytest -m gpu` runs the same properties on CuPy arrays.
+`pytest -m gpu` runs the same properties on CuPy arrays and the torch modules on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from hypothesis import strategies as st  # noqa: E402
 from cupysparse import functional
 from cupysparse.backend import gpu_available, to_device, to_numpy
 from cupysparse.coords import key_layout
+from cupysparse.dtypes import FEATURE_DTYPES, as_feature_dtype, short_name
 from cupysparse.sparse_tensor import SparseTensor
 from dense_reference import offsets
 from tolerances import assert_close
 
 KINDS = ("submanifold", "strided", "transposed", "generative")
+DTYPES = tuple(short_name(dtype) for dtype in FEATURE_DTYPES)  # fp64, fp32, fp16 and, with ml_dtypes, bf16
 FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 ON_DEVICES = [
@@ -62,7 +64,7 @@ def convolutions(draw):
     # Mostly narrow; sometimes around the tensor-core fragment and tile sizes, up to 513.
     channel = st.one_of(st.integers(1, 9), st.integers(1, 9), st.sampled_from((15, 16, 17, 33, 64, 65, 129, 257, 513)))
     channels = draw(channel), draw(channel)
-    dtype = draw(st.sampled_from(("float64", "float32", "float16")))
+    dtype = draw(st.sampled_from(DTYPES))
     return kind, dims, kernel_size, stride, dilation, rows, *channels, dtype
 
 
@@ -121,7 +123,8 @@ def check_gradients(actual: tuple, expected: tuple, x, weight, grad, num_pairs: 
 
 
 def run_case(case, device: str) -> None:
-    kind, dims, kernel_size, stride, dilation, rows, c_in, c_out, dtype = case
+    kind, dims, kernel_size, stride, dilation, rows, c_in, c_out, dtype_name = case
+    dtype = as_feature_dtype(dtype_name)
     rng = np.random.default_rng(len(rows) * 31 + c_in)
     coordinates = np.array(rows, dtype=np.int64).reshape(-1, 1 + dims)
     if invalid(rows, dims):  # every drawn value fits int32: the refusal is about the values
@@ -173,48 +176,54 @@ def test_convolutions_equal_brute_force_or_raise(device, case):
     run_case(case, device)
 
 
+@pytest.mark.parametrize("device", ON_DEVICES)
 @FUZZ
 @given(case=convolutions())
-def test_torch_modules_equal_brute_force_or_raise(case):
+def test_torch_modules_equal_brute_force_or_raise(device, case):
     torch = pytest.importorskip("torch")
     from cupysparse.adapters import torch as cst
 
-    kind, dims, kernel_size, stride, dilation, rows, c_in, c_out, dtype = case
+    kind, dims, kernel_size, stride, dilation, rows, c_in, c_out, dtype_name = case
     if kind not in ("submanifold", "strided") or invalid(rows, dims) or not rows:
         return  # the other kinds, invalid and empty inputs are the functional test's; modules add autograd
+    dtype = as_feature_dtype(dtype_name)
+    torch_dtype = getattr(torch, dtype.name)
     rng = np.random.default_rng(len(rows) + c_out)
-    coordinates = torch.tensor(rows, dtype=torch.int32).reshape(-1, 1 + dims)
-    features = torch.tensor(rng.standard_normal((len(rows), c_in)), dtype=getattr(torch, dtype), requires_grad=True)
+    coordinates = torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 1 + dims)
+    features = torch.tensor(rng.standard_normal((len(rows), c_in)), dtype=torch_dtype, device=device,
+                            requires_grad=True)
     conv = cst.SpatiallySparseConv(c_in, c_out, kernel_size, stride, dilation, bias=False, spatial_dims=dims)
-    conv = conv.to(getattr(torch, dtype))
+    conv = conv.to(device, torch_dtype)
     out = conv(cst.SparseTensor(coordinates, features))
     out_coordinates = [tuple(r) for r in out.coordinates.tolist()]
     assert sorted(out_coordinates) == sorted(expected_coordinates(kind, rows, kernel_size, stride, dilation))
     grad = rng.standard_normal(tuple(out.features.shape))
-    out.features.backward(torch.tensor(grad, dtype=out.features.dtype))
+    out.features.backward(torch.tensor(grad, dtype=torch_dtype, device=device))
+    grad = torch.tensor(grad, dtype=torch_dtype).double().numpy()  # the gradient as the layer received it
     found = pairs(rows, out_coordinates, kernel_size, stride, dilation)
-    x, weight = features.detach().double().numpy(), conv.weight.detach().double().numpy()
+    x, weight = features.detach().double().cpu().numpy(), conv.weight.detach().double().cpu().numpy()
     expected = oracle(x, weight, grad, found, len(rows), len(out_coordinates), gather=True)
-    actual = tuple(t.detach().double().numpy() for t in (out.features, features.grad, conv.weight.grad))
+    actual = tuple(t.detach().double().cpu().numpy() for t in (out.features, features.grad, conv.weight.grad))
     check_gradients(actual, expected, x, weight, grad, len(found), dtype, f"{kind} {kernel_size} stride {stride}")
 
 
 def test_the_fuzzer_draws_every_kind_of_input():
-    """The strategy reaches what it is meant to: each kind, invalid inputs, empty and one-voxel sets."""
+    """The strategy reaches what it is meant to: each kind and dtype, invalid inputs, empty and one-voxel
+    sets."""
     seen = set()
 
     @settings(max_examples=300, derandomize=True, deadline=None, database=None)
     @given(case=convolutions())
     def collect(case):
-        kind, dims, _, _, _, rows, *_ = case
-        seen.add(kind)
+        kind, dims, _, _, _, rows, *_, dtype = case
+        seen.update((kind, dtype))
         seen.add("invalid" if invalid(rows, dims) else "valid")
         seen.add({0: "empty", 1: "one voxel"}.get(len(set(rows)), "several"))
         if len({r[0] for r in rows}) > 1:
             seen.add("batches")
 
     collect()
-    assert seen >= {*KINDS, "invalid", "valid", "empty", "one voxel", "several", "batches"}, seen
+    assert seen >= {*KINDS, *DTYPES, "invalid", "valid", "empty", "one voxel", "several", "batches"}, seen
 
 
 def test_oracle_pairs_match_a_hand_computed_strided_case():
