@@ -45,6 +45,7 @@ class _TuningObserver(LayerObserver):
     def __init__(self, tuner: Tuner, phases, algorithms: dict, seed: int, on_layer):
         self._tuner, self._phases, self._algorithms = tuner, phases, algorithms
         self._seed, self._on_layer = seed, on_layer
+        self._layers_done = 0
         self.choices: list[LayerChoice] = []
 
     def after(self, path, layer, input: SparseTensor, output: SparseTensor, weight) -> None:
@@ -62,8 +63,9 @@ class _TuningObserver(LayerObserver):
             chosen = self._tuner.select(search_space, problem, run)
             self.choices.append(LayerChoice(path, phase, tuning_key(problem), chosen.algorithm.name,
                                             dict(chosen.params), self._tuner.measurements > measured_before))
+        self._layers_done += 1
         if self._on_layer is not None:
-            self._on_layer(path, len(self.choices))
+            self._on_layer(path, self._layers_done)
 
     def _output_gradient(self, num_out: int, layer: networks.Conv, features):
         xp = array_module(features)
@@ -75,7 +77,7 @@ def tune_network(network: networks.Network, tensor: SparseTensor, tuner: Tuner, 
                  bwd_algo=None, seed: int = 0, on_layer=None) -> list[LayerChoice]:
     """Run `network` on `tensor` (its device and dtype; `network.in_channels` features) and have
     `tuner` choose each convolution's algorithm for `phases` in the search spaces `fwd_algo` /
-    `bwd_algo` (None: the environment variables, else `auto`). `on_layer(path, choices so far)` is
+    `bwd_algo` (None: the environment variables, else `auto`). `on_layer(path, convolutions done)` is
     called after each convolution. Returns the choices in running order."""
     unknown = sorted(set(phases) - set(PHASES))
     if unknown or not phases:
