@@ -29,7 +29,8 @@ def test_the_output_holds_every_layer_of_both_networks_forward_and_backward(tmp_
     assert populate.main([*TINY_RUN, "--networks", "minkunet18", "centerpoint", "--output", str(output)]) == 0
     assert "MinkUNet18 on the indoor scene" in capsys.readouterr().out
     written = open_for_reading(output)
-    expected = layer_signatures(networks.minkunet(18, 3, len(INDOOR_CLASSES))) | layer_signatures(networks.centerpoint_backbone())
+    expected = (layer_signatures(networks.minkunet(18, 3, len(INDOOR_CLASSES)))
+                | layer_signatures(networks.centerpoint_backbone()))
     for namespace in ("sparse_conv_forward", "sparse_conv_backward"):
         keys = [dict(entry.key) for entry in written.entries(namespace)]
         assert {(k["in_channels"], k["out_channels"], k["kernel_volume"], k["transposed"]) for k in keys} == expected
