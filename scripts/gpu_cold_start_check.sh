@@ -11,7 +11,7 @@ out=$(mkdir -p "${OUT:-gpu-cold-start-results}" && cd "${OUT:-gpu-cold-start-res
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
-cd /tmp  # import the installed package, not the checkout
+cd "$(mktemp -d)"  # import the installed package, not the checkout
 scratch=$(mktemp -d)
 status=0
 step() {  # step LOG COMMAND...: run, append the output to $out/LOG.txt, remember a failure
