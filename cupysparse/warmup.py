@@ -39,6 +39,7 @@ from .algorithms import CONV, KINDS, ConvProblem, registered
 from .coords import as_tuple
 from .dtypes import FEATURE_DTYPES, FLOAT32, as_feature_dtype, cuda_type_name, short_name
 from .precision import TF32, fp32_precision, get_fp32_precision
+from .tuner import candidates  # the tuner's own rule: warm-up compiles what tuning will run
 
 NETWORKS = {
     "minkunet14": lambda: networks.minkunet(14),
@@ -133,7 +134,7 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
             network = NETWORKS[network_name]()
             chosen = {algorithm for problem in layer_problems(network, feature_type, capability)
                       for phase in ("forward", "backward")
-                      for algorithm, _ in _candidates(parse_algorithm_filter(None, CONV, phase), problem)}
+                      for algorithm, _ in candidates(parse_algorithm_filter(None, CONV, phase), problem)}
             for algorithm in chosen:
                 for source in sources:
                     if source.filename in algorithm.kernel_sources and _names_any_dtype(source, [of_dtype]):
@@ -148,12 +149,6 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
         if _names_any_dtype(source, patterns) or not _names_any_dtype(source, every_dtype):
             needed.setdefault(source, set()).add(MAPS_AND_POOLING)
     return needed
-
-
-def _candidates(search_space, problem):
-    from .tuner import candidates  # the tuner's own candidate rule, so warm-up and tuning never disagree
-
-    return candidates(search_space, problem)
 
 
 def plan(network_names, feature_types, capabilities) -> list[PlannedModule]:
