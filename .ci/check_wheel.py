@@ -1,4 +1,5 @@
-"""Check a built cupysparse wheel: the mapped folders live under `cupysparse/`, never at top level.
+"""Check a built cupysparse wheel: the mapped folders live under `cupysparse/`, never at top level,
+and every shipped tuning cache of the source tree next to this script is in it.
 
 Usage: python .ci/check_wheel.py WHEEL
 """
@@ -7,12 +8,23 @@ from __future__ import annotations
 
 import sys
 import zipfile
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
+
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 
-def problems(names: list[str]) -> list[str]:
+def shipped_caches(root: Path) -> list[str]:
+    """The wheel paths of the source tree's shipped tuning caches (package data)."""
+    return sorted(f"cupysparse/shipped_caches/{path.name}" for path in (root / "cupysparse" / "shipped_caches").glob(
+        "*.msgpack"))
+
+
+def problems(names: list[str], shipped: list[str] = ()) -> list[str]:
     paths = [PurePosixPath(name) for name in names]
     found = []
+    missing = [name for name in shipped if name not in names]
+    if missing:
+        found.append(f"shipped tuning caches missing: {', '.join(missing)}")
     if not any(path.parent == PurePosixPath("cupysparse/raw_kernels") and path.suffix == ".cu" for path in paths):
         found.append("no cupysparse/raw_kernels/*.cu")
     if "cupysparse/adapters/__init__.py" not in names:
@@ -33,7 +45,7 @@ def main(argv: list[str]) -> int:
         return 2
     with zipfile.ZipFile(argv[0]) as wheel:
         names = wheel.namelist()
-    found = problems(names)
+    found = problems(names, shipped_caches(SOURCE_ROOT))
     for problem in found:
         print(f"check_wheel: {argv[0]}: {problem}", file=sys.stderr)
     if not found:

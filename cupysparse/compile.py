@@ -307,20 +307,29 @@ def _write_cached(path: Path | None, compiled: CompiledSource) -> None:
         _warn_once_about_writing(path.parent, error)
 
 
+def cached_or_compiled(source: KernelSource, option: str) -> tuple[CompiledSource, bool]:
+    """`source` compiled for the NVRTC architecture `option` (see `architecture_option`): read from
+    the kernel cache, or compiled by NVRTC and stored there; the flag says whether NVRTC ran. Needs
+    no GPU, so the kernel cache of an architecture can be filled ahead of time (`python -m
+    cupysparse warmup --arch sm_90`)."""
+    path = kernel_cache_file(source, option)
+    compiled = _read_cached(path, source)
+    if compiled is not None:
+        return compiled, False
+    compiled = nvrtc_compile(source, option)
+    _write_cached(path, compiled)
+    return compiled, True
+
+
 def _load_module(source: KernelSource, device_id: int) -> LoadedModule:
     cupy = cupy_module()
     begin = time.perf_counter()
     option = architecture_option(int(cupy.cuda.Device(device_id).compute_capability))
-    path = kernel_cache_file(source, option)
-    compiled = _read_cached(path, source)
-    from_cache = compiled is not None
-    if not from_cache:
-        compiled = nvrtc_compile(source, option)
-        _write_cached(path, compiled)
+    compiled, compiled_now = cached_or_compiled(source, option)
     with cupy.cuda.Device(device_id):
         module = cupy.cuda.function.Module()
         module.load(compiled.image)
-    _module_loads.append(ModuleLoad(source.filename, device_id, time.perf_counter() - begin, not from_cache))
+    _module_loads.append(ModuleLoad(source.filename, device_id, time.perf_counter() - begin, compiled_now))
     return LoadedModule(module, compiled.lowered_names, {})
 
 

@@ -284,17 +284,18 @@ class _Runner:
         save_weights(self._model, path)
 
 
-def _scene_tensor(args):
-    """(scene, core tensor of voxels with normalised xyz features, per-voxel labels as NumPy)."""
-    scene = make_scene(args.scene, args.num_voxels, seed=args.seed)
+def scene_tensor(kind: str, num_voxels: int, seed: int, device: str, dtype):
+    """The demo's input: (scene, core tensor of its voxels on `device` with the normalised xyz
+    coordinates as `dtype` features, per-voxel labels as NumPy int64)."""
+    scene = make_scene(kind, num_voxels, seed=seed)
     low = scene.points.min(axis=0)
     extent = np.maximum(scene.points.max(axis=0) - low, 1e-6)
     # The label rides along as a fourth feature column: "first" keeps it exact (a mean would blend classes).
     per_point = np.concatenate([(scene.points - low) / extent, scene.labels[:, None]], axis=1).astype(np.float32)
-    voxels = SparseTensor.from_points(backend.to_device(scene.points, args.device), scene.voxel_size,
-                                      features=backend.to_device(per_point, args.device), reduce="first")
+    voxels = SparseTensor.from_points(backend.to_device(scene.points, device), scene.voxel_size,
+                                      features=backend.to_device(per_point, device), reduce="first")
     labels = backend.to_numpy(voxels.features[:, 3]).astype(np.int64)
-    features = voxels.features[:, :3].astype(args.dtype)
+    features = voxels.features[:, :3].astype(dtype)
     return scene, voxels.replace_features(backend.array_module(features).ascontiguousarray(features)), labels
 
 
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
           f"{short_name(as_feature_dtype(args.dtype))}")
 
     begin = time.perf_counter()
-    scene, tensor, labels = _scene_tensor(args)
+    scene, tensor, labels = scene_tensor(args.scene, args.num_voxels, args.seed, args.device, args.dtype)
     print(f"scene     {scene.name}: {len(scene.points):,} points → {len(tensor):,} voxels of "
           f"{scene.voxel_size * 100:g} cm, {len(scene.class_names)} classes ({(time.perf_counter() - begin):.1f} s)")
     description = networks.minkunet(args.depth, 3, len(scene.class_names), args.width)

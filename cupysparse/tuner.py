@@ -40,12 +40,12 @@ import numpy as np
 from .algorithm_modes import ALL, AUTO, AlgorithmFilter
 from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
 from .backend import array_module, cupy_module, is_cupy_array
-from .benchmark_cache import default_cache
 from .compile import source_digest
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
 from .out_of_memory import is_out_of_memory
 from .precision import TF32, get_fp32_precision
 from .selection import Selection, describe_problem, rule_based_selection
+from .shipped_cache import tuning_cache
 
 log = logging.getLogger("cupysparse.tuner")
 
@@ -259,7 +259,7 @@ class Tuner:
 
     @property
     def cache(self):
-        return self._cache if self._cache is not None else default_cache()
+        return self._cache if self._cache is not None else tuning_cache()
 
     def forget_choices(self) -> None:
         """Drop the choices remembered in this process; the next call of each problem looks in the

@@ -8,11 +8,15 @@
                               cst.SparseConv3d(32, 64, 2, stride=2))
     y = net(x)                                                  # a SparseTensor; y.features has grad
 
+Data-parallel training: `convert_sync_batchnorm` (batch norm over every rank's voxels) and
+`share_tuning` (the same algorithm choices on every rank), in `distributed`.
+
 CUDA tensors run the core's CuPy kernels zero-copy on torch's current stream and allocator; CPU
 tensors run the NumPy path. The convolutions are `torch.library` custom ops (`cupysparse::*`)
 with fake implementations, so they compile with `torch.compile` and record into CUDA graphs.
 """
 
+from .distributed import SparseSyncBatchNorm, convert_sync_batchnorm, share_tuning
 from .functional import (
     global_avg_pool,
     global_max_pool,
@@ -60,6 +64,7 @@ __all__ = [
     "SparseLayerNorm",
     "SparseMaxPool",
     "SparseReLU",
+    "SparseSyncBatchNorm",
     "SparseTensor",
     "SparseUnpool",
     "SpatiallySparseConv",
@@ -67,10 +72,12 @@ __all__ = [
     "SubMConv3d",
     "global_avg_pool",
     "global_max_pool",
+    "convert_sync_batchnorm",
     "load_spconv_state_dict",
     "sparse_avg_pool",
     "sparse_conv",
     "sparse_depthwise_conv",
     "sparse_max_pool",
     "sparse_unpool",
+    "share_tuning",
 ]

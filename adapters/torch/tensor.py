@@ -132,7 +132,8 @@ class SparseTensor:
     @property
     def batch_size(self) -> int:
         if self._batch_size is None:
-            self._batch_size = int(self._core_coordinates[:, 0].max()) + 1 if self.num_points else 0
+            with on_torch_stream(self.device):  # the tensor's GPU, which need not be the current one
+                self._batch_size = int(self._core_coordinates[:, 0].max()) + 1 if self.num_points else 0
         return self._batch_size
 
     @property

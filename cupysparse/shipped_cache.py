@@ -1,0 +1,120 @@
+"""Tuning results shipped with the package, and the cache the default tuner reads: the user's
+benchmark cache first, the shipped results where it has no entry.
+
+Shipped files live in the package folder `shipped_caches/`, one per GPU architecture,
+`benchmark_cache_sm_90.msgpack`, in the benchmark cache's own format; `cupysparse-populate-shipped-cache`
+writes them from the reference networks' layers on the demo scenes. A key is looked up in the
+file of its `compute_capability` only, so CPU keys and other architectures never match. Shipped
+entries follow the user's rules: an entry whose kernel sources changed since it was measured is
+stale and ignored; a missing file means no shipped entries; a file that is no cache is ignored
+with one warning. The user's own measurements always win, and nothing is ever written to a shipped
+file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped results off (to measure a cold start, or to
+tune everything on this machine).
+
+`TuningCache` also records which (namespace, key) pairs the tuner asked for, so that ranks of a
+distributed job can compare what they chose (`cupysparse.tuning_agreement`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+from .benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, default_cache, open_for_reading
+
+SHIPPED_CACHE_DIR = Path(__file__).resolve().parent / "shipped_caches"
+ENVIRONMENT_VARIABLE = "CUPYSPARSE_SHIPPED_CACHE"
+_OFF = ("0", "false", "off", "no")
+
+_shipped: dict[str, BenchmarkCache | None] = {}  # by architecture; None: no usable file
+_shipped_lock = threading.Lock()
+
+
+def shipped_cache_path(architecture: str) -> Path:
+    """The shipped file of `architecture` ('sm_90'), whether it exists or not."""
+    return SHIPPED_CACHE_DIR / f"benchmark_cache_{architecture}.msgpack"
+
+
+def shipped_caches_enabled() -> bool:
+    return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() not in _OFF
+
+
+def _shipped_cache(architecture: str) -> BenchmarkCache | None:
+    with _shipped_lock:
+        if architecture not in _shipped:
+            _shipped[architecture] = _open_shipped(shipped_cache_path(architecture))
+        return _shipped[architecture]
+
+
+def _open_shipped(path: Path) -> BenchmarkCache | None:
+    if not path.is_file():
+        return None
+    try:
+        return open_for_reading(path)
+    except (NotACacheFile, OSError) as error:  # read once per process, so this warns once
+        warnings.warn(f"ignoring the shipped tuning cache {path}: {error}", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def shipped_entry(namespace: str, key) -> CacheEntry | None:
+    """The shipped entry of `key` (a sequence of (name, value) pairs), None when there is none, it is
+    stale, or shipped results are turned off."""
+    if not shipped_caches_enabled():
+        return None
+    architecture = dict(key).get("compute_capability")
+    if not isinstance(architecture, str) or not architecture.startswith("sm_"):
+        return None
+    cache = _shipped_cache(architecture)
+    return None if cache is None else cache.get(namespace, key)
+
+
+def forget_shipped_caches() -> None:
+    """Read the shipped files again at their next use (after one was replaced)."""
+    with _shipped_lock:
+        _shipped.clear()
+
+
+class TuningCache:
+    """What the default tuner reads and writes: `get` answers from the user's cache
+    (`benchmark_cache.default_cache()`, following `CUPYSPARSE_BENCHMARK_CACHE_DIR`), else from the
+    shipped file of the key's architecture; everything else is the user's cache's."""
+
+    def __init__(self):
+        self._asked: dict[tuple[str, tuple], None] = {}  # insertion-ordered set
+        self._asked_lock = threading.Lock()
+
+    @property
+    def user(self) -> BenchmarkCache:
+        return default_cache()
+
+    @property
+    def path(self) -> Path:
+        return self.user.path
+
+    def get(self, namespace: str, key) -> CacheEntry | None:
+        pairs = tuple(key.items()) if isinstance(key, dict) else tuple(key)
+        with self._asked_lock:
+            self._asked[(namespace, pairs)] = None
+        entry = self.user.get(namespace, pairs)
+        return entry if entry is not None else shipped_entry(namespace, pairs)
+
+    def put(self, namespace: str, key, results, kernel_sources=()) -> CacheEntry:
+        return self.user.put(namespace, key, results, kernel_sources)
+
+    def flush(self) -> None:
+        self.user.flush()
+
+    def asked(self) -> list[tuple[str, tuple]]:
+        """Every (namespace, key) looked up in this process, in first-asked order."""
+        with self._asked_lock:
+            return list(self._asked)
+
+
+_tuning_cache = TuningCache()
+
+
+def tuning_cache() -> TuningCache:
+    """The process-wide `TuningCache` of the default tuner."""
+    return _tuning_cache

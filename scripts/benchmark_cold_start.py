@@ -1,0 +1,147 @@
+"""Cold start: a fresh process's first MinkUNet18 forward on the demo's scene against the steady state.
+
+    cupysparse-benchmark-cold-start                                   # whatever the caches hold now
+    CUPY_CACHE_DIR=$(mktemp -d) CUPYSPARSE_BENCHMARK_CACHE_DIR=$(mktemp -d) CUPYSPARSE_SHIPPED_CACHE=0 \\
+        cupysparse-benchmark-cold-start                               # empty caches: compile + tune
+    python -m cupysparse warmup && cupysparse-benchmark-cold-start    # warm kernels, shipped tuning
+
+Run it as a new process: what it measures is what a process pays the first time. Before the clock
+starts it builds the demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels on
+a GPU, seed 0), the network (random weights, inference in --dtype, `eval()`) and, with PyTorch,
+makes one small matrix product in the dtype: PyTorch's own first-use cost (the cuBLAS handle), which
+any torch program pays, is reported apart. Then, host clock to the synchronised result, the first
+forward on a fresh tensor (its kernel maps built: module loads from the kernel cache or NVRTC,
+tuning where no cache has the layer's problem, CuPy's own first kernels), and the median of
+--repeats later forwards, each on a fresh tensor too (maps built again, as for a new scene). It
+reports the ratio, the kernel modules loaded during the first forward (and how many NVRTC
+compiled, with their time) and how many problems the tuner measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from cupysparse import backend, compile, networks
+from cupysparse.benchmark_cache import cache_file_path
+from cupysparse.demo import scene_tensor
+from cupysparse.shipped_cache import shipped_cache_path, shipped_caches_enabled
+from cupysparse.sparse_tensor import SparseTensor
+from cupysparse.tuner import default_tuner
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="cupysparse-benchmark-cold-start", description=__doc__.splitlines()[0],
+                                     epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--framework", choices=("auto", "torch", "cupy"), default="auto",
+                        help="the torch module or the framework-free network (auto: torch when installed)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--num-voxels", type=int, default=None, help="default: the demo's (200000; CPU 20000)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                        help="default: the demo's (float16 on a GPU, float32 on the CPU)")
+    parser.add_argument("--repeats", type=int, default=10, help="steady-state forwards timed")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = backend.default_device()
+    elif args.device == "cuda" and not backend.gpu_available():
+        parser.error("--device cuda: no usable CUDA GPU (see `python -m cupysparse info`)")
+    if args.framework == "auto":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            args.framework = "cupy"
+        else:
+            args.framework = "torch"
+    args.num_voxels = args.num_voxels or (200_000 if args.device == "cuda" else 20_000)
+    args.dtype = args.dtype or ("float16" if args.device == "cuda" else "float32")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+class TorchForward:
+    """MinkUNet18 as the torch module, inference in the dtype; `__call__` on a fresh core tensor."""
+
+    def __init__(self, description, device: str, dtype: str):
+        import torch
+
+        from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
+        from cupysparse.adapters.torch.networks import SparseNetwork
+
+        self._torch, self._tensor_type = torch, TorchSparseTensor
+        torch.manual_seed(0)
+        self._model = SparseNetwork(description).to(device, getattr(torch, dtype)).eval()
+
+    def torch_first_use(self, device: str, dtype: str) -> None:
+        eye = self._torch.eye(16, device=device, dtype=getattr(self._torch, dtype))
+        (eye @ eye).sum().item()
+
+    def __call__(self, tensor: SparseTensor):
+        with self._torch.no_grad():
+            return self._model(self._tensor_type.from_core(tensor)).features
+
+
+class CoreForward:
+    """MinkUNet18 framework-free (`InferenceNetwork`), random weights."""
+
+    def __init__(self, description, device: str, dtype: str):
+        from cupysparse.inference import InferenceNetwork
+
+        self._network = InferenceNetwork(description, networks.random_weights(description), device, dtype)
+
+    def torch_first_use(self, device: str, dtype: str) -> None:
+        pass
+
+    def __call__(self, tensor: SparseTensor):
+        return self._network(tensor).features
+
+
+def timed_ms(forward, tensor: SparseTensor, device: str) -> float:
+    begin = time.perf_counter()
+    forward(SparseTensor(tensor.coordinates, tensor.features, tensor.tensor_stride, validate=False))
+    if device == "cuda":
+        backend.cupy_module().cuda.runtime.deviceSynchronize()
+    return (time.perf_counter() - begin) * 1e3
+
+
+def describe_caches(device: str) -> str:
+    shipped = "off" if device == "cuda" else "not used on the CPU"
+    if shipped_caches_enabled() and device == "cuda":
+        path = shipped_cache_path(f"sm_{int(backend.cupy_module().cuda.Device().compute_capability)}")
+        shipped = f"{path} ({'present' if path.is_file() else 'absent'})"
+    user = cache_file_path()
+    return (f"kernel cache {backend.kernel_cache_dir()}; tuning cache {user} "
+            f"({'present' if user.is_file() else 'absent'}); shipped tuning {shipped}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    scene, tensor, _ = scene_tensor("indoor", args.num_voxels, 0, args.device, args.dtype)
+    description = networks.minkunet(18, 3, len(scene.class_names))
+    forward = (TorchForward if args.framework == "torch" else CoreForward)(description, args.device, args.dtype)
+    print(f"cold start on {backend.describe_device(args.device)}: {description.name} ({args.framework}), indoor scene "
+          f"{len(tensor):,} voxels, {args.dtype}")
+    print(describe_caches(args.device), flush=True)
+    begin = time.perf_counter()
+    forward.torch_first_use(args.device, args.dtype)
+    if args.framework == "torch":
+        print(f"PyTorch's own first use (not counted): {(time.perf_counter() - begin) * 1e3:.1f} ms")
+
+    loads_before, measured_before = len(compile.module_loads()), default_tuner().measurements
+    first = timed_ms(forward, tensor, args.device)
+    loads = compile.module_loads()[loads_before:]
+    compiled = [load for load in loads if load.compiled]
+    measured = default_tuner().measurements - measured_before
+    steady = statistics.median(timed_ms(forward, tensor, args.device) for _ in range(args.repeats))
+    print(f"first forward   {first:10.1f} ms: {len(loads)} kernel modules loaded in "
+          f"{sum(load.seconds for load in loads) * 1e3:.1f} ms, {len(compiled)} compiled by NVRTC "
+          f"({sum(load.seconds for load in compiled):.1f} s); {measured} problems tuned")
+    print(f"steady forward  {steady:10.1f} ms (median of {args.repeats}, kernel maps built each time)")
+    print(f"ratio           {first / steady:10.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Write a shipped tuning cache: the reference networks' layers tuned on this GPU, on the demo's scenes.
+
+    cupysparse-populate-shipped-cache --output cupysparse/shipped_caches/benchmark_cache_sm_90.msgpack
+    cupysparse-populate-shipped-cache --num-voxels 200K --dtypes float16 --dry-run
+
+For each network, scene size and dtype it builds the demo's scene (`cupysparse.demo.scene_tensor`:
+the indoor room for MinkUNet18, the outdoor LiDAR sweep for CenterPoint's backbone, seed 0) and runs
+the network forward and backward with the tuner measuring every convolution in the `--algo-mode`
+search space (`network_tuning.tune_network`): the keys a training or inference run on that scene
+meets, strided and transposed layers included. MinkUNet14 and 34 have MinkUNet18's layer problems.
+The results are written to a new file at --output (replaced if it exists; default: this install's
+shipped file of the GPU's architecture, `cupysparse/shipped_caches/benchmark_cache_sm_XY.msgpack`);
+the user's own cache is neither read nor written, and shipped results are not consulted, so every
+entry is measured in this run. Commit the file from a source checkout to ship it with the wheel.
+`--device cpu` runs the same pipeline on NumPy (CPU keys, which a shipped lookup never matches: for
+testing the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cupysparse import backend, networks
+from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.algorithms import CONV
+from cupysparse.benchmark_cache import BenchmarkCache
+from cupysparse.demo import scene_tensor
+from cupysparse.network_tuning import tune_network
+from cupysparse.precision import TF32, fp32_precision, get_fp32_precision
+from cupysparse.progress import Progress
+from cupysparse.shipped_cache import shipped_cache_path
+from cupysparse.tuner import Tuner, tuning_enabled
+
+NETWORKS = {
+    "minkunet18": ("indoor", lambda classes: networks.minkunet(18, 3, classes)),
+    "centerpoint": ("outdoor", lambda classes: networks.centerpoint_backbone()),
+}
+DEFAULT_NETWORKS = ("minkunet18",)
+# The demo's scene (200K voxels on a GPU) and its neighbouring size buckets.
+DEFAULT_NUM_VOXELS = (100_000, 200_000, 400_000)
+DTYPE_CHOICES = ("float16", "bfloat16", "float32", "tf32")
+DEFAULT_DTYPES = ("float16", "bfloat16", "float32")
+SCENE_SEED = 0
+VOXEL_SUFFIXES = {"K": 1_000, "M": 1_000_000}
+
+
+def _voxel_count(text: str) -> int:
+    text = text.strip().upper()
+    factor = VOXEL_SUFFIXES.get(text[-1:], 1)
+    count = int(float(text[:-1]) * factor) if factor != 1 else int(text)
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"a voxel count must be positive, got {text}")
+    return count
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="cupysparse-populate-shipped-cache", description=__doc__.splitlines()[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--output", type=Path, help="the cache file to write (default: this install's shipped file)")
+    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=list(DEFAULT_NETWORKS))
+    parser.add_argument("--num-voxels", nargs="+", type=_voxel_count, default=list(DEFAULT_NUM_VOXELS),
+                        metavar="N", help="scene sizes (200000, 200K, 1M)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
+                        help="feature dtypes (tf32: fp32 multiplied in TF32)")
+    parser.add_argument("--algo-mode", default="auto", help="the search space of both phases: auto, all, a name, [a,b]")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs; measure nothing")
+    args = parser.parse_args(argv)
+    try:
+        for phase in ("forward", "backward"):
+            parse_algorithm_filter(args.algo_mode, CONV, phase)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
+    if args.dry_run:
+        return args
+    if args.device == "cuda" and not backend.gpu_available():
+        parser.error("no CUDA GPU is usable: tuning results belong to a GPU architecture (see `python -m cupysparse "
+                     "info`); --device cpu only tests the script")
+    if args.device == "cpu" and args.output is None:
+        parser.error("--device cpu needs --output: CPU results are never shipped")
+    if not tuning_enabled():
+        parser.error("CUPYSPARSE_AUTOTUNE turns measuring off; unset it to populate a cache")
+    return args
+
+
+def runs(args) -> list[tuple[str, int, str]]:
+    return [(name, count, dtype) for name in dict.fromkeys(args.networks) for count in dict.fromkeys(args.num_voxels)
+            for dtype in dict.fromkeys(args.dtypes)]
+
+
+def network_input(network_name: str, num_voxels: int, device: str):
+    """(network, its float32 input on the demo's scene of `num_voxels`): built once for all dtypes,
+    whose tensors share its kernel maps."""
+    kind, build = NETWORKS[network_name]
+    scene, tensor, _ = scene_tensor(kind, num_voxels, SCENE_SEED, device, "float32")
+    network = build(len(scene.class_names))
+    return network, with_input_channels(tensor, network.in_channels)
+
+
+def tune_run(network, scene_kind: str, base, dtype: str, tuner: Tuner, algo_mode: str) -> str:
+    """Tune `network` on `base` (the float32 input) cast to `dtype`; a line saying what it did."""
+    xp = backend.array_module(base.features)
+    tensor = base.replace_features(xp.ascontiguousarray(base.features.astype("float32" if dtype == "tf32" else dtype)))
+    progress = Progress(len(networks.convolutions(network)), quiet_steps=True)
+    label = f"{network.name} on the {scene_kind} scene, {len(tensor):,} voxels, {dtype}"
+    measured_before, begin = tuner.measurements, time.perf_counter()
+    with fp32_precision(TF32 if dtype == "tf32" else get_fp32_precision()):
+        choices = tune_network(network, tensor, tuner, fwd_algo=algo_mode, bwd_algo=algo_mode,
+                               on_layer=lambda path, done: progress.show(done, f"{label}: {path}"))
+    progress.clear()
+    return (f"{label}: {len(choices) // 2} convolutions, {tuner.measurements - measured_before} problems measured, "
+            f"{time.perf_counter() - begin:.1f} s")
+
+
+def with_input_channels(tensor, channels: int):
+    """The scene's xyz features, with constant columns appended up to `channels` (a LiDAR's intensity, say)."""
+    missing = channels - tensor.num_channels
+    if missing <= 0:
+        return tensor
+    xp = backend.array_module(tensor.features)
+    constant = xp.ones((len(tensor), missing), dtype=tensor.features.dtype)
+    return tensor.replace_features(xp.ascontiguousarray(xp.concatenate([tensor.features, constant], axis=1)))
+
+
+def write_output(cache: BenchmarkCache, output: Path) -> None:
+    """Replace `output` by the saved `cache` in one step (no lock file left beside it)."""
+    cache.save()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.partial")
+    shutil.copyfile(cache.path, partial)
+    os.replace(partial, output)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    planned = runs(args)
+    if args.dry_run:
+        for name, count, dtype in planned:
+            print(f"{NETWORKS[name][0]:<8} {count:>10,} voxels  {dtype:<9} {name}")
+        print(f"{len(planned)} runs")
+        return 0
+    if args.output is None:
+        args.output = shipped_cache_path(f"sm_{int(backend.cupy_module().cuda.Device().compute_capability)}")
+    print(f"tuning on {backend.describe_device(args.device)} for {args.output}: {len(planned)} runs, "
+          f"algo mode {args.algo_mode}", flush=True)
+    with tempfile.TemporaryDirectory() as directory:
+        cache = BenchmarkCache(Path(directory) / "shipped.msgpack", autosave=False)
+        tuner = Tuner(cache, measure_single_candidates=True)
+        begin = time.perf_counter()
+        built = None  # (network name, voxel count) of `network` and `base`
+        for name, count, dtype in planned:
+            if built != (name, count):
+                network, base = network_input(name, count, args.device)
+                built = (name, count)
+            print(tune_run(network, NETWORKS[name][0], base, dtype, tuner, args.algo_mode), flush=True)
+        write_output(cache, args.output)
+    counts = ", ".join(f"{namespace} {count}" for namespace, count in cache.namespace_counts().items())
+    print(f"wrote {args.output} in {time.perf_counter() - begin:.1f} s: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
