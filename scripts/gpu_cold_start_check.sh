@@ -11,18 +11,9 @@ out=$(mkdir -p "${OUT:-gpu-cold-start-results}" && cd "${OUT:-gpu-cold-start-res
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"  # step, status
 cd "$(mktemp -d)"  # import the installed package, not the checkout
 scratch=$(mktemp -d)
-status=0
-step() {  # step LOG COMMAND...: run, append the output to $out/LOG.txt, remember a failure
-  local log="$out/$1.txt"
-  shift
-  echo "== $*" | tee -a "$log"
-  local begin=$SECONDS
-  "$@" 2>&1 | tee -a "$log"
-  status=$(( status || PIPESTATUS[0] ))
-  echo "wall $(( SECONDS - begin )) s" | tee -a "$log"
-}
 step cold_start env CUPY_CACHE_DIR="$scratch/kernels-cold" CUPYSPARSE_BENCHMARK_CACHE_DIR="$scratch/tuning-cold" \
   CUPYSPARSE_SHIPPED_CACHE=0 python3 -m cupysparse.scripts.benchmark_cold_start
 # The kernels the cold run compiled serve the tuning runs too.

@@ -9,17 +9,8 @@ repo=$(pwd)
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"  # step, status
 cd "$(mktemp -d)"  # import the installed package, not the checkout
-status=0
-step() {  # step LOG COMMAND...: run, append the output to $out/LOG.txt, remember a failure
-  local log="$out/$1.txt"
-  shift
-  echo "== $*" | tee -a "$log"
-  local begin=$SECONDS
-  "$@" 2>&1 | tee -a "$log"
-  status=$(( status || PIPESTATUS[0] ))
-  echo "wall $(( SECONDS - begin )) s" | tee -a "$log"
-}
 step warmup python3 -m cupysparse warmup --networks minkunet18
 step ddp python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$repo/examples/ddp_train.py" "$@"
 step ddp python3 -m torch.distributed.run --standalone --nproc_per_node 2 "$repo/examples/ddp_train.py" "$@"

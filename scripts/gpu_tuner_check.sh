@@ -10,17 +10,8 @@ export PYTHONUNBUFFERED=1
 export CUPYSPARSE_BENCHMARK_CACHE_DIR=/tmp/cupysparse-tuner-check-cache
 python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/populate.txt"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_steps.sh"  # step, status
 cd /tmp  # import the installed package, not the checkout
-status=0
-step() {  # step LOG COMMAND...: run, append the output to $out/LOG.txt, remember a failure
-  local log="$out/$1.txt"
-  shift
-  echo "== $*" | tee -a "$log"
-  local begin=$SECONDS
-  "$@" 2>&1 | tee -a "$log"
-  status=$(( status || PIPESTATUS[0] ))
-  echo "wall $(( SECONDS - begin )) s" | tee -a "$log"
-}
 step populate python3 -m cupysparse.scripts.populate_benchmark_cache --preset quick
 step populate python3 -m cupysparse.scripts.populate_benchmark_cache --preset quick --algo-mode all
 step populate python3 -m cupysparse.scripts.populate_benchmark_cache --num-voxels 1M \

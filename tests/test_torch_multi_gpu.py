@@ -9,21 +9,13 @@ torch = pytest.importorskip("torch")
 from cupysparse import compile as kernel_compile  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.backend import gpu_available  # noqa: E402
+from test_torch_adapter_gpu import coordinates  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (gpu_available() and torch.cuda.is_available() and torch.cuda.device_count() >= 2),
                        reason="needs two CUDA GPUs"),
 ]
-
-
-def coordinates(seed=0, side=12, density=0.35) -> torch.Tensor:
-    rng = np.random.default_rng(seed)
-    items = []
-    for b in range(2):
-        cells = np.argwhere(rng.random((side,) * 3) < density) - side // 2
-        items.append(np.concatenate([np.full((len(cells), 1), b), cells], axis=1))
-    return torch.from_numpy(np.concatenate(items).astype(np.int32))
 
 
 def layers(algorithm: str) -> torch.nn.Sequential:
@@ -48,7 +40,7 @@ def run(model, coords, features, device, dtype):
                                                      ("implicit_gemm", torch.float32, 1e-4)])
 def test_layers_on_the_second_gpu_while_the_first_is_current(algorithm, dtype, rtol):
     torch.cuda.set_device(0)
-    coords = coordinates()
+    coords = torch.from_numpy(coordinates(side=12, density=0.35))
     features = torch.from_numpy(np.random.default_rng(1).standard_normal((len(coords), 8)))
     reference = run(layers(algorithm), coords, features, "cpu", torch.float64)
     loads_before = len(kernel_compile.module_loads())
