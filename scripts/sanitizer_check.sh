@@ -6,20 +6,27 @@
 # launch CuPy's and cuBLAS's kernels, not ours).
 #
 #   scripts/sanitizer_check.sh [--tool memcheck|racecheck|synccheck|initcheck|both] [--select kernels|frameworks|all]
-#                              [--shard I/N] [--skip-first K] [--budget SECONDS] [--pooled] [-k EXPRESSION]
+#                              [--shard I/N] [--skip-first K] [--budget SECONDS] [--pooled] [--no-install]
+#                              [-k EXPRESSION]
 #
 # --select kernels (default): tests/test_conv_algorithms_gpu.py, test_tf32_gpu.py, test_kernel_map.py,
 #   test_pooling.py: every algorithm x dtype x phase (TF32 included) and every template instantiation of
 #   the tuner's space, the maps in 2-4 D with their formats, depthwise and pooling, all on small inputs.
-#   frameworks: every other GPU test (PyTorch and JAX adapters, networks, the fuzz suite, ...). all: both.
+#   frameworks: every other GPU test (PyTorch and JAX adapters, networks, the fuzz suite, out of memory,
+#   fp16 overflow, ...), with CUPYSPARSE_AUTOTUNE=0 (auto follows its rules and measures nothing: the
+#   kernels selection covers the whole tuning space, and a sweep over every candidate per new shape made
+#   these tests take minutes each under memcheck), and without the JAX tests of the `jnp` implementation:
+#   it runs XLA's kernels only (its maps come from the kernels the `core` tests run), and XLA's
+#   half-precision scatter-adds ran for many minutes under memcheck without finishing. all: both.
 # --shard I/N takes every N-th test from the I-th; --skip-first K resumes a run that its budget stopped
 #   (the summary prints the command). --budget (default 360) is the seconds in which tests may start,
 #   split 60/40 between memcheck and racecheck under --tool both; a test started in time may finish
 #   within a grace of 90 s more, then the tool is stopped.
 # --pooled keeps CuPy's, PyTorch's and JAX's memory pools. By default they are off, so memcheck sees
 #   every array's own bounds (a pool hands out blocks cut from larger allocations, where a read past an
-#   array stays inside valid memory); tests marked pooled_memory (CUDA-graph capture, pool statistics)
-#   need the pools and are deselected then.
+#   array stays inside valid memory); tests marked pooled_memory (CUDA-graph capture, pool statistics,
+#   pool and memory-fraction limits) need the pools and are deselected then.
+# --no-install runs the package already installed: for shards started side by side after one install.
 # Kernels are compiled with -lineinfo (CUPYSPARSE_NVRTC_LINEINFO=1, its own kernel-cache entries), so
 # reports name source lines. Results land in $OUT (or ./sanitizer-results): <tool>.<pid>.log (the
 # sanitizer's reports), <tool>_pytest.txt, <tool>_run.txt (counts) and summary.txt, one line per tool
@@ -29,7 +36,7 @@ set -uo pipefail
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
-tool=both select=kernels shard=1/1 skip_first=0 budget=360 pooled=0 keyword=""
+tool=both select=kernels shard=1/1 skip_first=0 budget=360 pooled=0 install=1 keyword=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --tool) tool=${2:-}; shift 2 ;;
@@ -38,6 +45,7 @@ while [ $# -gt 0 ]; do
     --skip-first) skip_first=${2:-}; shift 2 ;;
     --budget) budget=${2:-}; shift 2 ;;
     --pooled) pooled=1; shift ;;
+    --no-install) install=0; shift ;;
     -k) keyword=${2:-}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
@@ -45,10 +53,15 @@ while [ $# -gt 0 ]; do
 done
 case "$tool" in memcheck|racecheck|synccheck|initcheck) tools=("$tool") ;; both) tools=(memcheck racecheck) ;;
   *) echo "--tool must be memcheck, racecheck, synccheck, initcheck or both, got '$tool'" >&2; exit 2 ;; esac
+left_out_of_selection=""  # words of test names -k leaves out (racecheck adds "explicit")
 case "$select" in
   kernels) files=(test_conv_algorithms_gpu.py test_tf32_gpu.py test_kernel_map.py test_pooling.py) ;;
+  # New files go last: a shard keeps its tests' order, so a --skip-first from an older run still holds.
   frameworks) files=(test_torch_adapter_gpu.py test_jax_adapter.py test_networks_gpu.py test_fuzz.py
-                     test_sparse_tensor.py test_compile.py test_info.py) ;;
+                     test_sparse_tensor.py test_compile.py test_info.py test_out_of_memory.py
+                     test_fp16_overflow.py test_torch_multi_gpu.py)
+              left_out_of_selection=jnp
+              export CUPYSPARSE_AUTOTUNE=0 ;;
   all) files=(.) ;;
   *) echo "--select must be kernels, frameworks or all, got '$select'" >&2; exit 2 ;;
 esac
@@ -61,7 +74,7 @@ sanitizer=${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer
 [ -x "$sanitizer" ] || sanitizer=$(command -v compute-sanitizer) ||
   { echo "compute-sanitizer not found in ${CUDA_HOME:-/usr/local/cuda}/bin or on PATH" >&2; exit 1; }
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
+if [ "$install" = 1 ]; then python3 -m pip install -q --no-deps --no-build-isolation . || exit 1; fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; "$sanitizer" --version | tail -n 2; } |
   tee "$out/device.txt"
 
@@ -70,6 +83,9 @@ export CUPYSPARSE_NVRTC_LINEINFO=1
 CUPYSPARSE_BENCHMARK_CACHE_DIR=$(mktemp -d) && export CUPYSPARSE_BENCHMARK_CACHE_DIR
 export PYTHONPATH="$repo/tests${PYTHONPATH:+:$PYTHONPATH}"  # the sanitizer_session plugin
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX leaves the memory to whoever allocates it
+# XLA times candidate GEMM kernels of its own when it compiles; under the sanitizer every one of them
+# is instrumented, which is slow and checks nothing of ours.
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0"
 marks="gpu and not huge"
 plugin_flags=()
 if [ "$pooled" = 0 ]; then
@@ -97,10 +113,11 @@ summary="$out/summary.txt"
 status=0
 
 run_tool() {  # run_tool TOOL SECONDS
-  local name=$1 seconds=$2 keyword_expression=$keyword
-  if [ "$name" = racecheck ]; then
-    keyword_expression="not explicit${keyword:+ and ($keyword)}"
-  fi
+  local name=$1 seconds=$2 keyword_expression=$keyword left_out=$left_out_of_selection
+  [ "$name" = racecheck ] && left_out="$left_out explicit"
+  for word in $left_out; do
+    keyword_expression="not $word${keyword_expression:+ and ($keyword_expression)}"
+  done
   local options=(--tool "$name" --error-exitcode 90 --print-limit 50 --log-file "$out/$name.%p.log"
                  "${common_options[@]}")
   [ "$name" = memcheck ] && options+=("${memcheck_options[@]}")
@@ -157,6 +174,7 @@ describe() {  # describe TOOL EXIT_CODE WALL: append the tool's summary line, re
   if [ -n "$resume" ]; then
     line="$line; resume: scripts/sanitizer_check.sh --tool $name --select $select --shard $shard --skip-first $resume"
     [ "$pooled" = 1 ] && line="$line --pooled"
+    [ "$install" = 0 ] && line="$line --no-install"
     [ -n "$keyword" ] && line="$line -k '$keyword'"
   fi
   echo "$line" >>"$summary"

@@ -29,6 +29,7 @@ def temporary_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CUPYSPARSE_FWD_ALGO_MODE", raising=False)
     monkeypatch.delenv("CUPYSPARSE_BWD_ALGO_MODE", raising=False)
+    monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)  # these tests watch the tuner skip candidates
     yield
     default_tuner().forget_choices()
 
@@ -190,6 +191,7 @@ def test_a_real_numpy_allocation_failure_names_the_sizes_and_leaves_the_library_
 
 
 @pytest.mark.gpu
+@pytest.mark.pooled_memory  # CuPy's pool limit binds only while the pool is on
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_on_the_gpu_cupy_runs_out_of_its_pool_limit_with_the_sizes_named_then_works(dtype):
@@ -222,6 +224,7 @@ def test_on_the_gpu_cupy_runs_out_of_its_pool_limit_with_the_sizes_named_then_wo
 
 
 @pytest.mark.gpu
+@pytest.mark.pooled_memory  # torch's memory fraction binds only in its caching allocator
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype_name", ["float32", "float16"])  # fp16 takes the launch-plan path
 def test_on_the_gpu_torch_runs_out_of_its_memory_fraction_with_the_sizes_named_then_works(dtype_name):
