@@ -38,7 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 import msgpack
 
@@ -160,29 +160,110 @@ def _encode_entry(entry: CacheEntry) -> dict:
     }
 
 
-def _decode_file(data: bytes) -> list[CacheEntry]:
+def _refuse_pickle(data: bytes) -> None:
     if data[:1] == b"\x80":  # pickle's PROTO opcode; msgpack would read it as an empty map and then fail
         raise NotACacheFile("a pickle file")
-    try:
-        document = msgpack.unpackb(data, raw=False, use_list=False)  # arrays as tuples: hashable, as put
-    except (ValueError, TypeError) as error:  # corrupt or truncated bytes
-        raise NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})") from error
+
+
+def _check_format(document) -> None:
+    """`document` (the file's top-level map) is a cache of this version."""
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise NotACacheFile("not a cupysparse benchmark cache")
     if document.get("version") != FORMAT_VERSION:
         raise NotACacheFile(f"format version {document.get('version')!r}, this cupysparse reads {FORMAT_VERSION}")
-    namespaces = document.get("namespaces")
+
+
+def _not_msgpack(error: Exception) -> NotACacheFile:
+    return NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})")
+
+
+def _malformed(error: Exception) -> NotACacheFile:
+    return NotACacheFile(f"a malformed cache ({type(error).__name__}: {error})")
+
+
+def _entry_from_file(namespace, item) -> CacheEntry:
     try:
-        _require(isinstance(namespaces, dict), "'namespaces' must be a map")
-        return [
-            _make_entry(
-                namespace, item["key"], item["results"], item["kernel_sources"], item["updated"], from_file=True
-            )
-            for namespace, items in namespaces.items()
-            for item in items
-        ]
+        _require(isinstance(item, dict), f"an entry must be a map, got {type(item).__name__}")
+        return _make_entry(namespace, item["key"], item["results"], item["kernel_sources"], item["updated"],
+                           from_file=True)
     except (TypeError, ValueError, KeyError) as error:
-        raise NotACacheFile(f"a malformed cache ({type(error).__name__}: {error})") from error
+        raise _malformed(error) from error
+
+
+def _decode_file(data: bytes) -> list[CacheEntry]:
+    _refuse_pickle(data)
+    try:
+        document = msgpack.unpackb(data, raw=False, use_list=False)  # arrays as tuples: hashable, as put
+    except (ValueError, TypeError) as error:  # corrupt or truncated bytes
+        raise _not_msgpack(error) from error
+    _check_format(document)
+    namespaces = document.get("namespaces")
+    if not isinstance(namespaces, dict):
+        raise _malformed(TypeError("'namespaces' must be a map"))
+    return [_entry_from_file(namespace, item) for namespace, items in namespaces.items() for item in items]
+
+
+class _FileIndex:
+    """A cache file's entries found by key without decoding them. Opening a large file that is only
+    read (the shipped tuning results: about 1,500 entries, 1 MB) costs one pass over its keys, not
+    the ~100 ms of decoding and checking every entry in a process's first convolution; an entry is
+    decoded and checked when first asked for, so a malformed one raises `NotACacheFile` then."""
+
+    def __init__(self, data: bytes):
+        _refuse_pickle(data)
+        self._data = data
+        # namespace -> match key -> byte ranges of the entries with that key (newest wins, as in a merge)
+        self._ranges: dict[str, dict[tuple, list[tuple[int, int]]]] = {}
+        self._decoded: dict[tuple[str, tuple], CacheEntry] = {}
+        unpacker = msgpack.Unpacker(raw=False, use_list=False, max_buffer_size=max(len(data), 1))
+        unpacker.feed(data)
+        header = {}
+        try:
+            for _ in range(unpacker.read_map_header()):
+                name = unpacker.unpack()
+                if name == "namespaces":
+                    self._index_namespaces(unpacker)
+                else:
+                    header[name] = unpacker.unpack()
+            if unpacker.tell() != len(data):
+                raise ValueError(f"{len(data) - unpacker.tell()} bytes after the cache")
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as error:
+            _decode_file(data)  # a file that is no cache: raises what reading it whole says about it
+            raise _malformed(error) from error
+        _check_format(header)
+
+    def _index_namespaces(self, unpacker: msgpack.Unpacker) -> None:
+        for _ in range(unpacker.read_map_header()):
+            namespace = unpacker.unpack()
+            _require(isinstance(namespace, str), f"a namespace must be a string, got {namespace!r}")
+            slot = self._ranges.setdefault(namespace, {})
+            for _ in range(unpacker.read_array_header()):
+                begin, key = unpacker.tell(), None
+                for _ in range(unpacker.read_map_header()):
+                    if unpacker.unpack() == "key":
+                        key = unpacker.unpack()
+                    else:
+                        unpacker.skip()
+                _require(key is not None, "an entry has no key")
+                # What `_match_key(_normalise_key(key))` gives for a key read with arrays as tuples.
+                slot.setdefault(tuple(sorted(key, key=itemgetter(0))), []).append((begin, unpacker.tell()))
+
+    def get(self, namespace: str, match: tuple) -> CacheEntry | None:
+        ranges = self._ranges.get(namespace, {}).get(match)
+        if ranges is None:
+            return None
+        entry = self._decoded.get((namespace, match))
+        if entry is None:
+            entries = [self._decode(namespace, begin, end) for begin, end in ranges]
+            entry = self._decoded[(namespace, match)] = max(entries, key=attrgetter("updated"))
+        return entry
+
+    def _decode(self, namespace: str, begin: int, end: int) -> CacheEntry:
+        return _entry_from_file(namespace, msgpack.unpackb(self._data[begin:end], raw=False, use_list=False))
+
+    def all_entries(self) -> dict[str, dict[tuple, CacheEntry]]:
+        return {namespace: {match: self.get(namespace, match) for match in slot}
+                for namespace, slot in self._ranges.items()}
 
 
 def _merge_newer(into: dict[str, dict[tuple, CacheEntry]], entries: Iterable[CacheEntry]) -> None:
@@ -270,6 +351,7 @@ class BenchmarkCache:
         self._load_lock = threading.Lock()
         self._save_lock = threading.Lock()  # one save at a time in this process; the lock file orders processes
         self._entries: dict[str, dict[tuple, CacheEntry]] = {}
+        self._index: _FileIndex | None = None  # read-only: the file's entries, decoded as asked for
         self._loaded = False
         self._memory_only = False
         self._put_count = 0
@@ -287,7 +369,13 @@ class BenchmarkCache:
         match = _match_key(_normalise_key(key))
         self._ensure_loaded()
         with self._state_lock:
-            entry = self._entries.get(namespace, {}).get(match)
+            if self._index is not None:
+                try:
+                    entry = self._index.get(namespace, match)
+                except NotACacheFile as problem:
+                    raise NotACacheFile(f"{self._path} is {problem}") from None
+            else:
+                entry = self._entries.get(namespace, {}).get(match)
         return None if entry is None or self._is_stale(entry) else entry
 
     def put(self, namespace: str, key, results, kernel_sources=()) -> CacheEntry:
@@ -305,13 +393,13 @@ class BenchmarkCache:
 
     def entries(self, namespace: str | None = None) -> list[CacheEntry]:
         """All entries, stale ones included, namespaces in name order."""
-        self._ensure_loaded()
+        self._ensure_decoded()
         with self._state_lock:
             names = sorted(self._entries) if namespace is None else [namespace]
             return [entry for name in names for entry in self._entries.get(name, {}).values()]
 
     def namespace_counts(self) -> dict[str, int]:
-        self._ensure_loaded()
+        self._ensure_decoded()
         with self._state_lock:
             return {name: len(slot) for name, slot in sorted(self._entries.items()) if slot}
 
@@ -376,6 +464,10 @@ class BenchmarkCache:
         with self._load_lock:
             if self._loaded:
                 return
+            if self._read_only:
+                self._index = self._read_index()
+                self._loaded = True
+                return
             try:
                 on_disk = self._read_file(holding_lock=False)
             except OSError as error:
@@ -386,6 +478,27 @@ class BenchmarkCache:
             with self._state_lock:
                 _merge_newer(self._entries, on_disk)
             self._loaded = True
+
+    def _ensure_decoded(self) -> None:
+        """Every entry decoded (a read-only cache decodes them as asked for)."""
+        self._ensure_loaded()
+        with self._state_lock:
+            if self._index is not None:
+                try:
+                    self._entries = self._index.all_entries()
+                except NotACacheFile as problem:
+                    raise NotACacheFile(f"{self._path} is {problem}") from None
+                self._index = None
+
+    def _read_index(self) -> _FileIndex | None:
+        try:
+            data = self._path.read_bytes()
+        except FileNotFoundError:
+            return None  # no file, no entries
+        try:
+            return _FileIndex(data)
+        except NotACacheFile as problem:
+            raise NotACacheFile(f"{self._path} is {problem}") from None
 
     def _read_file(self, holding_lock: bool) -> list[CacheEntry]:
         """The file's entries, [] when there is none; a file that is no cache of ours is moved aside."""
@@ -453,10 +566,15 @@ class BenchmarkCache:
             warnings.warn(str(error), RuntimeWarning, stacklevel=1)
 
 
-def open_for_reading(path: pathlib.Path) -> BenchmarkCache:
-    """The cache file at `path`, read now and never written; NotACacheFile when it is no cache."""
+def open_for_reading(path: pathlib.Path, decode: bool = True) -> BenchmarkCache:
+    """The cache file at `path`, read now and never written; NotACacheFile when it is no cache.
+    `decode=False` reads its keys only: each entry is decoded and checked when first asked for (where
+    a malformed one raises NotACacheFile), for a large file of which a process needs a few entries."""
     cache = BenchmarkCache(path=path, read_only=True)
-    cache.entries()
+    if decode:
+        cache.entries()
+    else:
+        cache._ensure_loaded()
     return cache
 
 

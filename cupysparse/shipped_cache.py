@@ -52,10 +52,14 @@ def _open_shipped(path: Path) -> BenchmarkCache | None:
     if not path.is_file():
         return None
     try:
-        return open_for_reading(path)
+        return open_for_reading(path, decode=False)  # a process asks for a few dozen of its entries
     except (NotACacheFile, OSError) as error:  # read once per process, so this warns once
-        warnings.warn(f"ignoring the shipped tuning cache {path}: {error}", RuntimeWarning, stacklevel=4)
+        _warn_ignoring(path, error)
         return None
+
+
+def _warn_ignoring(path: Path, error: Exception) -> None:
+    warnings.warn(f"ignoring the shipped tuning cache {path}: {error}", RuntimeWarning, stacklevel=5)
 
 
 def shipped_entry(namespace: str, key) -> CacheEntry | None:
@@ -67,7 +71,15 @@ def shipped_entry(namespace: str, key) -> CacheEntry | None:
     if not isinstance(architecture, str) or not architecture.startswith("sm_"):
         return None
     cache = _shipped_cache(architecture)
-    return None if cache is None else cache.get(namespace, key)
+    if cache is None:
+        return None
+    try:
+        return cache.get(namespace, key)
+    except NotACacheFile as error:  # a malformed entry: the file is ignored from now on, with one warning
+        with _shipped_lock:
+            _shipped[architecture] = None
+        _warn_ignoring(cache.path, error)
+        return None
 
 
 def forget_shipped_caches() -> None:

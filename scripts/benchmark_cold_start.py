@@ -20,6 +20,9 @@ compiled, with their time) and how many problems the tuner measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -30,6 +33,8 @@ from cupysparse.demo import scene_tensor
 from cupysparse.shipped_cache import shipped_cache_path, shipped_caches_enabled
 from cupysparse.sparse_tensor import SparseTensor
 from cupysparse.tuner import default_tuner
+
+PROFILE_LINES = 40
 
 
 def parse_args(argv=None):
@@ -42,6 +47,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                         help="default: the demo's (float16 on a GPU, float32 on the CPU)")
     parser.add_argument("--repeats", type=int, default=10, help="steady-state forwards timed")
+    parser.add_argument("--profile", metavar="FILE", default=None,
+                        help="profile the first forward on the host (cProfile): write the statistics to FILE "
+                             "(for pstats or snakeviz) and print the functions that took the longest")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = backend.default_device()
@@ -98,11 +106,13 @@ class CoreForward:
         return self._network(tensor).features
 
 
-def timed_ms(forward, tensor: SparseTensor, device: str) -> float:
+def timed_ms(forward, tensor: SparseTensor, device: str, profiler: cProfile.Profile | None = None) -> float:
+    fresh = SparseTensor(tensor.coordinates, tensor.features, tensor.tensor_stride, validate=False)
     begin = time.perf_counter()
-    forward(SparseTensor(tensor.coordinates, tensor.features, tensor.tensor_stride, validate=False))
-    if device == "cuda":
-        backend.cupy_module().cuda.runtime.deviceSynchronize()
+    with profiler or contextlib.nullcontext():
+        forward(fresh)
+        if device == "cuda":
+            backend.cupy_module().cuda.runtime.deviceSynchronize()
     return (time.perf_counter() - begin) * 1e3
 
 
@@ -130,7 +140,8 @@ def main(argv=None) -> int:
         print(f"PyTorch's own first use (not counted): {(time.perf_counter() - begin) * 1e3:.1f} ms")
 
     loads_before, measured_before = len(compile.module_loads()), default_tuner().measurements
-    first = timed_ms(forward, tensor, args.device)
+    profiler = cProfile.Profile() if args.profile else None
+    first = timed_ms(forward, tensor, args.device, profiler)
     loads = compile.module_loads()[loads_before:]
     compiled = [load for load in loads if load.compiled]
     measured = default_tuner().measurements - measured_before
@@ -140,6 +151,10 @@ def main(argv=None) -> int:
           f"({sum(load.seconds for load in compiled):.1f} s); {measured} problems tuned")
     print(f"steady forward  {steady:10.1f} ms (median of {args.repeats}, kernel maps built each time)")
     print(f"ratio           {first / steady:10.2f}x")
+    if profiler is not None:
+        profiler.dump_stats(args.profile)
+        print(f"\nthe first forward's profile ({args.profile}), by cumulative time:")
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(PROFILE_LINES)
     return 0
 
 

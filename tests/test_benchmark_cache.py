@@ -21,6 +21,7 @@ from cupysparse.benchmark_cache import (
     NotACacheFile,
     cache_file_path,
     default_cache,
+    open_for_reading,
 )
 
 KEY = (("log_num_in_coords", 17), ("in_channels", 32), ("in_dtype", "float16"), ("stride", (2, 2, 2)))
@@ -348,6 +349,54 @@ def test_a_read_only_cache_reports_a_bad_file_and_leaves_it_alone(cache_dir, tmp
     with pytest.raises(NotACacheFile, match=CACHE_FILENAME):
         BenchmarkCache(read_only=True).entries()
     assert path.read_bytes() == bad and sorted(p.name for p in cache_dir.iterdir()) == [CACHE_FILENAME]
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_FILES))
+def test_a_file_read_by_key_reports_every_bad_file_by_the_time_it_is_decoded(cache_dir, tmp_path, kind):
+    cache_dir.mkdir()
+    path = cache_dir / CACHE_FILENAME
+    path.write_bytes(BAD_FILES[kind](tmp_path))
+    with pytest.raises(NotACacheFile, match=CACHE_FILENAME):
+        open_for_reading(path, decode=False).entries()
+
+
+def test_a_file_read_by_key_gives_what_decoding_it_whole_gives(cache_dir):
+    writer = BenchmarkCache(autosave=False)
+    for channels in (16, 32, 64):
+        writer.put("forward", {**dict(KEY), "in_channels": channels}, RESULTS)
+        writer.put("backward", dict(reversed(KEY)) | {"in_channels": channels}, RESULTS[1:])
+    writer.save()
+    document = read_raw(writer.path)
+    newer = {**document["namespaces"]["forward"][0], "results": [["explicit_gemm", {}, 0.5]]}
+    newer["updated"] += 10
+    document["namespaces"]["forward"].append(newer)  # one key twice: the newer wins, as in a merge
+    writer.path.write_bytes(msgpack.packb(document))
+    whole, by_key = open_for_reading(writer.path), open_for_reading(writer.path, decode=False)
+    asked = [(namespace, entry.key) for namespace in ("forward", "backward") for entry in whole.entries(namespace)]
+    assert len(asked) == 6
+    for namespace, key in asked:
+        assert by_key.get(namespace, key) == whole.get(namespace, key)
+        assert by_key.get(namespace, tuple(reversed(key))) == whole.get(namespace, key)  # any parameter order
+    assert by_key.get("forward", {**dict(KEY), "in_channels": 16}).results == (("explicit_gemm", {}, 0.5),)
+    assert by_key.get("forward", {**dict(KEY), "in_channels": 8}) is None
+    assert by_key.get("sideways", KEY) is None
+    assert by_key.entries() == whole.entries() and by_key.namespace_counts() == {"backward": 3, "forward": 3}
+
+
+def test_a_file_read_by_key_decodes_only_the_entries_asked_for(cache_dir):
+    good = {"key": [list(pair) for pair in KEY], "results": [["explicit_gemm", {}, 1.0]], "kernel_sources": [],
+            "updated": 1.0}
+    bad = {**good, "key": [["n", 1]], "results": "not a list of results"}
+    cache_dir.mkdir()
+    path = cache_dir / CACHE_FILENAME
+    path.write_bytes(msgpack.packb({"format": "cupysparse-benchmark-cache", "version": FORMAT_VERSION,
+                                    "namespaces": {"ns": [good, bad]}}))
+    cache = open_for_reading(path, decode=False)
+    assert cache.get("ns", KEY).results == (("explicit_gemm", {}, 1.0),)
+    with pytest.raises(NotACacheFile, match=f"{CACHE_FILENAME} is a malformed cache"):
+        cache.get("ns", {"n": 1})
+    with pytest.raises(NotACacheFile, match=CACHE_FILENAME):
+        open_for_reading(path)
 
 
 def test_a_read_only_cache_reads_but_refuses_to_write(cache_dir):

@@ -3,6 +3,7 @@ when stale, never for another architecture, and a damaged file only warns (once)
 
 import warnings
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -139,6 +140,22 @@ def test_a_corrupt_shipped_file_warns_once_and_is_ignored_untouched():
     assert len([w for w in caught if "shipped" in str(w.message)]) == 1
     assert path.read_bytes() == b"\x93not a cache at all"
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # nothing moved aside or added
+
+
+def test_a_malformed_shipped_entry_warns_once_and_the_file_is_ignored_from_then_on(no_capture_check):
+    results, (fastest, params) = sweep_results(0.0)
+    path = ship(results)
+    document = msgpack.unpackb(path.read_bytes(), raw=False)
+    namespace = fastest.tuning_namespace("forward")
+    good = document["namespaces"][namespace][0]
+    malformed_key = (("compute_capability", "sm_90"), ("in_channels", 3))
+    document["namespaces"][namespace].append({**good, "key": malformed_key, "results": "not results"})
+    path.write_bytes(msgpack.packb(document))
+    assert shipped_cache.shipped_entry(namespace, tuning_key(PROBLEM)).results[0][:2] == (fastest.name, params)
+    with pytest.warns(RuntimeWarning, match="ignoring the shipped tuning cache .* malformed") as caught:
+        assert shipped_cache.shipped_entry(namespace, malformed_key) is None
+        assert shipped_cache.shipped_entry(namespace, tuning_key(PROBLEM)) is None
+    assert len([w for w in caught if "shipped" in str(w.message)]) == 1
 
 
 def test_the_environment_variable_turns_shipped_results_off(monkeypatch, no_capture_check):
