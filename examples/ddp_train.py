@@ -6,8 +6,9 @@
 
 Each rank builds its own indoor room (seed --seed + rank), so the ranks hold different voxels and
 different numbers of them, as with a sharded dataset; rank r trains on GPU r of its machine
-(LOCAL_RANK). Batch norm uses the statistics of all ranks' voxels (`cst.convert_sync_batchnorm`),
-DDP averages the gradients, and on the GPU the convolutions run in fp16 under autocast.
+(LOCAL_RANK). Batch norm uses the statistics of all ranks' voxels (`cst.convert_sync_batchnorm`;
+`--batch-norm local` keeps each rank's own), DDP averages the gradients, and on the GPU the
+convolutions run in fp16 under autocast.
 
 Tuning across ranks: the tuner runs no collective, so ranks meeting different problems (their sizes
 come from their own scenes) can never wait on each other inside it. Step 0 is a warm-up: forward
@@ -69,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="training steps after the warm-up step")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                         help="convolution dtype on the GPU (autocast; the CPU computes in float32)")
+    parser.add_argument("--batch-norm", choices=("sync", "local"), default="sync",
+                        help="statistics over every rank's voxels (SparseSyncBatchNorm) or over each rank's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-minutes", type=float, default=30.0,
                         help="how long a collective waits for the other ranks (a cold start compiles kernels)")
@@ -118,10 +121,13 @@ def main(argv=None) -> int:
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
     dist.all_gather(counts, torch.tensor([len(voxels)], device=device))
     say(f"{world_size} ranks on {device.type}, voxels per rank {[int(c) for c in counts]}, MinkUNet18 width "
-        f"{args.width:g}", flush=True)
+        f"{args.width:g}, {args.batch_norm} batch norm", flush=True)
 
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP also broadcasts rank 0's)
-    model = cst.convert_sync_batchnorm(Segmentation(MinkUNet18(3, len(scene.class_names), args.width))).to(device)
+    model = Segmentation(MinkUNet18(3, len(scene.class_names), args.width))
+    if args.batch_norm == "sync":
+        model = cst.convert_sync_batchnorm(model)
+    model = model.to(device)
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     autocast = device.type == "cuda" and args.dtype != "float32"

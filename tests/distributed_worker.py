@@ -1,7 +1,8 @@
-"""One rank of the two-process checks in test_torch_distributed.py, started by torchrun on the CPU
-(Gloo): `python -m torch.distributed.run --standalone --nproc_per_node 2 distributed_worker.py
-SCENARIO OUT_DIR`. Each rank writes what it computed to OUT_DIR; the test compares it with a
-reference computed in one process."""
+"""One rank of the two-process checks in test_torch_distributed.py (on the CPU, Gloo) and
+test_torch_multi_gpu.py (scenarios ending in _cuda: a GPU per rank, NCCL), started by torchrun:
+`python -m torch.distributed.run --standalone --nproc_per_node 2 distributed_worker.py SCENARIO OUT_DIR`.
+Each rank writes what it computed to OUT_DIR; the test compares it with a reference computed in one
+process."""
 
 import json
 import os
@@ -28,25 +29,34 @@ def batch_norm_inputs(case: str, rank: int, dtype=torch.float64):
     return features, grad, weight, bias
 
 
-def sync_batch_norm(rank: int, out_dir: str) -> None:
+# Feature and parameter dtypes of each device's runs: on CUDA also fp16 features with fp32
+# parameters, as under autocast.
+BATCH_NORM_DTYPES = {"cpu": {"float64": (torch.float64, torch.float64)},
+                     "cuda": {"float64": (torch.float64, torch.float64), "float16": (torch.float16, torch.float32)}}
+
+
+def sync_batch_norm(rank: int, out_dir: str, device: str = "cpu") -> None:
     from cupysparse.adapters import torch as cst
 
+    target = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     for case in BATCH_NORM_ROWS:
-        features, grad, weight, bias = batch_norm_inputs(case, rank)
-        model = cst.convert_sync_batchnorm(torch.nn.Sequential(cst.SparseBatchNorm(CHANNELS, momentum=0.1))).double()
-        with torch.no_grad():
-            model[0].weight.copy_(weight)
-            model[0].bias.copy_(bias)
-        coordinates = torch.zeros(len(features), 4, dtype=torch.int32)
-        coordinates[:, 1] = torch.arange(len(features), dtype=torch.int32)
-        features.requires_grad_(True)
-        output = model(cst.SparseTensor(coordinates, features)).features
-        (output * grad).sum().backward()
-        np.savez(os.path.join(out_dir, f"{case}_rank{rank}.npz"), type=type(model[0]).__name__,
-                 output=output.detach().numpy(), grad_input=features.grad.numpy(),
-                 grad_weight=model[0].weight.grad.numpy(), grad_bias=model[0].bias.grad.numpy(),
-                 running_mean=model[0].running_mean.numpy(), running_var=model[0].running_var.numpy(),
-                 num_batches_tracked=model[0].num_batches_tracked.numpy())
+        for name, (feature_dtype, parameter_dtype) in BATCH_NORM_DTYPES[device].items():
+            features, grad, weight, bias = batch_norm_inputs(case, rank)
+            batch_norm = cst.SparseBatchNorm(CHANNELS, momentum=0.1)
+            model = cst.convert_sync_batchnorm(torch.nn.Sequential(batch_norm)).to(target, parameter_dtype)
+            with torch.no_grad():
+                model[0].weight.copy_(weight)
+                model[0].bias.copy_(bias)
+            coordinates = torch.zeros(len(features), 4, dtype=torch.int32)
+            coordinates[:, 1] = torch.arange(len(features), dtype=torch.int32)
+            features = features.to(target, feature_dtype).requires_grad_(True)
+            output = model(cst.SparseTensor(coordinates.to(target), features)).features
+            (output * grad.to(target, feature_dtype)).sum().backward()
+            values = {"output": output.detach(), "grad_input": features.grad, "grad_weight": model[0].weight.grad,
+                      "grad_bias": model[0].bias.grad, "running_mean": model[0].running_mean,
+                      "running_var": model[0].running_var, "num_batches_tracked": model[0].num_batches_tracked}
+            np.savez(os.path.join(out_dir, f"{case}_{name}_rank{rank}.npz"), type=type(model[0]).__name__,
+                     **{key: value.cpu().double().numpy() for key, value in values.items()})
 
 
 def share_tuning(rank: int, out_dir: str) -> None:
@@ -102,9 +112,15 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     # Each rank a cache of its own, as on two machines: only the exchange can make them agree.
     os.environ["CUPYSPARSE_BENCHMARK_CACHE_DIR"] = os.path.join(out_dir, f"cache_rank{rank}")
-    dist.init_process_group("gloo")
+    if scenario.endswith("_cuda"):  # one GPU per rank, NCCL
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo")
+    scenarios = {"sync_batch_norm": sync_batch_norm, "share_tuning": share_tuning,
+                 "sync_batch_norm_cuda": lambda rank, out_dir: sync_batch_norm(rank, out_dir, "cuda")}
     try:
-        {"sync_batch_norm": sync_batch_norm, "share_tuning": share_tuning}[scenario](rank, out_dir)
+        scenarios[scenario](rank, out_dir)
         dist.barrier()
     finally:
         dist.destroy_process_group()

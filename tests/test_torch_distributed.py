@@ -38,12 +38,14 @@ def batch_norm_runs(tmp_path_factory):
     return out_dir
 
 
-@needs_gloo
-@pytest.mark.parametrize("case", sorted(distributed_worker.BATCH_NORM_ROWS))
-def test_sync_batch_norm_over_two_ranks_is_one_batch_norm_over_their_voxels(batch_norm_runs, case):
-    ranks = [np.load(batch_norm_runs / f"{case}_rank{rank}.npz") for rank in (0, 1)]
+def assert_one_batch_norm_over_both_ranks(out_dir: Path, case: str, dtype_name: str, rtol: float, atol: float):
+    """Each rank's results of `case` are those of one BatchNorm1d (fp64) over both ranks' rows, the
+    inputs rounded to the features' dtype; `atol` is relative to each compared array's largest value."""
+    ranks = [np.load(out_dir / f"{case}_{dtype_name}_rank{rank}.npz") for rank in (0, 1)]
     assert all(str(r["type"]) == "SparseSyncBatchNorm" for r in ranks)
-    inputs = [distributed_worker.batch_norm_inputs(case, rank) for rank in (0, 1)]
+    rounded = getattr(torch, dtype_name)
+    inputs = [[t.to(rounded).double() if i < 2 else t for i, t in enumerate(distributed_worker.batch_norm_inputs(
+        case, rank))] for rank in (0, 1)]
     reference = torch.nn.BatchNorm1d(distributed_worker.CHANNELS, momentum=0.1).double()
     with torch.no_grad():
         reference.weight.copy_(inputs[0][2])
@@ -51,17 +53,27 @@ def test_sync_batch_norm_over_two_ranks_is_one_batch_norm_over_their_voxels(batc
     features = torch.cat([features for features, *_ in inputs]).requires_grad_(True)
     output = reference(features)
     (output * torch.cat([grad for _, grad, *_ in inputs])).sum().backward()
+
+    def close(got, expected):
+        np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol * float(np.abs(expected).max(initial=0)))
+
     rows = np.cumsum([0] + [len(features) for features, *_ in inputs])
     for rank, result in enumerate(ranks):
         part = slice(rows[rank], rows[rank + 1])
-        np.testing.assert_allclose(result["output"], output[part].detach().numpy(), rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(result["grad_input"], features.grad[part].numpy(), rtol=1e-9, atol=1e-12)
-        np.testing.assert_allclose(result["running_mean"], reference.running_mean.numpy(), rtol=1e-12)
-        np.testing.assert_allclose(result["running_var"], reference.running_var.numpy(), rtol=1e-12)
+        close(result["output"], output[part].detach().numpy())
+        close(result["grad_input"], features.grad[part].numpy())
+        close(result["running_mean"], reference.running_mean.numpy())
+        close(result["running_var"], reference.running_var.numpy())
         assert int(result["num_batches_tracked"]) == 1
     # Each rank holds the gradient of its own loss; DDP's all-reduce would add them up.
-    np.testing.assert_allclose(sum(r["grad_weight"] for r in ranks), reference.weight.grad.numpy(), rtol=1e-9)
-    np.testing.assert_allclose(sum(r["grad_bias"] for r in ranks), reference.bias.grad.numpy(), rtol=1e-9)
+    close(sum(r["grad_weight"] for r in ranks), reference.weight.grad.numpy())
+    close(sum(r["grad_bias"] for r in ranks), reference.bias.grad.numpy())
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", sorted(distributed_worker.BATCH_NORM_ROWS))
+def test_sync_batch_norm_over_two_ranks_is_one_batch_norm_over_their_voxels(batch_norm_runs, case):
+    assert_one_batch_norm_over_both_ranks(batch_norm_runs, case, "float64", rtol=1e-10, atol=1e-12)
 
 
 @needs_gloo

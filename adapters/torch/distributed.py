@@ -13,12 +13,14 @@ which works on every backend `torch.distributed` reduces on (NCCL, Gloo for CPU 
 dense batch norms to torch's converter.
 
 `SparseSyncBatchNorm` normalises with the statistics of all ranks' voxels together, as one
-`BatchNorm1d` over the concatenated features would: each rank reduces its own voxels to a count, a
-sum and a sum of squared deviations from its own mean (float32; float64 for float64 features), one
-all-reduce adds the ranks' values in float64 (the cross-rank variance, `Σ M2_r + Σ n_r·m_r² −
-n·m²`, cancels only over the ranks' means), and autograd carries gradients back through the
-all-reduce to every rank's features. Ranks may hold different numbers of voxels, or none (all ranks
-together need at least two).
+`BatchNorm1d` over the concatenated features would. On CUDA it runs PyTorch's fused batch-norm
+kernels around one all-gather (forward) and one all-reduce (backward) per layer, without host
+synchronisation (`_FusedSyncBatchNorm`). Elsewhere (Gloo on the CPU) each rank
+reduces its own voxels to a count, a sum and a sum of squared deviations from its own mean (float32;
+float64 for float64 features), one all-reduce adds the ranks' values in float64 (the cross-rank
+variance, `Σ M2_r + Σ n_r·m_r² − n·m²`, cancels only over the ranks' means), and autograd carries
+gradients back through the all-reduce to every rank's features. Ranks may hold different numbers of
+voxels, or none (all ranks together need at least two).
 """
 
 from __future__ import annotations
@@ -48,6 +50,61 @@ class _AllReduceSum(torch.autograd.Function):
         return _AllReduceSum.apply(grad.contiguous(), ctx.group), None
 
 
+class _FusedSyncBatchNorm(torch.autograd.Function):
+    """Batch norm over every rank's rows with PyTorch's fused CUDA kernels: one all-gather of each
+    rank's (mean, inverse std, count) forward, one all-reduce of two per-channel sums backward,
+    a handful of launches per layer and no host synchronisation. (torch's own SyncBatchNorm function
+    reads the gathered counts on the host every layer to drop ranks without rows; here such a rank
+    sends a count of 0 and an inverse std of 1, which weigh nothing in the combination.) The rows'
+    statistics accumulate in float32 (float64 for float64 features)."""
+
+    @staticmethod
+    def forward(ctx, features, weight, bias, running_mean, running_var, eps, factor, group, world_size):
+        features = features.contiguous()
+        channels = features.shape[1]
+        if len(features):
+            mean, invstd = torch.batch_norm_stats(features, eps)
+        else:
+            mean = features.new_zeros(channels, dtype=torch.promote_types(features.dtype, torch.float32))
+            invstd = torch.ones_like(mean)
+        local = torch.cat([mean, invstd, mean.new_full((1,), len(features))])
+        gathered = local.new_empty(world_size, 2 * channels + 1)
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        means, invstds, counts = torch.split(gathered, channels, dim=1)
+        counts = counts.reshape(-1)
+        if running_mean is not None:
+            counts = counts.to(running_mean.dtype)
+        mean, invstd = torch.batch_norm_gather_stats_with_counts(features, means, invstds, running_mean, running_var,
+                                                                 factor, eps, counts)
+        ctx.save_for_backward(features, weight, mean, invstd, counts.to(torch.int32))
+        ctx.group = group
+        if not len(features):  # the fused kernels take no empty input
+            return torch.empty_like(features)
+        return torch.batch_norm_elemt(features, weight, bias, mean, invstd, eps)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_output = grad_output.contiguous()
+        features, weight, mean, invstd, counts = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if len(features):
+            sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+                grad_output, features, mean, invstd, weight, needs_input, needs_weight, needs_bias)
+        else:
+            sum_dy, sum_dy_xmu = torch.zeros_like(mean), torch.zeros_like(mean)
+            grad_weight = torch.zeros_like(weight) if needs_weight else None
+            grad_bias = torch.zeros_like(weight) if needs_bias else None
+        grad_input = None
+        if needs_input:  # the same on every rank (one model), so every rank joins the all-reduce
+            sums = torch.cat([sum_dy, sum_dy_xmu])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+            sum_dy, sum_dy_xmu = torch.split(sums, len(mean))
+            grad_input = (torch.batch_norm_backward_elemt(grad_output, features, mean, invstd, weight, sum_dy,
+                                                          sum_dy_xmu, counts)
+                          if len(features) else torch.empty_like(grad_output))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
 def _synchronised(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
@@ -69,6 +126,8 @@ class SparseSyncBatchNorm(SparseBatchNorm):
         return input.replace_feature(self._synchronised_batch_norm(input.features, group))
 
     def _synchronised_batch_norm(self, features: torch.Tensor, group) -> torch.Tensor:
+        if features.is_cuda:
+            return self._fused_batch_norm(features, group)
         channels = features.shape[1]
         compute = torch.promote_types(features.dtype, torch.float32)
         x = features.to(compute)
@@ -91,6 +150,15 @@ class SparseSyncBatchNorm(SparseBatchNorm):
         if self.bias is not None:
             shift = shift + self.bias.to(compute)
         return torch.addcmul(shift, x, scale).to(features.dtype)
+
+    def _fused_batch_norm(self, features: torch.Tensor, group) -> torch.Tensor:
+        factor = 0.0
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        running_mean, running_var = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        return _FusedSyncBatchNorm.apply(features, self.weight, self.bias, running_mean, running_var, self.eps,
+                                         factor, group, dist.get_world_size(group))
 
     @torch.no_grad()
     def _update_running_statistics(self, mean: torch.Tensor, variance: torch.Tensor, count: torch.Tensor) -> None:
