@@ -7,9 +7,11 @@ writes them from the reference networks' layers on the demo scenes. A key is loo
 file of its `compute_capability` only, so CPU keys and other architectures never match. Shipped
 entries follow the user's rules: an entry whose kernel sources changed since it was measured is
 stale and ignored; a missing file means no shipped entries; a file that is no cache is ignored
-with one warning. The user's own measurements always win, and nothing is ever written to a shipped
-file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped results off (to measure a cold start, or to
-tune everything on this machine).
+with one warning. The file is read by key (`open_for_reading(decode=False)`): a process decodes only
+the entries it asks for, and a malformed entry, found when asked for, makes the file ignored from
+then on, with the same one warning. The user's own measurements always win, and nothing is ever
+written to a shipped file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped results off (to measure a
+cold start, or to tune everything on this machine).
 
 `TuningCache` also records which (namespace, key) pairs the tuner asked for, so that ranks of a
 distributed job can compare what they chose (`cupysparse.tuning_agreement`).
