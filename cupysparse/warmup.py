@@ -82,8 +82,9 @@ class PlannedModule:
     needed_by: tuple[str, ...]
 
     def describe(self) -> str:
-        return (f"{self.source.filename:<24} {len(self.source.name_expressions):>3} kernels  "
-                f"{', '.join(self.needed_by)}")
+        expressions = self.source.name_expressions
+        kernels = expressions[0] if len(expressions) == 1 else f"{len(expressions)} kernels"
+        return f"{self.source.filename:<24} {kernels}  {', '.join(self.needed_by)}"
 
 
 @dataclass(frozen=True)
@@ -127,18 +128,15 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
     """The kernel modules that running `network_names` in `feature_types` on `capability` may load,
     each with what needs it (see the module docstring)."""
     needed: dict[compile.KernelSource, set[str]] = {}
-    sources = list(dict.fromkeys(compile.registered_sources()))
     for feature_type in feature_types:
-        of_dtype = _names_dtypes([feature_type.dtype])
         for network_name in network_names:
             network = NETWORKS[network_name]()
-            chosen = {algorithm for problem in layer_problems(network, feature_type, capability)
-                      for phase in ("forward", "backward")
-                      for algorithm, _ in candidates(parse_algorithm_filter(None, CONV, phase), problem)}
-            for algorithm in chosen:
-                for source in sources:
-                    if source.filename in algorithm.kernel_sources and _names_any_dtype(source, [of_dtype]):
-                        needed.setdefault(source, set()).add(f"{network.name} {feature_type.label}")
+            for problem in layer_problems(network, feature_type, capability):
+                for phase in ("forward", "backward"):
+                    for algorithm, params in candidates(parse_algorithm_filter(None, CONV, phase), problem):
+                        for source in algorithm.kernel_modules(phase, problem, params):
+                            needed.setdefault(source, set()).add(f"{network.name} {feature_type.label}")
+    sources = list(dict.fromkeys(compile.registered_sources()))
     claimed = {filename for kind in KINDS for algorithm in registered(kind).values()
                for filename in algorithm.kernel_sources}
     patterns = [_names_dtypes([feature_type.dtype for feature_type in feature_types])]
