@@ -471,10 +471,11 @@ def prepare(sources) -> None:
     cupy = cupy_module()
     if cupy is None:
         return
-    device_id = cupy.cuda.Device().id
+    sources = list(dict.fromkeys(sources))
     try:
+        device_id = cupy.cuda.Device().id
         started = _start_loading(sources, device_id)
-    except RuntimeError:  # this NVRTC cannot compile for the GPU: every launch says so
+    except Exception:  # noqa: BLE001 - no usable GPU, or NVRTC cannot compile for it: each launch raises why
         return
     for source, future in started.items():
         with contextlib.suppress(Exception):  # raised again by the launch that needs the module

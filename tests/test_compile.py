@@ -341,3 +341,15 @@ def test_a_module_that_fails_is_raised_by_its_launch_not_by_prepare_and_compiled
         with pytest.raises(RuntimeError, match="undeclared_name"):
             kernel_compile.get_kernel(broken, "broken")
     assert counts[broken] == 1
+
+
+def test_prepare_without_a_usable_gpu_compiles_nothing_and_raises_nothing(counted_compiles, monkeypatch):
+    family, counts = counted_compiles
+
+    def no_device(device_id=None):
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=no_device)))
+    kernel_compile.prepare(family.sources)  # the launch that needs a kernel raises, not the tuner's preparation
+    assert not counts and not kernel_compile.module_loads()
