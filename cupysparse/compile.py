@@ -1,17 +1,22 @@
 """The one place CUDA sources are loaded, compiled and launched from.
 
 Every kernel lives in a `.cu` file of the installed `raw_kernels` folder. A module that launches
-kernels declares a `KernelSource` (the file plus the template instantiations it needs, as NVRTC
-name expressions); `get_kernel` compiles it once per device architecture with NVRTC (CUBIN for the
-GPU's own architecture), keeps the result in the kernel cache directory, and loads it as a CuPy
-module once per device. A process whose kernels are all in the cache runs no NVRTC at all (CuPy's
-own `RawModule` cache would still preprocess a test program with NVRTC once per option set).
-Declared sources register themselves so the CPU test can compile every one of them through NVRTC
-for several architectures without a GPU.
+kernels declares its `KernelSource`s (the file plus template instantiations, as NVRTC name
+expressions): each is one NVRTC program, so one CUDA module. A big kernel family is declared as
+several small sources (`KernelFamily`), so that a process compiles only the instantiations it
+launches and the pieces compile side by side. `get_kernel` compiles a source once per device
+architecture with NVRTC (CUBIN for the GPU's own architecture), keeps the result in the kernel cache
+directory, and loads it as a CuPy module once per device; `prepare` does that for many sources at
+once, compiling them concurrently on up to `compile_workers()` threads (NVRTC releases the
+interpreter lock while it compiles). A process whose kernels are all in the cache runs no NVRTC at
+all (CuPy's own `RawModule` cache would still preprocess a test program with NVRTC once per option
+set). Declared sources register themselves so the CPU test can compile every one of them through
+NVRTC for several architectures without a GPU.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -69,6 +74,32 @@ class KernelSource:
 
 def registered_sources() -> tuple[KernelSource, ...]:
     return tuple(_REGISTRY)
+
+
+class KernelFamily:
+    """The instantiations of one `.cu` file declared as several sources, one NVRTC program (one
+    module) per group of name expressions: a process compiles the groups it launches from, and
+    `prepare` compiles several side by side. NVRTC parses the file's headers once per program, which
+    costs some tens of milliseconds a group."""
+
+    def __init__(self, filename: str, groups):
+        self.sources = tuple(KernelSource(filename, tuple(group)) for group in groups)
+        self._source_of = {expression: source for source in self.sources for expression in source.name_expressions}
+
+    @property
+    def name_expressions(self) -> tuple[str, ...]:
+        return tuple(self._source_of)
+
+    def source_of(self, name_expression: str) -> KernelSource:
+        """The source (module) that declares `name_expression`."""
+        try:
+            return self._source_of[name_expression]
+        except KeyError:
+            raise KeyError(f"{name_expression} is not declared by this family of {self.sources[0].filename}") from None
+
+    def get(self, name_expression: str):
+        """The compiled kernel `name_expression` on the current CUDA device."""
+        return get_kernel(self.source_of(name_expression), name_expression)
 
 
 def _included_headers(text: str, seen: set[str]) -> list[str]:
@@ -321,16 +352,134 @@ def cached_or_compiled(source: KernelSource, option: str) -> tuple[CompiledSourc
     return compiled, True
 
 
-def _load_module(source: KernelSource, device_id: int) -> LoadedModule:
-    cupy = cupy_module()
+def compile_workers() -> int:
+    """Compilations at a time: the CPUs this process may run on (NVRTC keeps one busy per program)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One source made ready for one NVRTC architecture option: its image and lowered names, whether
+    NVRTC compiled it (else the kernel cache held it), and the seconds that took."""
+
+    compiled: CompiledSource
+    compiled_now: bool
+    seconds: float
+
+
+def _timed_compilation(source: KernelSource, option: str) -> Compilation:
     begin = time.perf_counter()
-    option = architecture_option(int(cupy.cuda.Device(device_id).compute_capability))
     compiled, compiled_now = cached_or_compiled(source, option)
-    with cupy.cuda.Device(device_id):
-        module = cupy.cuda.function.Module()
-        module.load(compiled.image)
-    _module_loads.append(ModuleLoad(source.filename, device_id, time.perf_counter() - begin, compiled_now))
-    return LoadedModule(module, compiled.lowered_names, {})
+    return Compilation(compiled, compiled_now, time.perf_counter() - begin)
+
+
+@functools.cache
+def _compile_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cupysparse-nvrtc")
+
+
+# Compilations under way, by source and NVRTC option: a second request joins the first.
+_compilations: dict[tuple[KernelSource, str], concurrent.futures.Future] = {}
+_compilations_lock = threading.Lock()
+
+
+def compile_async(source: KernelSource, option: str, workers: int | None = None) -> concurrent.futures.Future:
+    """A future of `source`'s `Compilation` for the NVRTC architecture `option` (`cached_or_compiled`
+    on a pool of `workers` threads, default `compile_workers()`); while one for the same source and
+    option is under way, that one. Needs no GPU."""
+    key = (source, option)
+    with _compilations_lock:
+        future = _compilations.get(key)
+        if future is not None:
+            return future
+        future = _compilations[key] = _compile_pool(workers or compile_workers()).submit(
+            _timed_compilation, source, option)
+    future.add_done_callback(lambda done: _forget_compilation(key, done))
+    return future
+
+
+def _forget_compilation(key, future) -> None:
+    with _compilations_lock:
+        if _compilations.get(key) is future:
+            del _compilations[key]
+
+
+def _reset_after_fork() -> None:
+    """A forked child has none of its parent's threads: it starts with no pools and nothing under way."""
+    global _compilations_lock, _modules_lock
+    _compile_pool.cache_clear()
+    _compilations.clear()
+    _loading.clear()
+    _compilations_lock, _modules_lock = threading.Lock(), threading.Lock()
+
+
+# Modules being compiled for a device and not loaded yet, or whose compilation failed (the error is
+# raised again at each launch of the process instead of compiling again).
+_loading: dict[tuple[KernelSource, int], concurrent.futures.Future] = {}
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+@functools.cache
+def _device_option(device_id: int) -> str:
+    return architecture_option(int(cupy_module().cuda.Device(device_id).compute_capability))
+
+
+def _start_loading(sources, device_id: int) -> dict[KernelSource, concurrent.futures.Future]:
+    """The compilation of each of `sources` not loaded on `device_id` yet, started where it is not."""
+    started = {}
+    with _modules_lock:
+        for source in dict.fromkeys(sources):
+            key = (source, device_id)
+            if key in _modules:
+                continue
+            future = _loading.get(key)
+            if future is None:
+                future = _loading[key] = compile_async(source, _device_option(device_id))
+            started[source] = future
+    return started
+
+
+def _finish_loading(source: KernelSource, device_id: int, future: concurrent.futures.Future) -> LoadedModule:
+    """`source`'s module on `device_id` once `future` (its compilation) is done; raises its error."""
+    compilation = future.result()
+    key = (source, device_id)
+    with _modules_lock:
+        loaded = _modules.get(key)
+        if loaded is None:
+            cupy = cupy_module()
+            begin = time.perf_counter()
+            with cupy.cuda.Device(device_id):
+                module = cupy.cuda.function.Module()
+                module.load(compilation.compiled.image)
+            loaded = _modules[key] = LoadedModule(module, compilation.compiled.lowered_names, {})
+            _loading.pop(key, None)
+            _module_loads.append(ModuleLoad(source.filename, device_id,
+                                            compilation.seconds + time.perf_counter() - begin,
+                                            compilation.compiled_now))
+    return loaded
+
+
+def prepare(sources) -> None:
+    """Load every one of `sources` on the current device, the ones not loaded yet compiled (or read
+    from the kernel cache) concurrently, on up to `compile_workers()` threads: what the tuner calls
+    before measuring candidates that launch from several modules. Safe to call from several threads:
+    each module is compiled once. A module that fails is not raised here but by the launch that needs
+    it (the tuner skips that candidate). Without CuPy, nothing."""
+    cupy = cupy_module()
+    if cupy is None:
+        return
+    sources = list(dict.fromkeys(sources))
+    try:
+        device_id = cupy.cuda.Device().id
+        started = _start_loading(sources, device_id)
+    except Exception:  # noqa: BLE001 - no usable GPU, or NVRTC cannot compile for it: each launch raises why
+        return
+    for source, future in started.items():
+        with contextlib.suppress(Exception):  # raised again by the launch that needs the module
+            _finish_loading(source, device_id, future)
 
 
 def get_kernel(source: KernelSource, name_expression: str):
@@ -341,13 +490,12 @@ def get_kernel(source: KernelSource, name_expression: str):
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError("CUDA kernels need CuPy: pip install 'cupysparse[cuda]'")
-    key = (source, cupy.cuda.Device().id)
-    loaded = _modules.get(key)
+    device_id = cupy.cuda.Device().id
+    loaded = _modules.get((source, device_id))
     if loaded is None:
-        with _modules_lock:
-            loaded = _modules.get(key)
-            if loaded is None:
-                loaded = _modules[key] = _load_module(source, key[1])
+        started = _start_loading((source,), device_id)
+        loaded = _modules[(source, device_id)] if source not in started else _finish_loading(
+            source, device_id, started[source])
     function = loaded.functions.get(name_expression)
     if function is None:
         function = loaded.functions[name_expression] = loaded.module.get_function(

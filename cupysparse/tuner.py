@@ -9,6 +9,8 @@ a reduced set, the supported algorithms of the highest `auto_priority` with thei
 from 32 to 256 channels (5-40x ahead of the next algorithm, H200); in fp32, SIMT implicit GEMM wins narrow
 layers and cuBLAS explicit GEMM wide ones. The reference still runs once, for the check.
 
+On a GPU, the kernel modules of every candidate to measure (`Algorithm.kernel_modules`) are first
+compiled side by side (`compile.prepare`), not one after the other at each candidate's first launch.
 Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
 `explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU: the
@@ -40,7 +42,7 @@ import numpy as np
 from .algorithm_modes import ALL, AUTO, AlgorithmFilter
 from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
 from .backend import array_module, cupy_module, is_cupy_array
-from .compile import source_digest
+from .compile import prepare, source_digest
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
 from .out_of_memory import is_out_of_memory
 from .precision import TF32, get_fp32_precision
@@ -108,6 +110,13 @@ def candidates(search_space: AlgorithmFilter, problem: ConvProblem) -> list[tupl
             for params in algorithm.auto_param_grid(phase, problem)
         ]
     return [(algorithm, params) for algorithm in supported for params in algorithm.param_grid(phase)]
+
+
+def prepare_kernels(pool, phase: str, problem: ConvProblem) -> None:
+    """Load the kernel modules the candidates of `pool` launch from, those not loaded yet compiled
+    side by side (`compile.prepare`): measured one after the other, each candidate's first launch
+    would compile its module alone."""
+    prepare(source for algorithm, params in pool for source in algorithm.kernel_modules(phase, problem, params))
 
 
 def _synchronize(result) -> None:
@@ -343,7 +352,10 @@ class Tuner:
                 )
             begin = time.perf_counter()
             self.measurements += 1
-            measurement = measure([(a, p) for a in unknown for p in sweeps[a]], run, problem, kind)
+            measured = [(a, p) for a in unknown for p in sweeps[a]]
+            if problem.device == "cuda":
+                prepare_kernels(measured, phase, problem)
+            measurement = measure(measured, run, problem, kind)
             log.info(
                 "tuned %s %s in %.0f ms: %s",
                 NAMESPACES[(kind, phase)],

@@ -6,14 +6,16 @@ module the reference networks need into the kernel cache, so that a fresh proces
     python -m cupysparse warmup --dtypes float16 bfloat16 float32 --networks minkunet18 --list
 
 Which modules is derived, not listed: for every convolution of the chosen networks
-(`cupysparse.networks`) in every chosen dtype, the algorithms that the forward and the backward
+(`cupysparse.networks`) in every chosen dtype, the candidates that the forward and the backward
 search spaces (`CUPYSPARSE_FWD_ALGO_MODE` / `CUPYSPARSE_BWD_ALGO_MODE`, default `auto`) try on
-that architecture, each algorithm's module of that dtype's instantiations; and the kernel-map and
-pooling modules (the sources no convolution algorithm claims) of those dtypes. The files written
-are exactly the ones a GPU process of the architecture looks up,
-`compile.kernel_cache_file(source, compile.architecture_option(capability))` in `CUPY_CACHE_DIR`
-(default `~/.cupy/kernel_cache`); modules already there are not compiled again. NVRTC keeps one
-core busy per module and holds the interpreter lock, so modules compile in `--jobs` processes.
+that architecture, each with the modules it launches from (`Algorithm.kernel_modules`, what the
+tuner compiles before measuring them); and the kernel-map and pooling modules (the sources no
+convolution algorithm claims) of those dtypes. The files written are exactly the ones a GPU
+process of the architecture looks up, `compile.kernel_cache_file(source,
+compile.architecture_option(capability))` in `CUPY_CACHE_DIR` (default `~/.cupy/kernel_cache`);
+modules already there are not compiled again. NVRTC keeps one core busy per module and releases the
+interpreter lock while it compiles, so modules compile side by side in `--jobs` threads
+(`compile.compile_async`, the tuner's mechanism too).
 
 Aimed at the GPUs of this machine (no `--arch`), it then runs each network once, forward and
 backward, on a small scene with every candidate algorithm (measured into a throwaway cache, the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import multiprocessing
 import os
 import re
 import sys
@@ -82,8 +83,9 @@ class PlannedModule:
     needed_by: tuple[str, ...]
 
     def describe(self) -> str:
-        return (f"{self.source.filename:<24} {len(self.source.name_expressions):>3} kernels  "
-                f"{', '.join(self.needed_by)}")
+        expressions = self.source.name_expressions
+        kernels = expressions[0] if len(expressions) == 1 else f"{len(expressions)} kernels"
+        return f"{self.source.filename:<24} {kernels}  {', '.join(self.needed_by)}"
 
 
 @dataclass(frozen=True)
@@ -127,18 +129,15 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
     """The kernel modules that running `network_names` in `feature_types` on `capability` may load,
     each with what needs it (see the module docstring)."""
     needed: dict[compile.KernelSource, set[str]] = {}
-    sources = list(dict.fromkeys(compile.registered_sources()))
     for feature_type in feature_types:
-        of_dtype = _names_dtypes([feature_type.dtype])
         for network_name in network_names:
             network = NETWORKS[network_name]()
-            chosen = {algorithm for problem in layer_problems(network, feature_type, capability)
-                      for phase in ("forward", "backward")
-                      for algorithm, _ in candidates(parse_algorithm_filter(None, CONV, phase), problem)}
-            for algorithm in chosen:
-                for source in sources:
-                    if source.filename in algorithm.kernel_sources and _names_any_dtype(source, [of_dtype]):
-                        needed.setdefault(source, set()).add(f"{network.name} {feature_type.label}")
+            for problem in layer_problems(network, feature_type, capability):
+                for phase in ("forward", "backward"):
+                    for algorithm, params in candidates(parse_algorithm_filter(None, CONV, phase), problem):
+                        for source in algorithm.kernel_modules(phase, problem, params):
+                            needed.setdefault(source, set()).add(f"{network.name} {feature_type.label}")
+    sources = list(dict.fromkeys(compile.registered_sources()))
     claimed = {filename for kind in KINDS for algorithm in registered(kind).values()
                for filename in algorithm.kernel_sources}
     patterns = [_names_dtypes([feature_type.dtype for feature_type in feature_types])]
@@ -162,46 +161,21 @@ def plan(network_names, feature_types, capabilities) -> list[PlannedModule]:
     return modules
 
 
-def _compile_one(filename: str, name_expressions: tuple[str, ...], option: str) -> tuple[float, bool]:
-    """In a worker process: the module from the cache, or compiled into it; (seconds, compiled)."""
-    source = next((s for s in compile.registered_sources()
-                   if s.filename == filename and s.name_expressions == name_expressions), None)
-    if source is None:
-        source = compile.KernelSource(filename, name_expressions)
-    begin = time.perf_counter()
-    _, compiled = compile.cached_or_compiled(source, option)
-    return time.perf_counter() - begin, compiled
-
-
 def compile_modules(modules: list[PlannedModule], jobs: int, report=None) -> list[ModuleResult]:
-    """Have every module in the kernel cache, `jobs` NVRTC processes at a time (1: in this process);
-    `report(result, done, total)` as each finishes. A module that fails is reported, not fatal."""
+    """Have every module in the kernel cache, compiled on `jobs` threads at a time; `report(result,
+    done, total)` as each finishes. A module that fails is reported, not fatal."""
+    futures = {compile.compile_async(module.source, module.option, jobs): module for module in modules}
     results = []
-
-    def finish(module, outcome: tuple[float, bool] | None, error: Exception | None):
-        result = (ModuleResult(module, *outcome) if error is None
-                  else ModuleResult(module, 0.0, False, f"{type(error).__name__}: {error}"))
+    for future in concurrent.futures.as_completed(futures):
+        module, error = futures[future], future.exception()
+        if error is None:
+            compilation = future.result()
+            result = ModuleResult(module, compilation.seconds, compilation.compiled_now)
+        else:
+            result = ModuleResult(module, 0.0, False, f"{type(error).__name__}: {error}")
         results.append(result)
         if report is not None:
             report(result, len(results), len(modules))
-
-    if jobs <= 1 or len(modules) <= 1:
-        for module in modules:
-            try:
-                outcome, error = _compile_one(module.source.filename, module.source.name_expressions,
-                                              module.option), None
-            except Exception as caught:  # noqa: BLE001 - one module failing must not stop the others
-                outcome, error = None, caught
-            finish(module, outcome, error)
-        return results
-    # spawn: a forked child would inherit this process's CUDA state, which CUDA does not allow.
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_compile_one, m.source.filename, m.source.name_expressions, m.option): m
-                   for m in modules}
-        for future in concurrent.futures.as_completed(futures):
-            error = future.exception()
-            finish(futures[future], None if error else future.result(), error)
     return results
 
 
@@ -247,7 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
                         help="feature dtypes the networks run in (tf32: fp32 multiplied in TF32)")
     parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS))
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="NVRTC processes at a time")
+    parser.add_argument("--jobs", type=int, default=compile.compile_workers(),
+                        help="NVRTC compilations at a time (threads; default: the CPUs this process may use)")
     parser.add_argument("--list", action="store_true", help="list the modules and their cache files; compile nothing")
     parser.add_argument("--compile-only", action="store_true",
                         help="on a GPU, skip the networks' run that compiles CuPy's own kernels")
@@ -294,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"sm_{module.capability} {module.describe()}\n    {path}")
         return 0
     begin = time.perf_counter()
-    results = compile_modules(modules, min(args.jobs, len(modules)), _print_result)
+    results = compile_modules(modules, args.jobs, _print_result)
     compiled = [r for r in results if r.compiled]
     failed = [r for r in results if r.error]
     print(f"compiled {len(compiled)} of {len(results)} modules ({len(results) - len(compiled) - len(failed)} were "

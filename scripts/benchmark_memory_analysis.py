@@ -53,7 +53,6 @@ import itertools
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -67,7 +66,7 @@ from cupysparse import backend, compile
 from cupysparse.algorithm_modes import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.algorithms.wmma_implicit_gemm import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
-from cupysparse.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, cuda_type_name, short_name
+from cupysparse.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
 from cupysparse.functional import backward_runner, forward_runner
 from cupysparse.kernel_map import KernelMapCache
 from cupysparse.precision import IEEE, TF32, fp32_precision
@@ -952,30 +951,27 @@ def print_summary(rows: list[dict], backends, output_dir: str) -> None:
 
 
 def kernel_sources_needed(backends, problems) -> dict:
-    """The kernel modules (`compile.KernelSource`s, each one NVRTC compilation of a file's template
-    instantiations) that running `backends` on `problems` (GPU `ConvProblem`s) may launch, with the
-    backends needing each: a named algorithm's sources of the problem's dtype, `auto`'s candidates'
-    (forward and backward), and explicit GEMM (the tuner's reference) needs none."""
+    """The kernel modules (`compile.KernelSource`s, each one NVRTC compilation) that running `backends`
+    on `problems` (GPU `ConvProblem`s) may launch, with the backends needing each: a named algorithm's
+    modules for each of its parameters, `auto`'s candidates' (forward and backward), as
+    `Algorithm.kernel_modules` declares them; explicit GEMM (the tuner's reference) needs none."""
     needed: dict = {}
     for problem in problems:
-        type_name = re.escape(cuda_type_name(problem.dtype))
-        of_dtype = re.compile(rf"[<,]\s*{type_name}\s*[,>]")
         for name in backends:
             if name in (SPCONV, TORCH_DENSE):
                 continue
             if name == AUTO:
-                algorithms = {algorithm for phase in ("forward", "backward")
-                              for algorithm, _ in candidates(parse_algorithm_filter(AUTO, CONV, phase), problem)}
+                pool = [(phase, algorithm, params) for phase in ("forward", "backward")
+                        for algorithm, params in candidates(parse_algorithm_filter(AUTO, CONV, phase), problem)]
             else:
                 algorithm = get_algorithm(name)
-                algorithms = {algorithm} if algorithm.supports(problem) else set()
-            for algorithm in algorithms:
-                for source in compile.registered_sources():
-                    if source.filename in algorithm.kernel_sources and any(
-                            of_dtype.search(expression) for expression in source.name_expressions):
-                        need = needed.setdefault(source, {"dtypes": set(), "needed_by": set()})
-                        need["dtypes"].add(short_name(problem.dtype))
-                        need["needed_by"].add(name)
+                pool = [(phase, algorithm, params) for phase in ("forward", "backward")
+                        for params in algorithm.param_grid(phase)]
+            for phase, algorithm, params in pool:
+                for source in algorithm.kernel_modules(phase, problem, params):
+                    need = needed.setdefault(source, {"dtypes": set(), "needed_by": set()})
+                    need["dtypes"].add(short_name(problem.dtype))
+                    need["needed_by"].add(name)
     return needed
 
 

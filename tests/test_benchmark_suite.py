@@ -244,9 +244,9 @@ def test_the_kernel_modules_a_gpu_grid_needs_follow_backend_and_dtype():
         return ConvProblem(100_000, 100_000, channels, channels, 27, np.dtype(dtype), "cuda", 90, (1, 1, 1))
 
     def needed(backends, problems):
-        return sorted((source.filename, " ".join(source.name_expressions).count("__half") > 0,
-                       " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
-                      for source in harness.kernel_sources_needed(backends, problems))
+        return sorted({(source.filename, " ".join(source.name_expressions).count("__half") > 0,
+                        " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
+                       for source in harness.kernel_sources_needed(backends, problems)})
 
     # auto in fp16: tensor cores only (both kernels); the fp16 modules, not the bf16 ones.
     assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [

@@ -1,7 +1,11 @@
 """The compile layer: every kernel compiles under NVRTC without a GPU; header edits change the key."""
 
+import collections
+import concurrent.futures
 import importlib
 import pkgutil
+import time
+import types
 import warnings
 
 import pytest
@@ -40,18 +44,36 @@ def test_every_kernel_file_is_declared():
     assert on_disk == declared
 
 
-def _registered_sources():
+def _declared_per_file() -> dict[str, tuple[str, ...]]:
+    """Every instantiation declared from each kernel file, over all the sources (modules) it is split into."""
     _import_all_modules()
-    return sorted(set(kernel_compile.registered_sources()), key=lambda s: s.filename)
+    declared: dict[str, dict[str, None]] = {}
+    for source in kernel_compile.registered_sources():
+        declared.setdefault(source.filename, {}).update(dict.fromkeys(source.name_expressions))
+    return {filename: tuple(expressions) for filename, expressions in sorted(declared.items())}
+
+
+@pytest.fixture(scope="module")
+def ptx_per_file():
+    """Futures of each file's PTX per architecture, each file's instantiations in one NVRTC program
+    (what the modules it is split into compile, its headers parsed once), all compiled at once on a
+    thread per CPU: NVRTC releases the interpreter lock."""
+    registered = list(kernel_compile.registered_sources())
+    sources = {filename: kernel_compile.KernelSource(filename, expressions)
+               for filename, expressions in _declared_per_file().items()}
+    kernel_compile._REGISTRY[:] = registered  # checked here, not modules a process loads
+    with concurrent.futures.ThreadPoolExecutor(kernel_compile.compile_workers()) as pool:
+        yield {(filename, arch): pool.submit(kernel_compile.compile_for_architecture, source, arch)
+               for arch in ARCHITECTURES for filename, source in sources.items()}
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("source", _registered_sources(), ids=lambda s: s.filename)
-def test_kernel_compiles_with_nvrtc(source, arch):
-    ptx = kernel_compile.compile_for_architecture(source, arch)
+@pytest.mark.parametrize("filename", sorted(_declared_per_file()))
+def test_kernel_compiles_with_nvrtc(filename, arch, ptx_per_file):
+    ptx = ptx_per_file[(filename, arch)].result()
     assert f".target {arch}".encode() in ptx
-    assert b".entry" in ptx
+    assert ptx.count(b".entry") >= len(_declared_per_file()[filename])
 
 
 @pytest.fixture
@@ -198,3 +220,136 @@ def test_a_kernel_compiled_once_loads_from_the_cache_without_nvrtc(probe_source,
     monkeypatch.setattr(kernel_compile, "nvrtc_compile", lambda *args: pytest.fail("compiled again"))
     kernel_compile.get_kernel(probe_source, "probe<1>")((1,), (1,), (out,))
     assert int(out[0]) == 1 and not kernel_compile.module_loads()[-1].compiled
+
+
+class _FakeDevice:
+    """What `compile` asks of `cupy.cuda.Device`: an id, a compute capability, a context."""
+
+    def __init__(self, device_id=None):
+        self.id = 0 if device_id is None else device_id
+        self.compute_capability = "90"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeModule:
+    loaded: list = []
+
+    def load(self, image):
+        _FakeModule.loaded.append(image)
+
+    def get_function(self, lowered_name):
+        return lowered_name
+
+
+@pytest.fixture
+def counted_compiles(kernel_dir, monkeypatch):
+    """A family of one-kernel probe sources, a kernel cache of the test's own, a stand-in for CuPy's
+    device and module (no GPU needed), and the NVRTC compilations counted per source."""
+    (kernel_dir / "probe.cu").write_text("template <int N> __global__ void probe(int* out) { out[0] = N; }\n")
+    monkeypatch.setattr(kernel_compile, "_REGISTRY", [])
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(kernel_dir / "cache"))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    for name in ("_modules", "_loading", "_compilations"):
+        monkeypatch.setattr(kernel_compile, name, {})
+    monkeypatch.setattr(kernel_compile, "_module_loads", [])
+    kernel_compile._device_option.cache_clear()
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=_FakeDevice, function=types.SimpleNamespace(Module=_FakeModule)))
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: fake_cupy)
+    monkeypatch.setattr(_FakeModule, "loaded", [])
+    counts = collections.Counter()
+    real_compile = kernel_compile.nvrtc_compile
+
+    def counting_compile(source, option):
+        counts[source] += 1
+        time.sleep(0.2)  # every thread asks while the first compilation is still under way
+        return real_compile(source, option)
+
+    monkeypatch.setattr(kernel_compile, "nvrtc_compile", counting_compile)
+    family = kernel_compile.KernelFamily("probe.cu", [(f"probe<{n}>",) for n in range(1, 5)])
+    yield family, counts
+    kernel_compile._device_option.cache_clear()
+
+
+def test_a_family_declares_one_module_per_group(kernel_dir, monkeypatch):
+    (kernel_dir / "probe.cu").write_text("template <int N> __global__ void probe(int* out) { out[0] = N; }\n")
+    monkeypatch.setattr(kernel_compile, "_REGISTRY", [])
+    family = kernel_compile.KernelFamily("probe.cu", [("probe<1>", "probe<2>"), ("probe<3>",)])
+    assert kernel_compile.registered_sources() == family.sources
+    assert family.name_expressions == ("probe<1>", "probe<2>", "probe<3>")
+    assert family.source_of("probe<2>") is family.sources[0] and family.source_of("probe<3>") is family.sources[1]
+    with pytest.raises(KeyError, match="not declared"):
+        family.source_of("probe<4>")
+
+
+@needs_nvrtc
+def test_prepare_from_several_threads_compiles_each_module_once_into_the_cache(counted_compiles, kernel_dir):
+    family, counts = counted_compiles
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in pool.map(lambda _: kernel_compile.prepare(family.sources), range(4)):
+            pass
+    assert counts == {source: 1 for source in family.sources}
+    assert len(_FakeModule.loaded) == len(family.sources)  # each module loaded once on the device
+    loads = kernel_compile.module_loads()
+    assert sorted(load.compiled for load in loads) == [True] * len(family.sources)
+    option = kernel_compile.architecture_option(90)
+    assert {path.name for path in (kernel_dir / "cache").iterdir()} == {
+        kernel_compile.kernel_cache_file(source, option).name for source in family.sources}
+    assert family.get("probe<3>") == kernel_compile.cached_or_compiled(family.sources[2], option)[0].lowered_names[
+        "probe<3>"]
+    assert sum(counts.values()) == len(family.sources)  # the launch found its module loaded
+
+
+@needs_nvrtc
+def test_nvrtc_releases_the_interpreter_lock_while_it_compiles(kernel_dir, monkeypatch):
+    """Why modules compile in threads: while one compiles, this thread runs on (held, the lock would
+    stop it for the whole compilation)."""
+    (kernel_dir / "slow.cu").write_text(
+        "template <int N> __global__ void slow(float* out) {\n"
+        "    float x = out[threadIdx.x];\n"
+        "#pragma unroll\n"
+        "    for (int i = 0; i < N; ++i) x = x * 1.0001f + sinf(x + i);\n"
+        "    out[threadIdx.x] = x;\n"
+        "}\n")
+    monkeypatch.setattr(kernel_compile, "_REGISTRY", [])
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    source = kernel_compile.KernelSource("slow.cu", ("slow<64>",))  # about half a second of NVRTC
+    future = kernel_compile.compile_async(source, "-arch=sm_90", workers=1)
+    assert kernel_compile.compile_async(source, "-arch=sm_90", workers=1) is future  # joined, not started again
+    longest_pause, last = 0.0, time.perf_counter()
+    while not future.done():
+        now = time.perf_counter()
+        longest_pause, last = max(longest_pause, now - last), now
+    compilation = future.result()
+    assert compilation.compiled_now and list(compilation.compiled.lowered_names) == ["slow<64>"]
+    assert compilation.seconds > 0.2 and longest_pause < compilation.seconds / 4
+
+
+@needs_nvrtc
+def test_a_module_that_fails_is_raised_by_its_launch_not_by_prepare_and_compiled_once(counted_compiles, kernel_dir):
+    family, counts = counted_compiles
+    (kernel_dir / "broken.cu").write_text("__global__ void broken() { undeclared_name = 1; }\n")
+    broken = kernel_compile.KernelSource("broken.cu", ("broken",))
+    kernel_compile.prepare([broken, family.sources[0]])
+    assert counts[family.sources[0]] == 1 and len(_FakeModule.loaded) == 1
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="undeclared_name"):
+            kernel_compile.get_kernel(broken, "broken")
+    assert counts[broken] == 1
+
+
+def test_prepare_without_a_usable_gpu_compiles_nothing_and_raises_nothing(counted_compiles, monkeypatch):
+    family, counts = counted_compiles
+
+    def no_device(device_id=None):
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=no_device)))
+    kernel_compile.prepare(family.sources)  # the launch that needs a kernel raises, not the tuner's preparation
+    assert not counts and not kernel_compile.module_loads()

@@ -124,6 +124,24 @@ def test_the_fastest_correct_candidate_wins_and_is_cached(algorithms, timings, t
                       ("explicit_gemm", 0, 9.0)]
 
 
+def test_on_a_gpu_the_modules_of_every_measured_candidate_are_prepared_before_the_first_runs(
+        algorithms, timings, tmp_path, monkeypatch):
+    gpu_problem = dataclasses.replace(PROBLEM, device="cuda", compute_capability=90)
+    for fake in algorithms.values():
+        fake.kernel_modules = lambda phase, problem, params, name=fake.name: (f"{name}.cu {phase} {params['size']}",)
+    run, calls = runner(algorithms)
+    prepared = []
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
+    monkeypatch.setattr(tuner_module, "prepare", lambda sources: prepared.append((list(sources), list(calls))))
+    tuner = Tuner(cache_file(tmp_path / "cache.msgpack"))
+    assert tuner.select(space("names", "slow", "fast"), gpu_problem, run).algorithm.name == "slow"
+    assert prepared == [(["slow.cu forward 1", "slow.cu forward 2", "fast.cu forward 1", "fast.cu forward 2",
+                          "fast.cu forward 3"], [])]  # once, before anything ran
+    tuner.forget_choices()
+    tuner.select(space("names", "slow", "fast"), gpu_problem, run)
+    assert len(prepared) == 1  # answered from the cache: nothing to compile
+
+
 def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_path):
     _, timed = timings
     cache = cache_file(tmp_path / "cache.msgpack")

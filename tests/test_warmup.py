@@ -9,8 +9,11 @@ import pytest
 
 from cupysparse import compile as kernel_compile
 from cupysparse import warmup
+from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.algorithms import CONV
 from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from cupysparse.precision import fp32_precision
+from cupysparse.tuner import candidates
 
 from test_compile import needs_nvrtc
 
@@ -42,6 +45,19 @@ def test_fp16_on_hopper_needs_both_tensor_core_modules_of_fp16_and_the_map_kerne
     assert not any(s.filename == "depthwise.cu" for s in sources)  # no network has a depthwise layer
 
 
+def test_the_plan_holds_the_modules_the_tuners_candidates_launch_and_no_other():
+    types = [warmup.FeatureType.parse("float16")]
+    sources = warmup.needed_sources(["minkunet18"], types, 90)
+    launched = {source for problem in warmup.layer_problems(warmup.NETWORKS["minkunet18"](), types[0], 90)
+                for phase in ("forward", "backward")
+                for algorithm, params in candidates(parse_algorithm_filter(None, CONV, phase), problem)
+                for source in algorithm.kernel_modules(phase, problem, params)}
+    assert {s for s in sources if s.filename.endswith("implicit_gemm.cu")} == launched
+    declared = {s for s in kernel_compile.registered_sources() if s.filename.endswith("implicit_gemm.cu")
+                and type_names(s) == {"__half"}}
+    assert len(launched) < len(declared)  # not the tiles, depths and block_k these channel counts never take
+
+
 def test_before_sm80_fp16_has_no_mma_module_and_bf16_no_convolution_module():
     assert {s.filename for s in needed(["float16"], 75) if "gemm" in s.filename} == {"wmma_implicit_gemm.cu"}
     if BFLOAT16 is not None:
@@ -54,7 +70,10 @@ def test_fp32_needs_simt_kernels_and_tf32_the_fp32_tensor_core_module():
     assert {s.filename for s in exact if "gemm" in s.filename} == {"implicit_gemm.cu"}
     tf32 = needed(["tf32"], 90)
     mma = [s for s in tf32 if s.filename == "mma_implicit_gemm.cu"]
-    assert len(mma) == 1 and type_names(mma[0]) == {"float"}
+    assert mma and all(type_names(s) == {"float"} for s in mma)
+    # mma_implicit_gemm's wgrad sums its fp32 partials with wmma_implicit_gemm's kernel.
+    assert [s.name_expressions for s in tf32 if s.filename == "wmma_implicit_gemm.cu"] == [
+        ("wmma_sum_wgrad_partials<float>",)]
 
 
 def test_an_architecture_is_named_sm_xy():

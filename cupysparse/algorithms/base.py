@@ -139,6 +139,13 @@ class Algorithm:
         """Until the tuner measures, `auto` runs the supported algorithm with the highest priority."""
         return 0
 
+    def kernel_modules(self, phase: str, problem: ConvProblem, params: dict) -> tuple:
+        """The `KernelSource`s (modules) a run of `phase` ("forward", or "backward": dgrad and wgrad)
+        with `params` on `problem` launches from, within the files of `kernel_sources`: the tuner has
+        a set of candidates' modules compiled side by side before it measures them. A module left out
+        is compiled at its first launch. Default: none (no raw kernels)."""
+        return ()
+
     def prepare_weight(self, weight):
         """The weight in the form forward and dgrad take (e.g. padded); called once per call, not
         per launch, and reusable for as long as the weight does not change. Default: as is."""

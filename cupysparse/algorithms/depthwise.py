@@ -138,6 +138,11 @@ class ImplicitDepthwise(Algorithm):
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         return simt_unsupported_reason(problem, f"depthwise {self.name}")
 
+    def kernel_modules(self, phase: str, problem: ConvProblem, params: dict) -> tuple[KernelSource, ...]:
+        if self.unsupported_reason(problem):
+            return ()
+        return (kernel_source_for(problem.dtype, _KERNELS, _BF16_KERNELS),)
+
     def forward(self, features, weight, kernel_map, channels_per_thread: int = CHANNELS_PER_THREAD[0]):
         return _depthwise_gather(features, weight, kernel_map.pair_table, channels_per_thread)
 

@@ -123,6 +123,11 @@ class ImplicitGemm(Algorithm):
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         return simt_unsupported_reason(problem, self.name)
 
+    def kernel_modules(self, phase: str, problem: ConvProblem, params: dict) -> tuple[KernelSource, ...]:
+        if self.unsupported_reason(problem):
+            return ()
+        return (kernel_source_for(problem.dtype, _KERNELS, _BF16_KERNELS),)
+
     def forward(self, features, weight, kernel_map, fwd_block_size: int = BLOCK_SIZES[0]):
         return _gather_gemm(features, weight, kernel_map.pair_table, weight.shape[2], fwd_block_size, False)
 

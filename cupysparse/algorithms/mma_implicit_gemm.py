@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import cupy_module
-from ..compile import KernelSource, PreparedLaunch
+from ..compile import KernelFamily, KernelSource, PreparedLaunch
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from ..precision import ENVIRONMENT_VARIABLE as FP32_PRECISION_VARIABLE
 from .base import ConvProblem, gpu_only_reason, register
@@ -89,15 +89,15 @@ def _wgrad_kernel_name(dtype, tile) -> str:
     return f"mma_conv_wgrad<{cuda_type_name(dtype)}, {rows}, {cols}, {warps_m}, {warps_n}, {WGRAD_STAGES}>"
 
 
-def _kernel_source(dtype) -> KernelSource:
+def _kernel_family(dtype) -> KernelFamily:
     forward = tuple(_kernel_name(dtype, tile, stages, False) for tile in TILES for stages in STAGES)
     dgrad = tuple(_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
     wgrad = tuple(_wgrad_kernel_name(dtype, _wgrad_tile(rows, cols)) for rows in WGRAD_SIDES for cols in WGRAD_SIDES)
-    return KernelSource("mma_implicit_gemm.cu", (*forward, *dgrad, *wgrad))
+    # One module per kernel: a process compiles only the ones it launches, a layer's candidates side by side.
+    return KernelFamily("mma_implicit_gemm.cu", ((name,) for name in (*forward, *dgrad, *wgrad)))
 
 
-# One source per dtype: a process compiles only the instantiations of the dtypes it runs.
-_SOURCES = {dtype: _kernel_source(dtype) for dtype in FEATURE_DTYPES}
+_SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
 
 
 def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2) -> int:
@@ -120,8 +120,13 @@ def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
 class _MmaWgradPlan(WgradPlan):
     """wmma_implicit_gemm's wgrad plan (shares, workspace, sum) with `mma_conv_wgrad` as the GEMM."""
 
-    def tile_for(self, in_padded: int, out_padded: int) -> tuple:
+    @staticmethod
+    def tile_for(in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
+
+    @classmethod
+    def gemm_sources(cls, dtype, tile, vectors: bool) -> tuple[KernelSource, ...]:
+        return (_SOURCES[dtype].source_of(_wgrad_kernel_name(dtype, tile)),)  # one kernel for any rows
 
     def threads(self, tile) -> int:
         return tile[2] * tile[3] * WARP_SIZE
@@ -266,6 +271,10 @@ class MmaImplicitGemm(WmmaImplicitGemm):
 
     def checked_tile(self, tile, phase: str) -> tuple:
         return _check_tile(tile, phase)
+
+    def forward_sources(self, dtype, in_channels: int, tile, stages: int,
+                        weight_transposed: bool) -> tuple[KernelSource, ...]:
+        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages, weight_transposed)),)  # any rows
 
     def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
                   sort_rows: bool, weight_transposed: bool) -> _MmaPlan:

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import array_module, cupy_module, is_cupy_array
-from ..compile import KernelSource, PreparedLaunch, launch_config
+from ..compile import KernelFamily, KernelSource, PreparedLaunch, launch_config
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from .base import MAX_GRID_Z, Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
@@ -89,7 +89,12 @@ def _sum_kernel_name(type_name: str) -> str:
     return f"wmma_sum_wgrad_partials<{type_name}>"
 
 
-def _kernel_source(dtype) -> KernelSource:
+def _block_k(in_padded: int) -> int:
+    """Input channels per forward stage: the stages tile the padded input channels exactly."""
+    return BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]
+
+
+def _kernel_family(dtype) -> KernelFamily:
     type_name = cuda_type_name(dtype)
     forward = tuple(
         _forward_kernel_name(type_name, tile, block_k, stages, False)
@@ -108,14 +113,20 @@ def _kernel_source(dtype) -> KernelSource:
         for tile in WGRAD_TILES
         for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
     )
-    return KernelSource("wmma_implicit_gemm.cu", (*forward, *dgrad, *wgrad, _sum_kernel_name(type_name)))
+    # One module per kernel: a layer's tuning launches a few of them, which then compile side by side.
+    names = (*forward, *dgrad, *wgrad, _sum_kernel_name(type_name))
+    return KernelFamily("wmma_implicit_gemm.cu", ((name,) for name in names))
 
 
-# One source per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for
-# an sm_7x GPU running fp16.
-_SOURCES = {dtype: _kernel_source(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
+# Sources per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for an
+# sm_7x GPU running fp16.
+_SOURCES = {dtype: _kernel_family(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
 # The sum of wgrad's partials, for every dtype a wgrad plan runs (mma_implicit_gemm's TF32 too).
-_SUM_SOURCES = {**_SOURCES, FLOAT32: KernelSource("wmma_implicit_gemm.cu", (_sum_kernel_name("float"),))}
+_SUM_SOURCES = {**_SOURCES, FLOAT32: KernelFamily("wmma_implicit_gemm.cu", [(_sum_kernel_name("float"),)])}
+
+
+def _sum_source(dtype) -> KernelSource:
+    return _SUM_SOURCES[dtype].source_of(_sum_kernel_name(cuda_type_name(dtype)))
 
 
 class PaddedWeight:
@@ -241,7 +252,7 @@ class _GemmPlan:
         self.out_channels = out_channels
         self.sort_rows = sort_rows
         self.rows, self.column_tiles = tile[0], -(-out_padded // tile[1])
-        block_k = BLOCK_KS[1] if in_padded % BLOCK_KS[1] == 0 else BLOCK_KS[0]  # the stages tile C_in_pad exactly
+        block_k = _block_k(in_padded)
         type_name = cuda_type_name(dtype)
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
         # features, pair table, row order, weight, out, the row count and the offset order are per call.
@@ -355,11 +366,27 @@ class WgradPlan:
     def workspace_shape(self, kernel_map) -> tuple[int, int, int, int]:
         return (self.shares(kernel_map.num_in, kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
 
-    def tile_for(self, in_padded: int, out_padded: int) -> tuple:
+    @staticmethod
+    def tile_for(in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
 
     def threads(self, tile) -> int:
         return _threads(tile)
+
+    @classmethod
+    def gemm_sources(cls, dtype, tile, vectors: bool) -> tuple[KernelSource, ...]:
+        """The module of the GEMM `launch_gemm` runs for `tile`, with rows that allow 16-byte copies
+        (`vectors`) or not."""
+        name = _wgrad_kernel_name(cuda_type_name(dtype), tile, WGRAD_STAGES if vectors else SYNCHRONOUS_STAGES)
+        return (_SOURCES[dtype].source_of(name),)
+
+    @classmethod
+    def sources(cls, dtype, in_channels: int, out_channels: int) -> tuple[KernelSource, ...]:
+        """The modules a plan of this signature launches from, its features' and gradients' base
+        addresses aligned to 16 bytes: the GEMM and the sum."""
+        tile = cls.tile_for(padded_channels(in_channels), padded_channels(out_channels))
+        vectors = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and out_channels * dtype.itemsize % VECTOR_BYTES == 0
+        return (*cls.gemm_sources(dtype, tile, vectors), _sum_source(dtype))
 
     def prepare_gemm(self, dtype, tile, arguments) -> None:
         type_name = cuda_type_name(dtype)
@@ -517,9 +544,30 @@ class WmmaImplicitGemm(Algorithm):
                           out_channels, wgrad_warps_per_sm, self.wgrad_plan_class)
         return plan(kernel_map, features, grad_output)
 
-    # What a subclass with its own forward kernel swaps: the tile check, the plan of that kernel, and
-    # the pipeline depth dgrad runs it at.
+    # What a subclass with its own forward kernel swaps: the tile check, the plan of that kernel and its
+    # modules, and the pipeline depth dgrad runs it at.
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
+
+    def forward_sources(self, dtype, in_channels: int, tile, stages: int,
+                        weight_transposed: bool) -> tuple[KernelSource, ...]:
+        """The module a forward plan of this signature launches from, its features' base address
+        aligned to 16 bytes (as CuPy and PyTorch allocate): pipelined when the rows allow 16-byte
+        copies, else the synchronous kernel."""
+        pipelined = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+        name = _forward_kernel_name(cuda_type_name(dtype), tile, _block_k(padded_channels(in_channels)),
+                                    stages if pipelined else SYNCHRONOUS_STAGES, weight_transposed)
+        return (_SOURCES[dtype].source_of(name),)
+
+    def kernel_modules(self, phase: str, problem: ConvProblem, params: dict) -> tuple[KernelSource, ...]:
+        if self.unsupported_reason(problem) or empty_problem(problem):
+            return ()
+        params = {**self.default_params(phase), **params}
+        tile = self.checked_tile(params["tile"], "forward" if phase == "forward" else "dgrad")
+        dtype = np.dtype(problem.dtype)
+        if phase == "forward":
+            return self.forward_sources(dtype, problem.in_channels, tile, params["stages"], False)
+        return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages, True),
+                *self.wgrad_plan_class.sources(dtype, problem.in_channels, problem.out_channels))
 
     def checked_tile(self, tile, phase: str) -> tuple:
         return _check_tile(tile, phase)

@@ -1,0 +1,129 @@
+"""The modules each algorithm declares (`Algorithm.kernel_modules`, what the tuner compiles before
+measuring) against the kernels its launch plans fetch, without a GPU: CuPy's launch machinery is
+replaced by recorders."""
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+from cupysparse import compile as kernel_compile
+from cupysparse.algorithms import ConvProblem, get_algorithm
+from cupysparse.algorithms import implicit_gemm as implicit_gemm_module
+from cupysparse.algorithms import mma_implicit_gemm as mma_module
+from cupysparse.algorithms import wmma_implicit_gemm as wmma_module
+from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32
+
+# Channel counts reaching every variant: rows without 16-byte copies (3, 31, 47), each block_k
+# of the WMMA forward (16, 48 against 32, 64), each wgrad tile side (up to 32, 64, 128 and beyond).
+CHANNELS = (3, 16, 31, 32, 47, 48, 64, 96, 128, 256)
+TENSOR_CORE_DTYPES = {"wmma_implicit_gemm": (FLOAT16, BFLOAT16), "mma_implicit_gemm": (FLOAT16, BFLOAT16, FLOAT32)}
+
+
+class _RecordedLaunch:
+    """Stands in for `PreparedLaunch`: records the kernel each launch runs."""
+
+    launched: list = []
+
+    def __init__(self, kernel, grid, block, arguments, shared_bytes=0):
+        self.kernel = kernel
+
+    def launch(self, stream, *values, grid=None):
+        _RecordedLaunch.launched.append(self.kernel)
+
+
+def _pointer(address=0):
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=address))
+
+
+def _kernel_map(kernel_volume):
+    """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists."""
+    csr = types.SimpleNamespace(in_idx=_pointer(), out_idx=_pointer(), offsets=_pointer())
+    return types.SimpleNamespace(num_in=1000, num_out=1000, kernel_volume=kernel_volume, pair_table=_pointer(),
+                                 mirror_symmetric=True, mask_sorted_order=_pointer, csr=lambda: csr)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Plans built with recorded launches; `get_kernel` answers (source, name expression)."""
+    for module in (wmma_module, mma_module):
+        monkeypatch.setattr(module, "PreparedLaunch", _RecordedLaunch)
+        monkeypatch.setattr(module, "current_device", lambda: 0)
+    monkeypatch.setattr(wmma_module, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
+    monkeypatch.setattr(_RecordedLaunch, "launched", [])
+    caches = (wmma_module._gemm_plan, wmma_module.wgrad_plan, mma_module._plan)
+    for cache in caches:
+        cache.cache_clear()
+    yield _RecordedLaunch.launched
+    for cache in caches:  # they hold recorders, not kernels
+        cache.cache_clear()
+
+
+def _problem(dtype, in_channels, out_channels, kernel_volume=27):
+    return ConvProblem(100_000, 100_000, in_channels, out_channels, kernel_volume, np.dtype(dtype), "cuda", 90,
+                       (1, 1, 1), tf32=dtype == FLOAT32)
+
+
+def _launched(algorithm, phase, problem, params):
+    """(source, name expression) of every kernel one run of `phase` with `params` launches."""
+    launched = []
+    kernel_map, stream = _kernel_map(problem.kernel_volume), 0
+    if phase == "forward":
+        algorithm.forward_plan(problem, params).launch(kernel_map, 0, 0, 0, stream)
+    else:
+        plan = algorithm.backward_plan(problem, params)
+        plan.dgrad(kernel_map, 0, 0, 0, stream)
+        plan.wgrad(kernel_map, 0, 0, 0, 0, stream)
+    launched.extend(_RecordedLaunch.launched)
+    _RecordedLaunch.launched.clear()
+    return launched
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_CORE_DTYPES))
+def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_instantiation_is_launched(recorded, name):
+    algorithm = get_algorithm(name)
+    families = (mma_module if name == "mma_implicit_gemm" else wmma_module)._SOURCES
+    own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in families[dtype].sources}
+    sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
+    reached = set()
+    for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):
+        problem = _problem(dtype, in_channels, out_channels)
+        for phase in ("forward", "backward"):
+            for params in algorithm.param_grid(phase):
+                declared = algorithm.kernel_modules(phase, problem, params)
+                launched = _launched(algorithm, phase, problem, params)
+                assert {source for source, _ in launched} == set(declared), (dtype, in_channels, out_channels,
+                                                                             phase, params)
+                assert all(expression in source.name_expressions for source, expression in launched)
+                reached.update(declared)
+    assert reached == own | sums  # every instantiation is launched by some layer: none compiled for nothing
+    assert all(len(source.name_expressions) == 1 for source in reached)  # one kernel per module
+
+
+def test_the_split_families_declare_every_instantiation_once():
+    for families in (wmma_module._SOURCES, mma_module._SOURCES):
+        for family in families.values():
+            expressions = [e for source in family.sources for e in source.name_expressions]
+            assert len(expressions) == len(set(expressions)) == len(family.sources)
+            assert set(family.sources) <= set(kernel_compile.registered_sources())
+    fp16 = wmma_module._SOURCES[FLOAT16].name_expressions
+    assert sum(e.startswith("wmma_conv_forward") and e.endswith("false>") for e in fp16) == 24
+    assert sum(e.startswith("wmma_conv_forward") and e.endswith("true>") for e in fp16) == 16
+    assert sum(e.startswith("wmma_conv_wgrad") for e in fp16) == 12 and "wmma_sum_wgrad_partials<__half>" in fp16
+    assert len(mma_module._SOURCES[FLOAT16].sources) == 27
+
+
+def test_declared_modules_lie_within_the_algorithms_kernel_files_and_cpu_problems_have_none():
+    for name in ("implicit_gemm", "wmma_implicit_gemm", "mma_implicit_gemm"):
+        algorithm = get_algorithm(name)
+        for phase in ("forward", "backward"):
+            for params in algorithm.param_grid(phase):
+                modules = algorithm.kernel_modules(phase, _problem(FLOAT16, 32, 64), params)
+                assert modules and {source.filename for source in modules} <= set(algorithm.kernel_sources)
+                cpu = ConvProblem(10, 10, 32, 64, 27, np.dtype(FLOAT16), "cpu", None)
+                assert algorithm.kernel_modules(phase, cpu, params) == ()
+    simt = get_algorithm("implicit_gemm").kernel_modules("forward", _problem(BFLOAT16, 32, 32), {})
+    assert simt == (implicit_gemm_module._BF16_KERNELS,)
+    assert get_algorithm("explicit_gemm").kernel_modules("forward", _problem(FLOAT16, 32, 32), {}) == ()
