@@ -55,6 +55,9 @@ class KernelSource:
 
     filename: str
     name_expressions: tuple[str, ...]
+    # The one architecture the source is compiled for, e.g. "sm_90a" for architecture-specific
+    # instructions (wgmma), on GPUs of exactly that compute capability; None: the GPU's own.
+    architecture: str | None = None
 
     def __post_init__(self):
         if not (KERNEL_DIR / self.filename).is_file():
@@ -82,8 +85,8 @@ class KernelFamily:
     `prepare` compiles several side by side. NVRTC parses the file's headers once per program, which
     costs some tens of milliseconds a group."""
 
-    def __init__(self, filename: str, groups):
-        self.sources = tuple(KernelSource(filename, tuple(group)) for group in groups)
+    def __init__(self, filename: str, groups, architecture: str | None = None):
+        self.sources = tuple(KernelSource(filename, tuple(group), architecture) for group in groups)
         self._source_of = {expression: source for source in self.sources for expression in source.name_expressions}
 
     @property
@@ -280,6 +283,35 @@ def architecture_option(compute_capability: int) -> str:
     return f"-arch=compute_{max(older)}"
 
 
+def pinned_capability(architecture: str) -> int:
+    """The compute capability an architecture-specific target runs on: 90 for "sm_90a"."""
+    return int(architecture.removeprefix("sm_").rstrip("af"))
+
+
+@functools.cache
+def nvrtc_knows(architecture: str) -> bool:
+    """Whether this NVRTC compiles for `architecture` ("sm_90a": NVRTC 12.0 or newer, which knows sm_90)."""
+    try:
+        nvrtc = _nvrtc()
+        return nvrtc.getVersion() >= (12, 0) and pinned_capability(architecture) in nvrtc.getSupportedArchs()
+    except Exception:  # noqa: BLE001 - no NVRTC at all
+        return False
+
+
+def source_option(source: KernelSource, compute_capability: int) -> str:
+    """The NVRTC architecture option `source` compiles with for a GPU of `compute_capability`:
+    `architecture_option`, or the source's own architecture, refused (RuntimeError) on any other GPU:
+    an architecture-specific kernel launched elsewhere would poison the CUDA context."""
+    if source.architecture is None:
+        return architecture_option(compute_capability)
+    if compute_capability != pinned_capability(source.architecture):
+        raise RuntimeError(f"{source.filename} is compiled for {source.architecture} only, not for "
+                           f"sm_{compute_capability}")
+    if not nvrtc_knows(source.architecture):
+        raise RuntimeError(f"this NVRTC ({_nvrtc().getVersion()}) cannot compile for {source.architecture}")
+    return f"-arch={source.architecture}"
+
+
 def kernel_cache_file(source: KernelSource, option: str) -> Path | None:
     """Where the compiled `source` is kept: the kernel cache directory (`CUPY_CACHE_DIR`), one file
     per source text, options, architecture and NVRTC version; None when kernels stay in memory."""
@@ -423,8 +455,19 @@ if hasattr(os, "register_at_fork"):
 
 
 @functools.cache
-def _device_option(device_id: int) -> str:
-    return architecture_option(int(cupy_module().cuda.Device(device_id).compute_capability))
+def _device_capability(device_id: int) -> int:
+    return int(cupy_module().cuda.Device(device_id).compute_capability)
+
+
+def _compilation_for(source: KernelSource, device_id: int) -> concurrent.futures.Future:
+    """The compilation of `source` for `device_id`, or a failed future saying why it cannot have one."""
+    try:
+        option = source_option(source, _device_capability(device_id))
+    except RuntimeError as error:
+        refused = concurrent.futures.Future()
+        refused.set_exception(error)
+        return refused
+    return compile_async(source, option)
 
 
 def _start_loading(sources, device_id: int) -> dict[KernelSource, concurrent.futures.Future]:
@@ -437,7 +480,7 @@ def _start_loading(sources, device_id: int) -> dict[KernelSource, concurrent.fut
                 continue
             future = _loading.get(key)
             if future is None:
-                future = _loading[key] = compile_async(source, _device_option(device_id))
+                future = _loading[key] = _compilation_for(source, device_id)
             started[source] = future
     return started
 

@@ -154,9 +154,9 @@ def plan(network_names, feature_types, capabilities) -> list[PlannedModule]:
     """Every module to have in the cache, per architecture, in a stable order."""
     modules = []
     for capability in dict.fromkeys(capabilities):
-        option = compile.architecture_option(capability)
         needed = needed_sources(network_names, feature_types, capability)
         for source in sorted(needed, key=lambda s: (s.filename, s.name_expressions)):
+            option = compile.source_option(source, capability)
             modules.append(PlannedModule(source, capability, option, tuple(sorted(needed[source]))))
     return modules
 

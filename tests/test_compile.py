@@ -53,6 +53,22 @@ def _declared_per_file() -> dict[str, tuple[str, ...]]:
     return {filename: tuple(expressions) for filename, expressions in sorted(declared.items())}
 
 
+def _architectures_per_file() -> dict[str, tuple[str, ...]]:
+    """The architectures each kernel file is compiled for: its sources' own (e.g. sm_90a for wgmma),
+    else ARCHITECTURES."""
+    _import_all_modules()
+    pinned: dict[str, set[str]] = {}
+    for source in kernel_compile.registered_sources():
+        pinned.setdefault(source.filename, set()).add(source.architecture)
+    assert all(len(architectures) == 1 for architectures in pinned.values()), "one architecture rule per file"
+    return {filename: ARCHITECTURES if architectures == {None} else tuple(sorted(architectures))
+            for filename, architectures in pinned.items()}
+
+
+_FILE_ARCHITECTURES = [(filename, arch) for filename, architectures in sorted(_architectures_per_file().items())
+                       for arch in architectures]
+
+
 @pytest.fixture(scope="module")
 def ptx_per_file():
     """Futures of each file's PTX per architecture, each file's instantiations in one NVRTC program
@@ -63,17 +79,36 @@ def ptx_per_file():
                for filename, expressions in _declared_per_file().items()}
     kernel_compile._REGISTRY[:] = registered  # checked here, not modules a process loads
     with concurrent.futures.ThreadPoolExecutor(kernel_compile.compile_workers()) as pool:
-        yield {(filename, arch): pool.submit(kernel_compile.compile_for_architecture, source, arch)
-               for arch in ARCHITECTURES for filename, source in sources.items()}
+        yield {(filename, arch): pool.submit(kernel_compile.compile_for_architecture, sources[filename], arch)
+               for filename, arch in _FILE_ARCHITECTURES}
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("filename", sorted(_declared_per_file()))
+@pytest.mark.parametrize(("filename", "arch"), _FILE_ARCHITECTURES)
 def test_kernel_compiles_with_nvrtc(filename, arch, ptx_per_file):
     ptx = ptx_per_file[(filename, arch)].result()
     assert f".target {arch}".encode() in ptx
     assert ptx.count(b".entry") >= len(_declared_per_file()[filename])
+
+
+def test_a_pinned_source_compiles_for_its_own_capability_only(kernel_dir, monkeypatch):
+    (kernel_dir / "probe.cu").write_text("__global__ void probe() {}\n")
+    monkeypatch.setattr(kernel_compile, "_REGISTRY", [])
+    monkeypatch.setattr(kernel_compile, "nvrtc_knows", lambda architecture: True)
+    pinned = kernel_compile.KernelSource("probe.cu", ("probe",), "sm_90a")
+    assert kernel_compile.source_option(pinned, 90) == "-arch=sm_90a"
+    for capability in (80, 89, 100, 120):
+        with pytest.raises(RuntimeError, match="sm_90a only"):
+            kernel_compile.source_option(pinned, capability)
+    monkeypatch.setattr(kernel_compile, "nvrtc_knows", lambda architecture: False)
+    with pytest.raises(RuntimeError, match="cannot compile for sm_90a"):
+        kernel_compile.source_option(pinned, 90)
+    assert kernel_compile.pinned_capability("sm_90a") == 90
+
+
+@needs_nvrtc
+def test_this_nvrtc_knows_sm_90a():
+    assert kernel_compile.nvrtc_knows("sm_90a")
 
 
 @pytest.fixture
@@ -257,7 +292,7 @@ def counted_compiles(kernel_dir, monkeypatch):
     for name in ("_modules", "_loading", "_compilations"):
         monkeypatch.setattr(kernel_compile, name, {})
     monkeypatch.setattr(kernel_compile, "_module_loads", [])
-    kernel_compile._device_option.cache_clear()
+    kernel_compile._device_capability.cache_clear()
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=_FakeDevice, function=types.SimpleNamespace(Module=_FakeModule)))
     monkeypatch.setattr(kernel_compile, "cupy_module", lambda: fake_cupy)
@@ -273,7 +308,7 @@ def counted_compiles(kernel_dir, monkeypatch):
     monkeypatch.setattr(kernel_compile, "nvrtc_compile", counting_compile)
     family = kernel_compile.KernelFamily("probe.cu", [(f"probe<{n}>",) for n in range(1, 5)])
     yield family, counts
-    kernel_compile._device_option.cache_clear()
+    kernel_compile._device_capability.cache_clear()
 
 
 def test_a_family_declares_one_module_per_group(kernel_dir, monkeypatch):
@@ -341,6 +376,38 @@ def test_a_module_that_fails_is_raised_by_its_launch_not_by_prepare_and_compiled
         with pytest.raises(RuntimeError, match="undeclared_name"):
             kernel_compile.get_kernel(broken, "broken")
     assert counts[broken] == 1
+
+
+@needs_nvrtc
+def test_a_pinned_source_on_another_gpu_is_refused_at_its_launch_never_compiled(counted_compiles, kernel_dir,
+                                                                                monkeypatch):
+    family, counts = counted_compiles
+    monkeypatch.setattr(_FakeDevice, "__init__", _fake_device_of(80))
+    pinned = kernel_compile.KernelSource("probe.cu", ("probe<1>",), "sm_90a")
+    kernel_compile.prepare([pinned, family.sources[0]])
+    assert counts == {family.sources[0]: 1}
+    with pytest.raises(RuntimeError, match="sm_90a only"):
+        kernel_compile.get_kernel(pinned, "probe<1>")
+    assert pinned not in counts and len(_FakeModule.loaded) == 1
+
+
+@needs_nvrtc
+def test_a_pinned_source_on_its_gpu_compiles_with_its_architecture(counted_compiles, kernel_dir):
+    family, counts = counted_compiles
+    pinned = kernel_compile.KernelSource("probe.cu", ("probe<1>",), "sm_90a")
+    kernel_compile.get_kernel(pinned, "probe<1>")
+    own = kernel_compile.kernel_cache_file(pinned, "-arch=sm_90a")
+    assert counts == {pinned: 1} and {path.name for path in (kernel_dir / "cache").iterdir()} == {own.name}
+    twin = kernel_compile.KernelSource("probe.cu", ("probe<1>",))  # the same kernel for the GPU's own architecture
+    assert kernel_compile.kernel_cache_file(twin, kernel_compile.architecture_option(90)) != own
+
+
+def _fake_device_of(capability: int):
+    def init(self, device_id=None):
+        self.id = 0 if device_id is None else device_id
+        self.compute_capability = str(capability)
+
+    return init
 
 
 def test_prepare_without_a_usable_gpu_compiles_nothing_and_raises_nothing(counted_compiles, monkeypatch):
