@@ -24,6 +24,7 @@ class SPARSE_CONV_FWD_ALGO_MODE(str, enum.Enum):
     IMPLICIT_GEMM = "implicit_gemm"
     WMMA_IMPLICIT_GEMM = "wmma_implicit_gemm"
     MMA_IMPLICIT_GEMM = "mma_implicit_gemm"
+    WGMMA_IMPLICIT_GEMM = "wgmma_implicit_gemm"
     AUTO = AUTO
 
 
@@ -32,6 +33,7 @@ class SPARSE_CONV_BWD_ALGO_MODE(str, enum.Enum):
     IMPLICIT_GEMM = "implicit_gemm"
     WMMA_IMPLICIT_GEMM = "wmma_implicit_gemm"
     MMA_IMPLICIT_GEMM = "mma_implicit_gemm"
+    WGMMA_IMPLICIT_GEMM = "wgmma_implicit_gemm"
     AUTO = AUTO
 
 

@@ -91,6 +91,18 @@ def test_kernel_compiles_with_nvrtc(filename, arch, ptx_per_file):
     assert ptx.count(b".entry") >= len(_declared_per_file()[filename])
 
 
+@needs_nvrtc
+def test_the_wgmma_kernels_compile_for_sm_90a_and_only_there(ptx_per_file):
+    """Its sources are pinned to sm_90a, and the sm_90a PTX holds the warpgroup instructions and the
+    proxy fence the body is guarded for (elsewhere an empty stub)."""
+    assert _architectures_per_file()["wgmma_implicit_gemm.cu"] == ("sm_90a",)
+    ptx = ptx_per_file[("wgmma_implicit_gemm.cu", "sm_90a")].result()
+    for instruction in (b"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", b"wgmma.fence.sync.aligned",
+                        b"wgmma.commit_group.sync.aligned", b"wgmma.wait_group.sync.aligned",
+                        b"fence.proxy.async.shared::cta", b"cp.async.cg.shared.global"):
+        assert instruction in ptx, instruction
+
+
 def test_a_pinned_source_compiles_for_its_own_capability_only(kernel_dir, monkeypatch):
     (kernel_dir / "probe.cu").write_text("__global__ void probe() {}\n")
     monkeypatch.setattr(kernel_compile, "_REGISTRY", [])

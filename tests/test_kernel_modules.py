@@ -12,13 +12,15 @@ from cupysparse import compile as kernel_compile
 from cupysparse.algorithms import ConvProblem, get_algorithm
 from cupysparse.algorithms import implicit_gemm as implicit_gemm_module
 from cupysparse.algorithms import mma_implicit_gemm as mma_module
+from cupysparse.algorithms import wgmma_implicit_gemm as wgmma_module
 from cupysparse.algorithms import wmma_implicit_gemm as wmma_module
 from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32
 
 # Channel counts reaching every variant: rows without 16-byte copies (3, 31, 47), each block_k
 # of the WMMA forward (16, 48 against 32, 64), each wgrad tile side (up to 32, 64, 128 and beyond).
 CHANNELS = (3, 16, 31, 32, 47, 48, 64, 96, 128, 256)
-TENSOR_CORE_DTYPES = {"wmma_implicit_gemm": (FLOAT16, BFLOAT16), "mma_implicit_gemm": (FLOAT16, BFLOAT16, FLOAT32)}
+TENSOR_CORE_DTYPES = {"wmma_implicit_gemm": (FLOAT16, BFLOAT16), "mma_implicit_gemm": (FLOAT16, BFLOAT16, FLOAT32),
+                      "wgmma_implicit_gemm": (FLOAT16, BFLOAT16)}
 
 
 class _RecordedLaunch:
@@ -47,13 +49,14 @@ def _kernel_map(kernel_volume):
 @pytest.fixture
 def recorded(monkeypatch):
     """Plans built with recorded launches; `get_kernel` answers (source, name expression)."""
-    for module in (wmma_module, mma_module):
+    for module in (wmma_module, mma_module, wgmma_module):
         monkeypatch.setattr(module, "PreparedLaunch", _RecordedLaunch)
         monkeypatch.setattr(module, "current_device", lambda: 0)
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
     monkeypatch.setattr(wmma_module, "_multiprocessors", lambda device: 132)
     monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
     monkeypatch.setattr(_RecordedLaunch, "launched", [])
-    caches = (wmma_module._gemm_plan, wmma_module.wgrad_plan, mma_module._plan)
+    caches = (wmma_module._gemm_plan, wmma_module.wgrad_plan, mma_module._plan, wgmma_module._plan)
     for cache in caches:
         cache.cache_clear()
     yield _RecordedLaunch.launched
@@ -84,8 +87,12 @@ def _launched(algorithm, phase, problem, params):
 @pytest.mark.parametrize("name", sorted(TENSOR_CORE_DTYPES))
 def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_instantiation_is_launched(recorded, name):
     algorithm = get_algorithm(name)
-    families = (mma_module if name == "mma_implicit_gemm" else wmma_module)._SOURCES
-    own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in families[dtype].sources}
+    module = {"mma_implicit_gemm": mma_module, "wmma_implicit_gemm": wmma_module,
+              "wgmma_implicit_gemm": wgmma_module}[name]
+    own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in module._SOURCES[dtype].sources}
+    if name == "wgmma_implicit_gemm":  # its backward is mma_implicit_gemm's: dgrad (weight transposed) and wgrad
+        own |= {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
+                if not source.name_expressions[0].endswith("false>")}
     sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
     reached = set()
     for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):
@@ -116,7 +123,7 @@ def test_the_split_families_declare_every_instantiation_once():
 
 
 def test_declared_modules_lie_within_the_algorithms_kernel_files_and_cpu_problems_have_none():
-    for name in ("implicit_gemm", "wmma_implicit_gemm", "mma_implicit_gemm"):
+    for name in ("implicit_gemm", "wmma_implicit_gemm", "mma_implicit_gemm", "wgmma_implicit_gemm"):
         algorithm = get_algorithm(name)
         for phase in ("forward", "backward"):
             for params in algorithm.param_grid(phase):

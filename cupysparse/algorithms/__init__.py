@@ -1,6 +1,13 @@
 """The convolution algorithms. Importing this package registers every one of them."""
 
-from . import depthwise, explicit_gemm, implicit_gemm, mma_implicit_gemm, wmma_implicit_gemm  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    depthwise,
+    explicit_gemm,
+    implicit_gemm,
+    mma_implicit_gemm,
+    wgmma_implicit_gemm,
+    wmma_implicit_gemm,
+)
 from .base import (
     CONV,
     DEPTHWISE,

@@ -1,0 +1,188 @@
+"""`wgmma_implicit_gemm`: implicit GEMM on Hopper's warpgroup tensor cores (`wgmma.mma_async`,
+sm_90a only: compute capability 9.0 exactly, with an NVRTC that knows sm_90a), fp16 and bf16 features,
+fp32 accumulation; forward kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with -arch=sm_90a.
+
+The forward is mma_implicit_gemm's dataflow (output-stationary tiles over the mask-sorted rows, offsets
+a tile's rows lack skipped, each output written once, any channel count: 16-byte copies where the rows
+allow them, element copies elsewhere) with one or two warpgroups per block, each multiplying 64 rows by
+the block's 64, 128 or 256 output channels straight from shared memory, whose operand tiles a 3- or
+4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout.
+
+dgrad and wgrad are mma_implicit_gemm's, unchanged (the registry has no per-phase algorithms, so this
+one offers all three phases, backward through the parent's plans and parameters); a wgmma dgrad (the
+weight read transposed: a K-major B) and wgrad come later.
+
+Not measured on a GPU yet: `auto` leaves it out (`auto_priority` below every other algorithm) until a
+run on an H100 has validated it against the fp64 reference and timed it; naming it, or `all`, runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import ClassVar
+
+import numpy as np
+
+from ..backend import cupy_module
+from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
+from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from .base import ConvProblem, gpu_only_reason, register
+from .mma_implicit_gemm import MmaImplicitGemm
+from .wmma_implicit_gemm import VECTOR_BYTES, check_operand, check_weight, current_device, padded_channels
+
+ARCHITECTURE = "sm_90a"
+WARPGROUP_THREADS = 128
+WGMMA_M = 64  # rows of one warpgroup's tile
+BLOCK_K = 64  # input channels per pipeline stage: one 128-byte swizzle row of 16-bit values
+SWIZZLE_ROW_BYTES, SWIZZLE_ATOM_BYTES = 128, 1024
+MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
+# (rows, channels) of a block's output tile: rows / 64 warpgroups. 64 x 256 is left out: one warpgroup
+# holding 128 accumulators a thread spills (ptxas, 255 registers).
+TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
+STAGES = (4, 3)
+FEATURE_DTYPES = (FLOAT16, BFLOAT16)
+# Below every other algorithm's priority (explicit_gemm's is 0): `auto` never picks it until measured.
+UNVALIDATED_PRIORITY = -100
+
+
+def _kernel_name(dtype, tile, stages: int) -> str:
+    rows, cols = tile
+    return f"wgmma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {stages}>"
+
+
+def _kernel_family(dtype) -> KernelFamily:
+    # One module per kernel, as mma_implicit_gemm's; every one compiled for sm_90a only.
+    return KernelFamily("wgmma_implicit_gemm.cu",
+                        ((_kernel_name(dtype, tile, stages),) for tile in TILES for stages in STAGES), ARCHITECTURE)
+
+
+_SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
+
+
+def threads(tile) -> int:
+    return tile[0] // WGMMA_M * WARPGROUP_THREADS
+
+
+def shared_bytes(tile, stages: int) -> int:
+    """Dynamic shared memory of one block: `WgmmaSharedLayout::ALLOCATED` in the kernel source (the
+    layout plus 1024 bytes to align the operand tiles to swizzle atoms)."""
+    rows, cols = tile
+    stage = rows * SWIZZLE_ROW_BYTES + cols * BLOCK_K * 2
+    offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
+    return stages * stage + offset_batch * rows * 4 + rows * 4 + threads(tile) // 32 * 4 + SWIZZLE_ATOM_BYTES
+
+
+def _check_tile(tile) -> tuple[int, int]:
+    tile = tuple(tile)
+    if tile not in TILES:
+        raise ValueError(f"wgmma_implicit_gemm forward tile must be one of {TILES}, got {tile}")
+    return tile
+
+
+class _WgmmaPlan:
+    """The launch of `wgmma_conv_forward` for one dtype, kernel volume, channel counts, tile, pipeline
+    depth and row order, over any pair table of that kernel volume: prepared once per signature."""
+
+    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows):
+        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+        self.dtype = dtype
+        self.out_channels = out_channels
+        self.sort_rows = sort_rows
+        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
+        rows, cols = tile
+        self.rows, self.column_tiles = rows, -(-out_padded // cols)
+        sizes = (kernel_volume, in_channels, in_padded, out_channels, out_padded)
+        # features, pair table, row order, weight, out, the row count and vector_rows are per call.
+        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None)
+        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages))
+        self.kernel = PreparedLaunch(kernel, (1,), (threads(tile),), arguments, shared_bytes(tile, stages))
+
+    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int) -> None:
+        """Launch over `kernel_map`'s pair table on device addresses (row-major, the weight padded) on the
+        raw CUDA stream handle `stream`."""
+        num_out = kernel_map.num_out
+        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
+        vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
+        self.kernel.launch(stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out,
+                           int(vector_rows), grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
+
+    def __call__(self, kernel_map, features, padded_weight):
+        cupy = cupy_module()
+        out = cupy.empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # every element is written once
+        self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr,
+                    cupy.cuda.get_current_stream().ptr)
+        return out
+
+
+@functools.cache
+def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+          sort_rows: bool) -> _WgmmaPlan:
+    """`_WgmmaPlan` for this signature on `device`, made on first use."""
+    return _WgmmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows)
+
+
+@register
+class WgmmaImplicitGemm(MmaImplicitGemm):
+    name = "wgmma_implicit_gemm"
+    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    tuning_namespaces: ClassVar[dict[str, str]] = {
+        "forward": "wgmma_implicit_gemm_sm90a",
+        "backward": "wgmma_implicit_gemm_backward_sm90a",
+    }
+    forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
+    feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
+
+    def auto_priority(self, problem: ConvProblem) -> int:
+        """Unvalidated on a GPU: below every other algorithm, so `auto` never measures it."""
+        return UNVALIDATED_PRIORITY
+
+    def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
+        """The whole forward grid (nothing measured to prune it yet); backward, mma_implicit_gemm's."""
+        return self.param_grid(phase) if phase == "forward" else super().auto_param_grid(phase, problem)
+
+    def unsupported_reason(self, problem: ConvProblem) -> str | None:
+        reason = gpu_only_reason(problem)
+        if reason:
+            return reason
+        if problem.dtype not in _SOURCES:
+            return f"{self.name} runs fp16 and bf16 on tensor cores, not {short_name(problem.dtype)}"
+        needed = pinned_capability(ARCHITECTURE)
+        if problem.compute_capability != needed:
+            return (f"{self.name} needs compute capability {needed // 10}.{needed % 10} exactly (wgmma, "
+                    f"{ARCHITECTURE}); this GPU is sm_{problem.compute_capability}")
+        if not nvrtc_knows(ARCHITECTURE):
+            return f"{self.name} needs an NVRTC that compiles for {ARCHITECTURE} (CUDA 12.0 or newer)"
+        return None
+
+    def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
+        weight = self.prepare_weight(weight)
+        tile = _check_tile(tile)
+        if stages not in STAGES:
+            raise ValueError(f"wgmma_implicit_gemm stages must be one of {STAGES}, got {stages!r}")
+        check_weight(weight, kernel_map)
+        check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
+        cupy = cupy_module()
+        kernel_volume, num_out = kernel_map.pair_table.shape
+        if 0 in (num_out, weight.out_channels, features.shape[0], kernel_volume, weight.in_channels):
+            return cupy.zeros((num_out, weight.out_channels), dtype=features.dtype)
+        features = cupy.ascontiguousarray(features)
+        plan = _plan(current_device(), np.dtype(features.dtype), kernel_volume, weight.in_channels,
+                     weight.out_channels, tile, stages, sort_rows)
+        return plan(kernel_map, features, weight.padded)
+
+    def checked_tile(self, tile, phase: str) -> tuple:
+        """The forward's tiles are this kernel's; dgrad's are mma_implicit_gemm's."""
+        return _check_tile(tile) if phase == "forward" else super().checked_tile(tile, phase)
+
+    def forward_sources(self, dtype, in_channels: int, tile, stages: int,
+                        weight_transposed: bool) -> tuple[KernelSource, ...]:
+        if weight_transposed:  # dgrad: mma_implicit_gemm's kernel
+            return super().forward_sources(dtype, in_channels, tile, stages, weight_transposed)
+        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages)),)  # any rows
+
+    def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
+                  sort_rows: bool, weight_transposed: bool):
+        if weight_transposed:
+            return super().gemm_plan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
+                                     weight_transposed)
+        return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows)

@@ -1,0 +1,456 @@
+// Implicit GEMM on Hopper's warpgroup tensor cores (wgmma.mma_async, sm_90a only): fp16 or bf16 inputs,
+// fp32 accumulation in registers, operands read by the tensor cores straight from shared memory, where a
+// STAGES-deep cp.async pipeline gathers them.
+//
+// The forward's dataflow is mma_implicit_gemm.cu's: a block owns BLOCK_M output rows (in mask-sorted
+// order when `row_order` is given) x BLOCK_N output channels, reads its rows' pair-table entries for a
+// batch of offsets at a time, visits only the offsets some row has, and the input channels in chunks of
+// BLOCK_K = 64, and writes every output element once from registers (deterministic, no atomics).
+// BLOCK_M / 64 warpgroups (4 warps each) split the rows: warpgroup g multiplies rows 64 g .. 64 g + 63 of
+// the gathered tile by the whole weight tile, one m64nBLOCK_Nk16 wgmma per 16 input channels.
+//
+// Shared-memory layouts, both in the 128-byte swizzle mode of the wgmma matrix descriptors (no bank
+// conflicts for the tensor cores' reads): a swizzle atom is 8 rows of 128 bytes (1024 bytes, 1024-byte
+// aligned), and 16-byte chunk c of row r lies at chunk c ^ (r % 8) of its row.
+// - A, the gathered feature rows, K-major: row m holds input channels c0 .. c0 + 63 of its gathered row
+//   (128 bytes, one swizzle row); 8-row atoms follow each other (stride byte offset 1024; the leading
+//   byte offset is unused by swizzled K-major layouts). The k-th 16-channel step starts 32 k bytes into
+//   the rows: the hardware swizzles on the address bits, so an offset start inside an aligned atom works.
+// - B, the weight slice W_k[c0 .. c0 + 63][col_base .. col_base + BLOCK_N - 1], N-major (as the weight
+//   lies in memory, [C_in][C_out]; the instruction's transpose-B flag): one region per 64 output channels
+//   (128 bytes a row), each holding the 64 input-channel rows (leading byte offset: the region size;
+//   stride byte offset: 1024, from 8 input channels to the next 8). The k-th step starts 16 rows (2048
+//   bytes) in, still atom-aligned.
+// Feature rows are copied in 16-byte vectors when `vector_rows` (rows a multiple of 16 bytes, base
+// 16-byte aligned), else element by element; the weight, zero-padded to multiples of 16 channels on both
+// sides, always in vectors. Past the channel counts the tiles hold zeros.
+//
+// Shared memory is dynamic, sized by the host as `WgmmaSharedLayout::ALLOCATED`: the layout plus 1024
+// bytes, so that the operand tiles can start on a 1024-byte boundary whatever the allocation's base.
+//
+// Everything is compiled for sm_90a only (NVRTC -arch=sm_90a); for any other target the kernel is an empty
+// stub, and the host never launches it off compute capability 9.0.
+#include "float_conversion.cuh"
+#include "gather_tiles.cuh"
+
+constexpr int WARPGROUP_THREADS = 4 * WARP_SIZE;
+constexpr int WGMMA_M = 64, WGMMA_K = 16;
+constexpr int SWIZZLE_ROW_BYTES = 128;  // one row of a 128-byte swizzle atom
+constexpr int SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ROW_BYTES;
+constexpr int WGMMA_BLOCK_K = SWIZZLE_ROW_BYTES / 2;  // 16-bit input channels per pipeline stage
+constexpr int B_REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;  // output channels of one B region
+
+// Per stage: A [BLOCK_M rows of 128 bytes], then B [BLOCK_N / 64 regions][64 rows of 128 bytes]; after the
+// stages, the pair-table entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M], one mask word per warp.
+template <int BLOCK_M, int BLOCK_N, int STAGES, int OFFSET_BATCH, int WARPS>
+struct WgmmaSharedLayout {
+  static constexpr int A_BYTES = BLOCK_M * SWIZZLE_ROW_BYTES;
+  static constexpr int B_REGION_BYTES = WGMMA_BLOCK_K * SWIZZLE_ROW_BYTES;
+  static constexpr int STAGE_BYTES = A_BYTES + BLOCK_N / B_REGION_COLUMNS * B_REGION_BYTES;
+  static constexpr int IN_ROWS = STAGES * STAGE_BYTES;
+  static constexpr int OUT_ROWS = IN_ROWS + OFFSET_BATCH * BLOCK_M * (int)sizeof(int);
+  static constexpr int MASKS = OUT_ROWS + BLOCK_M * (int)sizeof(int);
+  static constexpr int BYTES = MASKS + WARPS * (int)sizeof(unsigned);
+  static constexpr int ALLOCATED = BYTES + SWIZZLE_ATOM_BYTES;
+  static_assert(A_BYTES % SWIZZLE_ATOM_BYTES == 0 && STAGE_BYTES % SWIZZLE_ATOM_BYTES == 0,
+                "operand tiles start on swizzle atoms");
+};
+
+// Two adjacent output elements, stored at once.
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The byte offset of 16-byte chunk `chunk` of row `row` in a region of 128-byte swizzled rows.
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * SWIZZLE_ROW_BYTES + ((chunk ^ (row % 8)) << 4);
+}
+
+// A wgmma shared-memory matrix descriptor in 128-byte swizzle mode: start address, leading and stride
+// byte offsets, each in 16-byte units (bits 0-13, 16-29, 32-45); base offset 0 (bits 49-51: the atoms are
+// 1024-byte aligned); swizzle mode 1 = 128 bytes (bits 62-63).
+__device__ __forceinline__ unsigned long long matrix_descriptor(unsigned address, unsigned leading_bytes,
+                                                                unsigned stride_bytes) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | (unsigned long long)((leading_bytes >> 4) & 0x3FFF) << 16 |
+         (unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+// Orders this warpgroup's earlier register accesses (the accumulators' initialisation, or their reads)
+// before the wgmma.mma_async that follow.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// Waits until at most PENDING of this warpgroup's wgmma groups are in flight.
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+
+// Makes this thread's completed writes to shared memory through the generic proxy (cp.async, st.shared)
+// visible to the async proxy, through which wgmma reads its operands; a barrier after it covers the block.
+__device__ __forceinline__ void fence_shared_for_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Ties the accumulators to this point of the instruction stream, so the compiler moves no access to
+// them across a wgmma wait (the asynchronous instructions write them behind its back).
+template <int N>
+__device__ __forceinline__ void pin_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (the m64nNk16 accumulator fragment, N / 2 floats a thread) += A * B for the 64 x 16 A and 16 x N B
+// the descriptors describe (A K-major, B N-major: transpose-B = 1), issued asynchronously. One
+// specialisation per N and type: the instruction lists every accumulator register.
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long long a, unsigned long long b);
+
+template <>
+__device__ __forceinline__ void wgmma_async<64, __half>(float (&d)[32], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_async<64, __nv_bfloat16>(float (&d)[32], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_async<128, __half>(float (&d)[64], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_async<128, __nv_bfloat16>(float (&d)[64], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_async<256, __half>(float (&d)[128], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_async<256, __nv_bfloat16>(float (&d)[128], unsigned long long a, unsigned long long b) {
+  asm volatile(
+      "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, accumulate, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
+}
+
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
+// Copies ROWS gathered rows (row r is matrix row `row_of(r)`, -1: zeros) of 64 columns from col0 of a
+// row-major matrix with `num_cols` columns into 128-byte swizzled rows at `dst` (columns at or past
+// `num_cols` zero). VECTOR_COPIES moves 16 bytes at once (asynchronously) and needs `num_cols` a
+// multiple of 8 and `src` 16-byte aligned.
+template <int ROWS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
+__device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
+                                                   unsigned char* dst) {
+  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16;
+  if constexpr (VECTOR_COPIES) {
+    static_assert(ROWS * CHUNKS % THREADS == 0, "whole copies per thread");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+      const int v = threadIdx.x + i * THREADS;
+      const int r = v / CHUNKS, chunk = v % CHUNKS;
+      const long long row = row_of(r);
+      const int col = col0 + chunk * VECTOR;
+      const bool valid = row >= 0 && col < num_cols;
+      copy_16_bytes(dst + swizzled(r, chunk), valid ? src + row * num_cols + col : src, valid);
+    }
+  } else {
+    const T zero = from_float<T>(0.0f);
+    for (int e = threadIdx.x; e < ROWS * WGMMA_BLOCK_K; e += THREADS) {
+      const int r = e / WGMMA_BLOCK_K, c = e % WGMMA_BLOCK_K;
+      const long long row = row_of(r);
+      const int col = col0 + c;
+      *reinterpret_cast<T*>(dst + swizzled(r, c / VECTOR) + (c % VECTOR) * (int)sizeof(T)) =
+          row >= 0 && col < num_cols ? src[row * num_cols + col] : zero;
+    }
+  }
+}
+
+// Copies rows row0 .. row0 + 63 (zeros at or past `num_rows`) and columns col0 .. col0 + BLOCK_N - 1 (zeros
+// at or past `num_cols`, a multiple of 8) of a row-major matrix into BLOCK_N / 64 regions of 64 swizzled
+// 128-byte rows, region j holding columns col0 + 64 j .. col0 + 64 j + 63: the N-major B operand.
+template <int BLOCK_N, int THREADS, typename T>
+__device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num_rows, int num_cols, int row0,
+                                              int col0, unsigned char* dst) {
+  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, ROW_VECTORS = BLOCK_N / VECTOR;
+  constexpr int VECTORS = WGMMA_BLOCK_K * ROW_VECTORS;
+  static_assert(VECTORS % THREADS == 0, "whole copies per thread");
+#pragma unroll
+  for (int i = 0; i < VECTORS / THREADS; ++i) {
+    const int v = threadIdx.x + i * THREADS;  // consecutive threads read consecutive 16 bytes of a row
+    const int k = v / ROW_VECTORS, n_vector = v % ROW_VECTORS;
+    const int row = row0 + k, col = col0 + n_vector * VECTOR;
+    const bool valid = row < num_rows && col < num_cols;
+    unsigned char* region = dst + n_vector / CHUNKS * WGMMA_BLOCK_K * SWIZZLE_ROW_BYTES;
+    copy_16_bytes(region + swizzled(k, n_vector % CHUNKS), valid ? src + (long long)row * num_cols + col : src,
+                  valid);
+  }
+}
+
+#endif  // sm_90a
+
+// out[i] = sum_k W_k^T x[pair_table[k, i]] for the BLOCK_M rows and BLOCK_N channels of one tile, as
+// mma_conv_forward (without its dgrad options). x [num_in, in_channels]; weight [kernel_volume,
+// in_channels_padded, out_channels_padded]; out [num_out, out_channels]; `row_order` (or null: rows in
+// order) the mask-sorted output rows.
+template <typename T, int BLOCK_M, int BLOCK_N, int STAGES>
+__global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
+    wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
+                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
+                       int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
+                       int vector_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int THREADS = BLOCK_M / WGMMA_M * WARPGROUP_THREADS, WARPS = THREADS / WARP_SIZE;
+  static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % B_REGION_COLUMNS == 0 && BLOCK_N <= 256, "wgmma tile shapes");
+  // Two stages are being multiplied (one wgmma group in flight while the next is issued), the rest are
+  // being copied: STAGES - 2 steps ahead.
+  static_assert(STAGES >= 3, "a stage in flight, one issued, at least one being copied");
+  constexpr int AHEAD = STAGES - 2;
+  constexpr int OFFSET_BATCH = smaller(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT / (BLOCK_M * (int)sizeof(int)));
+  using Layout = WgmmaSharedLayout<BLOCK_M, BLOCK_N, STAGES, OFFSET_BATCH, WARPS>;
+
+  extern __shared__ __align__(128) unsigned char shared_allocation[];
+  if (dynamic_shared_bytes() < Layout::ALLOCATED) __trap();  // launched with the wrong size: refuse, loudly
+  const unsigned allocation_address = static_cast<unsigned>(__cvta_generic_to_shared(shared_allocation));
+  unsigned char* shared = shared_allocation + (SWIZZLE_ATOM_BYTES - allocation_address % SWIZZLE_ATOM_BYTES) %
+                                                  SWIZZLE_ATOM_BYTES;
+  const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  int* in_rows = reinterpret_cast<int*>(shared + Layout::IN_ROWS);
+  int* out_rows = reinterpret_cast<int*>(shared + Layout::OUT_ROWS);
+  unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
+
+  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
+  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
+  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+
+  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
+    const long long row = row_base + m;
+    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
+  }
+
+  float acc[BLOCK_N / 2];
+#pragma unroll
+  for (int i = 0; i < BLOCK_N / 2; ++i) acc[i] = 0.0f;
+
+  // Issues this warpgroup's 64 rows times the stage's weight tile: BLOCK_K / 16 wgmma, one commit group.
+  const auto multiply_stage = [&](int buffer) {
+    const unsigned a = shared_address + buffer * Layout::STAGE_BYTES + warpgroup * WGMMA_M * SWIZZLE_ROW_BYTES;
+    const unsigned b = shared_address + buffer * Layout::STAGE_BYTES + Layout::A_BYTES;
+    pin_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < WGMMA_BLOCK_K / WGMMA_K; ++k) {
+      const unsigned long long a_descriptor = matrix_descriptor(a + k * WGMMA_K * (int)sizeof(T), 16, SWIZZLE_ATOM_BYTES);
+      const unsigned long long b_descriptor =
+          matrix_descriptor(b + k * WGMMA_K * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
+      wgmma_async<BLOCK_N, T>(acc, a_descriptor, b_descriptor);
+    }
+    wgmma_commit();
+  };
+
+  const int chunks = (in_channels_padded + WGMMA_BLOCK_K - 1) / WGMMA_BLOCK_K;
+  for (int batch_start = 0; batch_start < kernel_volume; batch_start += OFFSET_BATCH) {
+    const int batch = min(OFFSET_BATCH, kernel_volume - batch_start);
+    unsigned offsets_to_stage =
+        read_offset_batch<BLOCK_M, THREADS>(pair_table, num_out, out_rows, batch_start, batch, in_rows, warp_masks);
+    const int steps = __popc(offsets_to_stage) * chunks;
+
+    int offset = 0, c0 = chunks * WGMMA_BLOCK_K;  // of the step staged last
+    const auto stage_next_step = [&](int buffer) {
+      if (c0 == chunks * WGMMA_BLOCK_K) {
+        offset = __ffs(offsets_to_stage) - 1;
+        offsets_to_stage &= offsets_to_stage - 1;
+        c0 = 0;
+      }
+      unsigned char* a_tile = shared + buffer * Layout::STAGE_BYTES;
+      const int* gathered = in_rows + offset * BLOCK_M;
+      const auto gathered_row = [&](int m) -> long long { return gathered[m]; };
+      if (vector_rows)
+        stage_swizzled_rows<BLOCK_M, THREADS, true>(x, in_channels, c0, gathered_row, a_tile);
+      else
+        stage_swizzled_rows<BLOCK_M, THREADS, false>(x, in_channels, c0, gathered_row, a_tile);
+      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
+      stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
+                                      a_tile + Layout::A_BYTES);
+      c0 += WGMMA_BLOCK_K;
+    };
+
+    // One cp.async commit group per step, AHEAD steps ahead. At step s: s's copies land (each thread
+    // waits for its own, fences them for the async proxy, and the barrier publishes everyone's); the
+    // barrier also follows every warpgroup's wait for step s - 2's wgmma, so s + AHEAD may refill its
+    // buffer; then s's wgmma are issued, and the wait for s - 1's leaves only s's in flight.
+#pragma unroll
+    for (int s = 0; s < AHEAD; ++s) {
+      if (s < steps) stage_next_step(s);
+      commit_async_copies();
+    }
+    for (int step = 0; step < steps; ++step) {
+      wait_async_copies<AHEAD - 1>();
+      fence_shared_for_async_proxy();
+      __syncthreads();
+      const int next = step + AHEAD;
+      if (next < steps) stage_next_step(next % STAGES);
+      commit_async_copies();
+      multiply_stage(step % STAGES);
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();  // the next batch's barrier then frees every buffer
+    wait_async_copies<0>();
+    pin_registers(acc);
+  }
+
+  // Accumulator element 4 j + 2 h + e of a thread: row 16 (warp % 4) + lane / 4 + 8 h of its warpgroup's
+  // 64, column 8 j + 2 (lane % 4) + e.
+  using Pair = typename PairOf<T>::type;
+  const bool paired_stores = out_channels % 2 == 0 && reinterpret_cast<unsigned long long>(out) % sizeof(Pair) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int out_row = out_rows[warpgroup * WGMMA_M + (warp % 4) * 16 + lane / 4 + h * 8];
+    if (out_row < 0) continue;
+    T* out_line = out + (long long)out_row * out_channels;
+#pragma unroll
+    for (int j = 0; j < BLOCK_N / 8; ++j) {
+      const int col = col_base + j * 8 + (lane % 4) * 2;
+      const float first = acc[4 * j + 2 * h], second = acc[4 * j + 2 * h + 1];
+      if (paired_stores) {
+        if (col < out_channels) {
+          Pair pair;
+          pair.x = from_float<T>(first);
+          pair.y = from_float<T>(second);
+          *reinterpret_cast<Pair*>(out_line + col) = pair;
+        }
+      } else {
+        if (col < out_channels) out_line[col] = from_float<T>(first);
+        if (col + 1 < out_channels) out_line[col + 1] = from_float<T>(second);
+      }
+    }
+  }
+#endif
+}

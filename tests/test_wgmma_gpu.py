@@ -1,0 +1,80 @@
+"""wgmma_implicit_gemm's forward on an H100 (sm_90a) against the fp64 CPU reference (`pytest -m gpu`).
+
+test_conv_algorithms_gpu.py picks the algorithm up wherever it is supported (every phase, map kind,
+parameter combination and the launch plans); this file adds what only the wgmma kernel has: every tile
+and pipeline depth on channel counts reaching several 64-channel stages and 64-column weight regions,
+offset batches (a 5^3 kernel: 125 offsets, four batches), unsorted rows, and bitwise repeatability.
+Everywhere but on compute capability 9.0 it skips, saying why: the sm_90a kernels must not be launched.
+"""
+
+import numpy as np
+import pytest
+
+from cupysparse.algorithms import ConvProblem, get_algorithm
+from cupysparse.algorithms.wgmma_implicit_gemm import STAGES, TILES
+from cupysparse.backend import cupy_module, gpu_available
+from cupysparse.dtypes import BFLOAT16, FLOAT16
+from cupysparse.sparse_tensor import SparseTensor
+from test_conv_algorithms_gpu import _coordinates, _inputs, gpu_map, reference_phase, run_phase
+from tolerances import assert_close
+
+NAME = "wgmma_implicit_gemm"
+
+
+def _skip_reason() -> str | None:
+    if not gpu_available():
+        return "needs a CUDA GPU"
+    problem = ConvProblem(100, 100, 64, 64, 27, np.dtype(FLOAT16), "cuda",
+                          int(cupy_module().cuda.Device().compute_capability))
+    return get_algorithm(NAME).unsupported_reason(problem)
+
+
+_REASON = _skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=str(_REASON))]
+
+DTYPES = (FLOAT16, BFLOAT16)
+# Aligned (whole 16-byte rows) and unaligned input channels; outputs below, at and past a tile's width.
+CHANNELS = ((64, 64), (128, 256), (96, 200), (3, 17), (33, 70), (17, 130), (256, 128))
+MAP_KINDS = ("submanifold", "strided", "transposed")
+
+
+def _check(kernel_map, channels, dtype, params, seed=0):
+    x, w, dy = _inputs(kernel_map, *channels, dtype, seed=seed)
+    actual = run_phase(get_algorithm(NAME), "forward", kernel_map, x, w, dy, params)
+    expected, (terms, a, b) = reference_phase("forward", kernel_map, x, w, dy)
+    assert np.abs(expected).max() > 0
+    assert_close(actual, expected, dtype, terms, a, b, f"{NAME} forward {channels} {params}")
+    return actual
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels", CHANNELS, ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize("map_kind", MAP_KINDS)
+def test_forward_matches_fp64_reference(map_kind, channels, dtype):
+    _check(gpu_map(map_kind), channels, dtype, {})
+
+
+@pytest.mark.parametrize("sort_rows", [True, False])
+@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_every_tile_and_depth_matches_fp64_reference(tile, stages, sort_rows):
+    for channels in ((128, 256), (40, 24)):
+        _check(gpu_map("submanifold"), channels, FLOAT16, {"tile": tile, "stages": stages, "sort_rows": sort_rows})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_offset_batches_of_a_large_kernel(dtype):
+    coords = _coordinates(seed=11)
+    tensor = SparseTensor(cupy_module().asarray(coords), cupy_module().zeros((len(coords), 1), np.float32))
+    kernel_map = tensor.kernel_map(5).kernel_map
+    assert kernel_map.kernel_volume == 125
+    _check(kernel_map, (64, 128), dtype, {"tile": (128, 128)})
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_forward_is_bitwise_repeatable(tile):
+    kernel_map = gpu_map("submanifold")
+    first = _check(kernel_map, (96, 200), BFLOAT16, {"tile": tile}, seed=3)
+    again = run_phase(get_algorithm(NAME), "forward", kernel_map, *_inputs(kernel_map, 96, 200, BFLOAT16, seed=3),
+                      {"tile": tile})
+    assert np.array_equal(first.view(np.uint16), again.view(np.uint16))

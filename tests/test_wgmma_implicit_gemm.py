@@ -1,0 +1,88 @@
+"""wgmma_implicit_gemm without a GPU: registration, where it is refused, that `auto` leaves it out,
+its shared-memory sizes against the kernel's limits, and its sources pinned to sm_90a."""
+
+import numpy as np
+import pytest
+
+from cupysparse import compile as kernel_compile
+from cupysparse.algorithm_modes import AlgorithmFilter
+from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms import wgmma_implicit_gemm as wgmma_module
+from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from cupysparse.tuner import candidates
+
+NAME = "wgmma_implicit_gemm"
+H100_SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90
+
+
+def _problem(dtype=FLOAT16, capability=90, in_channels=64, out_channels=64, device="cuda"):
+    return ConvProblem(10**5, 10**5, in_channels, out_channels, 27, np.dtype(dtype), device, capability)
+
+
+def test_it_is_registered_and_supports_fp16_and_bf16_on_compute_capability_9_0_only(monkeypatch):
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
+    algorithm = registered(CONV)[NAME]
+    for dtype in (FLOAT16, BFLOAT16):
+        for channels in (3, 17, 64, 256):
+            assert algorithm.supports(_problem(dtype, in_channels=channels, out_channels=channels))
+    for capability in (80, 86, 89, 100, 120):
+        assert "9.0 exactly" in algorithm.unsupported_reason(_problem(capability=capability))
+    assert "not fp32" in algorithm.unsupported_reason(_problem(FLOAT32))
+    assert "CUDA GPUs only" in algorithm.unsupported_reason(_problem(device="cpu", capability=None))
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: False)
+    assert "NVRTC" in algorithm.unsupported_reason(_problem())
+
+
+def test_auto_leaves_it_out_until_measured_but_naming_it_or_all_measures_it(monkeypatch):
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
+    for phase in ("forward", "backward"):
+        auto = candidates(AlgorithmFilter(CONV, phase, "auto", ()), _problem(in_channels=256, out_channels=256))
+        assert auto and NAME not in {algorithm.name for algorithm, _ in auto}
+        named = candidates(AlgorithmFilter(CONV, phase, "names", (NAME,)), _problem())
+        assert {algorithm.name for algorithm, _ in named} == {NAME}
+        every = candidates(AlgorithmFilter(CONV, phase, "all", ()), _problem())
+        assert NAME in {algorithm.name for algorithm, _ in every}
+    assert get_algorithm(NAME).auto_priority(_problem()) < min(
+        algorithm.auto_priority(_problem()) for name, algorithm in registered(CONV).items() if name != NAME)
+
+
+def test_forward_has_its_own_tiles_and_backward_is_mma_implicit_gemms():
+    algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
+    forward = algorithm.param_grid("forward")
+    assert len(forward) == len(wgmma_module.TILES) * 2 * len(wgmma_module.STAGES)
+    assert forward[0] == {"tile": (128, 128), "sort_rows": True, "stages": 4}
+    assert algorithm.param_grid("backward") == mma.param_grid("backward")
+    assert algorithm.checked_tile((128, 256), "forward") == (128, 256)
+    with pytest.raises(ValueError, match="wgmma_implicit_gemm forward tile"):
+        algorithm.checked_tile((128, 32, 4, 1), "forward")
+    assert algorithm.checked_tile((128, 32, 4, 1), "dgrad") == (128, 32, 4, 1)
+    assert algorithm.tuning_namespace("forward") != mma.tuning_namespace("forward")
+
+
+@pytest.mark.parametrize(("tile", "stages", "expected"), [
+    # stages x (rows x 128 B + cols x 64 x 2 B) + 32 offsets x rows x 4 B (16 KB) + rows x 4 B + warps x 4 B + 1 KB
+    ((128, 128), 4, 4 * (16384 + 16384) + 16384 + 512 + 32 + 1024),
+    ((128, 256), 4, 4 * (16384 + 32768) + 16384 + 512 + 32 + 1024),
+    ((64, 64), 3, 3 * (8192 + 8192) + 8192 + 256 + 16 + 1024),
+])
+def test_shared_memory_follows_the_kernel_layout(tile, stages, expected):
+    assert wgmma_module.shared_bytes(tile, stages) == expected
+
+
+def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms():
+    for tile in wgmma_module.TILES:
+        rows, cols = tile
+        assert rows % 64 == 0 and cols % 64 == 0 and cols <= 256
+        assert wgmma_module.threads(tile) == rows // 64 * 128
+        assert (rows * 128) % 1024 == 0 and (cols * 64 * 2) % 1024 == 0
+        for stages in wgmma_module.STAGES:
+            assert wgmma_module.shared_bytes(tile, stages) <= H100_SHARED_LIMIT, (tile, stages)
+
+
+def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
+    for dtype in (FLOAT16, BFLOAT16):
+        family = wgmma_module._SOURCES[dtype]
+        assert len(family.sources) == len(wgmma_module.TILES) * len(wgmma_module.STAGES)
+        assert all(len(source.name_expressions) == 1 and source.architecture == "sm_90a" for source in family.sources)
+        assert set(family.sources) <= set(kernel_compile.registered_sources())
+    assert wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3) == "wgmma_conv_forward<__half, 128, 256, 3>"
