@@ -2,10 +2,11 @@
 // fp32 accumulation in registers, operands read by the tensor cores straight from shared memory, where a
 // STAGES-deep cp.async pipeline gathers them.
 //
-// The forward's dataflow is mma_implicit_gemm.cu's: a block owns BLOCK_M output rows (in mask-sorted
-// order when `row_order` is given) x BLOCK_N output channels, reads its rows' pair-table entries for a
-// batch of offsets at a time, visits only the offsets some row has, and the input channels in chunks of
-// BLOCK_K = 64, and writes every output element once from registers (deterministic, no atomics).
+// The dataflow is mma_implicit_gemm.cu's forward (and its dgrad: the same kernel over the weight read
+// transposed): a block owns BLOCK_M output rows (in mask-sorted order when `row_order` is given) x
+// BLOCK_N output channels, reads its rows' pair-table entries for a batch of offsets at a time, visits
+// only the offsets some row has, and the input channels in chunks of BLOCK_K = 64, and writes every
+// output element once from registers (deterministic, no atomics).
 // BLOCK_M / 64 warpgroups (4 warps each) split the rows: warpgroup g multiplies rows 64 g .. 64 g + 63 of
 // the gathered tile by the whole weight tile, one m64nBLOCK_Nk16 wgmma per 16 input channels.
 //
@@ -21,6 +22,8 @@
 //   (128 bytes a row), each holding the 64 input-channel rows (leading byte offset: the region size;
 //   stride byte offset: 1024, from 8 input channels to the next 8). The k-th step starts 16 rows (2048
 //   bytes) in, still atom-aligned.
+//   dgrad reads the weight transposed (WEIGHT_TRANSPOSED): B[k][n] = W[n][k] has its rows of k in
+//   memory, so it is staged K-major like A, one 128-byte swizzled row per output channel of the call.
 // Feature rows are copied in 16-byte vectors when `vector_rows` (rows a multiple of 16 bytes, base
 // 16-byte aligned), else element by element; the weight, zero-padded to multiples of 16 channels on both
 // sides, always in vectors. Past the channel counts the tiles hold zeros.
@@ -111,43 +114,44 @@ __device__ __forceinline__ void pin_registers(float (&d)[N]) {
 }
 
 // d (the m64nNk16 accumulator fragment, N / 2 floats a thread) += A * B for the 64 x 16 A and 16 x N B
-// the descriptors describe (A K-major, B N-major: transpose-B = 1), issued asynchronously. One
-// specialisation per N and type: the instruction lists every accumulator register.
-template <int N, typename T>
-__device__ __forceinline__ void wgmma_async(float (&d)[N / 2], unsigned long long a, unsigned long long b);
-
-template <>
-__device__ __forceinline__ void wgmma_async<64, __half>(float (&d)[32], unsigned long long a, unsigned long long b) {
+// the descriptors describe, issued asynchronously: A K-major; B K-major, or N-major with TRANSPOSE_B = 1.
+// One overload per N (the fragment's size) and type (the last argument, a tag): the instruction lists
+// every accumulator register.
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[32], unsigned long long a, unsigned long long b,
+                                            __half) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %32, %33, accumulate, 1, 1, 0, %35;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_async<64, __nv_bfloat16>(float (&d)[32], unsigned long long a, unsigned long long b) {
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[32], unsigned long long a, unsigned long long b,
+                                            __nv_bfloat16) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %32, %33, accumulate, 1, 1, 0, %35;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_async<128, __half>(float (&d)[64], unsigned long long a, unsigned long long b) {
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[64], unsigned long long a, unsigned long long b,
+                                            __half) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
@@ -155,7 +159,7 @@ __device__ __forceinline__ void wgmma_async<128, __half>(float (&d)[64], unsigne
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %64, %65, accumulate, 1, 1, 0, %67;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -164,11 +168,12 @@ __device__ __forceinline__ void wgmma_async<128, __half>(float (&d)[64], unsigne
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_async<128, __nv_bfloat16>(float (&d)[64], unsigned long long a, unsigned long long b) {
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[64], unsigned long long a, unsigned long long b,
+                                            __nv_bfloat16) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -176,7 +181,7 @@ __device__ __forceinline__ void wgmma_async<128, __nv_bfloat16>(float (&d)[64], 
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %64, %65, accumulate, 1, 1, 0, %67;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -185,11 +190,12 @@ __device__ __forceinline__ void wgmma_async<128, __nv_bfloat16>(float (&d)[64], 
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_async<256, __half>(float (&d)[128], unsigned long long a, unsigned long long b) {
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[128], unsigned long long a, unsigned long long b,
+                                            __half) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
@@ -201,7 +207,7 @@ __device__ __forceinline__ void wgmma_async<256, __half>(float (&d)[128], unsign
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %128, %129, accumulate, 1, 1, 0, %131;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -218,11 +224,12 @@ __device__ __forceinline__ void wgmma_async<256, __half>(float (&d)[128], unsign
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
-template <>
-__device__ __forceinline__ void wgmma_async<256, __nv_bfloat16>(float (&d)[128], unsigned long long a, unsigned long long b) {
+template <int TRANSPOSE_B>
+__device__ __forceinline__ void wgmma_async(float (&d)[128], unsigned long long a, unsigned long long b,
+                                            __nv_bfloat16) {
   asm volatile(
       "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -234,7 +241,7 @@ __device__ __forceinline__ void wgmma_async<256, __nv_bfloat16>(float (&d)[128],
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, accumulate, 1, 1, 0, 1;\n}\n"
+      "}, %128, %129, accumulate, 1, 1, 0, %131;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -251,7 +258,7 @@ __device__ __forceinline__ void wgmma_async<256, __nv_bfloat16>(float (&d)[128],
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(a), "l"(b), "r"(1));
+      : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));
 }
 
 __device__ __forceinline__ unsigned dynamic_shared_bytes() {
@@ -315,15 +322,17 @@ __device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num
 #endif  // sm_90a
 
 // out[i] = sum_k W_k^T x[pair_table[k, i]] for the BLOCK_M rows and BLOCK_N channels of one tile, as
-// mma_conv_forward (without its dgrad options). x [num_in, in_channels]; weight [kernel_volume,
-// in_channels_padded, out_channels_padded]; out [num_out, out_channels]; `row_order` (or null: rows in
-// order) the mask-sorted output rows.
-template <typename T, int BLOCK_M, int BLOCK_N, int STAGES>
+// mma_conv_forward. x [num_in, in_channels]; weight [kernel_volume, in_channels_padded,
+// out_channels_padded], or with WEIGHT_TRANSPOSED the layer's weight read transposed (dgrad: stored
+// [kernel_volume, out_channels_padded, in_channels_padded], a K-major B); out [num_out, out_channels];
+// `row_order` (or null: rows in order) the mask-sorted output rows. With `reverse_weight_offsets` offset k
+// takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands).
+template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                        const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
                        int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
-                       int vector_rows) {
+                       int vector_rows, int reverse_weight_offsets) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = BLOCK_M / WGMMA_M * WARPGROUP_THREADS, WARPS = THREADS / WARP_SIZE;
   static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % B_REGION_COLUMNS == 0 && BLOCK_N <= 256, "wgmma tile shapes");
@@ -360,6 +369,8 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
   for (int i = 0; i < BLOCK_N / 2; ++i) acc[i] = 0.0f;
 
   // Issues this warpgroup's 64 rows times the stage's weight tile: BLOCK_K / 16 wgmma, one commit group.
+  // K-major operands step 16 channels (32 bytes) along their swizzled rows, N-major B 16 of its rows.
+  constexpr int K_STEP_BYTES = WGMMA_K * (int)sizeof(T);
   const auto multiply_stage = [&](int buffer) {
     const unsigned a = shared_address + buffer * Layout::STAGE_BYTES + warpgroup * WGMMA_M * SWIZZLE_ROW_BYTES;
     const unsigned b = shared_address + buffer * Layout::STAGE_BYTES + Layout::A_BYTES;
@@ -367,10 +378,14 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < WGMMA_BLOCK_K / WGMMA_K; ++k) {
-      const unsigned long long a_descriptor = matrix_descriptor(a + k * WGMMA_K * (int)sizeof(T), 16, SWIZZLE_ATOM_BYTES);
-      const unsigned long long b_descriptor =
-          matrix_descriptor(b + k * WGMMA_K * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
-      wgmma_async<BLOCK_N, T>(acc, a_descriptor, b_descriptor);
+      const unsigned long long a_descriptor = matrix_descriptor(a + k * K_STEP_BYTES, 16, SWIZZLE_ATOM_BYTES);
+      if constexpr (WEIGHT_TRANSPOSED) {
+        wgmma_async<0>(acc, a_descriptor, matrix_descriptor(b + k * K_STEP_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
+      } else {
+        const unsigned long long b_descriptor =
+            matrix_descriptor(b + k * WGMMA_K * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
+        wgmma_async<1>(acc, a_descriptor, b_descriptor, T());
+      }
     }
     wgmma_commit();
   };
@@ -396,9 +411,20 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         stage_swizzled_rows<BLOCK_M, THREADS, true>(x, in_channels, c0, gathered_row, a_tile);
       else
         stage_swizzled_rows<BLOCK_M, THREADS, false>(x, in_channels, c0, gathered_row, a_tile);
-      const T* weight_k = weight + (long long)(batch_start + offset) * in_channels_padded * out_channels_padded;
-      stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
-                                      a_tile + Layout::A_BYTES);
+      const int weight_offset =
+          reverse_weight_offsets ? kernel_volume - 1 - batch_start - offset : batch_start + offset;
+      const T* weight_k = weight + (long long)weight_offset * in_channels_padded * out_channels_padded;
+      if constexpr (WEIGHT_TRANSPOSED) {
+        // The stored weight's rows col_base.. (this call's output channels), columns c0.. (its inputs).
+        const auto weight_row = [&](int r) -> long long {
+          return col_base + r < out_channels_padded ? col_base + r : -1;
+        };
+        stage_swizzled_rows<BLOCK_N, THREADS, true>(weight_k, in_channels_padded, c0, weight_row,
+                                                    a_tile + Layout::A_BYTES);
+      } else {
+        stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
+                                        a_tile + Layout::A_BYTES);
+      }
       c0 += WGMMA_BLOCK_K;
     };
 

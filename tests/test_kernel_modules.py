@@ -90,9 +90,9 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
     module = {"mma_implicit_gemm": mma_module, "wmma_implicit_gemm": wmma_module,
               "wgmma_implicit_gemm": wgmma_module}[name]
     own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in module._SOURCES[dtype].sources}
-    if name == "wgmma_implicit_gemm":  # its backward is mma_implicit_gemm's: dgrad (weight transposed) and wgrad
+    if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's
         own |= {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
-                if not source.name_expressions[0].endswith("false>")}
+                if source.name_expressions[0].startswith("mma_conv_wgrad")}
     sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
     reached = set()
     for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):

@@ -11,6 +11,7 @@ from cupysparse import tuner as tuner_module
 from cupysparse.algorithm_modes import AlgorithmFilter
 from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, registered
 from cupysparse.benchmark_cache import BenchmarkCache
+from cupysparse.compile import nvrtc_knows
 from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
 
 PROBLEM = ConvProblem(3000, 1500, 16, 32, 27, np.dtype(np.float16), "cpu", None, (2, 2, 2))
@@ -300,7 +301,7 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
     def problem(in_channels, out_channels):
         return ConvProblem(10**6, 10**6, in_channels, out_channels, 27, np.dtype(np.float16), "cuda", 90)
 
-    for algorithm in (wmma, mma):
+    for algorithm in (wmma, mma, registered(CONV)["wgmma_implicit_gemm"]):
         for phase in ("forward", "backward"):
             full = algorithm.param_grid(phase)
             for pair in ((3, 32), (32, 32), (64, 64), (128, 256)):
@@ -314,7 +315,9 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
     assert {p["tile"] for p in wmma.auto_param_grid("backward", problem(64, 32))} == {(128, 64), (128, 32)}
     assert {p["tile"] for p in wmma.auto_param_grid("forward", problem(64, 256))} == {(64, 128), (128, 64)}
     pool = candidates(AlgorithmFilter(CONV, "forward", "auto", ()), problem(64, 64))
-    assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm", "mma_implicit_gemm"}
+    # On sm_90 wgmma's kernels join them wherever NVRTC compiles sm_90a.
+    wgmma = {"wgmma_implicit_gemm"} if nvrtc_knows("sm_90a") else set()
+    assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm", "mma_implicit_gemm", *wgmma}
 
 
 def test_the_choices_version_changes_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):

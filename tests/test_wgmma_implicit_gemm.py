@@ -1,5 +1,6 @@
-"""wgmma_implicit_gemm without a GPU: registration, where it is refused, that `auto` leaves it out,
-its shared-memory sizes against the kernel's limits, and its sources pinned to sm_90a."""
+"""wgmma_implicit_gemm without a GPU: registration, where it is refused, that `auto` measures it beside
+the other tensor-core algorithms on compute capability 9.0 only, its tiles in every phase, its
+shared-memory sizes against the kernel's limits, and its sources pinned to sm_90a."""
 
 import numpy as np
 import pytest
@@ -33,30 +34,43 @@ def test_it_is_registered_and_supports_fp16_and_bf16_on_compute_capability_9_0_o
     assert "NVRTC" in algorithm.unsupported_reason(_problem())
 
 
-def test_auto_leaves_it_out_until_measured_but_naming_it_or_all_measures_it(monkeypatch):
+def test_auto_measures_it_beside_mma_implicit_gemm_on_compute_capability_9_0_only(monkeypatch):
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
     for phase in ("forward", "backward"):
         auto = candidates(AlgorithmFilter(CONV, phase, "auto", ()), _problem(in_channels=256, out_channels=256))
-        assert auto and NAME not in {algorithm.name for algorithm, _ in auto}
+        assert {"wgmma_implicit_gemm", "mma_implicit_gemm"} <= {algorithm.name for algorithm, _ in auto}
+        ampere = candidates(AlgorithmFilter(CONV, phase, "auto", ()), _problem(capability=80))
+        assert ampere and NAME not in {algorithm.name for algorithm, _ in ampere}
         named = candidates(AlgorithmFilter(CONV, phase, "names", (NAME,)), _problem())
         assert {algorithm.name for algorithm, _ in named} == {NAME}
-        every = candidates(AlgorithmFilter(CONV, phase, "all", ()), _problem())
-        assert NAME in {algorithm.name for algorithm, _ in every}
-    assert get_algorithm(NAME).auto_priority(_problem()) < min(
-        algorithm.auto_priority(_problem()) for name, algorithm in registered(CONV).items() if name != NAME)
 
 
-def test_forward_has_its_own_tiles_and_backward_is_mma_implicit_gemms():
+def test_auto_grid_keeps_sorted_rows_and_tiles_no_wider_than_the_channels_need():
+    algorithm = get_algorithm(NAME)
+    narrow = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=32))
+    assert {params["tile"] for params in narrow} == {(128, 64), (64, 64)}
+    assert all(params["sort_rows"] for params in narrow)
+    wide = algorithm.auto_param_grid("forward", _problem(in_channels=32, out_channels=256))
+    assert {params["tile"] for params in wide} == set(wgmma_module.TILES)
+    # dgrad's output channels are the layer's inputs.
+    dgrad = algorithm.auto_param_grid("backward", _problem(in_channels=64, out_channels=256))
+    assert {params["tile"] for params in dgrad} == {(128, 64), (64, 64)}
+    assert {params["wgrad_warps_per_sm"] for params in dgrad} == {32, 64}
+
+
+def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
     algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
     forward = algorithm.param_grid("forward")
     assert len(forward) == len(wgmma_module.TILES) * 2 * len(wgmma_module.STAGES)
     assert forward[0] == {"tile": (128, 128), "sort_rows": True, "stages": 4}
-    assert algorithm.param_grid("backward") == mma.param_grid("backward")
-    assert algorithm.checked_tile((128, 256), "forward") == (128, 256)
-    with pytest.raises(ValueError, match="wgmma_implicit_gemm forward tile"):
-        algorithm.checked_tile((128, 32, 4, 1), "forward")
-    assert algorithm.checked_tile((128, 32, 4, 1), "dgrad") == (128, 32, 4, 1)
+    assert {params["tile"] for params in algorithm.param_grid("backward")} == set(wgmma_module.TILES)
+    for phase in ("forward", "dgrad", "wgrad"):
+        assert algorithm.checked_tile((128, 256), phase) == (128, 256)
+        with pytest.raises(ValueError, match=f"wgmma_implicit_gemm {phase} tile"):
+            algorithm.checked_tile((128, 32, 4, 1), phase)
+    assert algorithm.wgrad_plan_class is mma.wgrad_plan_class
     assert algorithm.tuning_namespace("forward") != mma.tuning_namespace("forward")
+    assert algorithm.tuning_namespace("backward") != mma.tuning_namespace("backward")
 
 
 @pytest.mark.parametrize(("tile", "stages", "expected"), [
@@ -82,7 +96,11 @@ def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms()
 def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
     for dtype in (FLOAT16, BFLOAT16):
         family = wgmma_module._SOURCES[dtype]
-        assert len(family.sources) == len(wgmma_module.TILES) * len(wgmma_module.STAGES)
+        # Forward at every depth, dgrad at one.
+        assert len(family.sources) == len(wgmma_module.TILES) * (len(wgmma_module.STAGES) + 1)
         assert all(len(source.name_expressions) == 1 and source.architecture == "sm_90a" for source in family.sources)
         assert set(family.sources) <= set(kernel_compile.registered_sources())
-    assert wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3) == "wgmma_conv_forward<__half, 128, 256, 3>"
+    assert (wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3, False)
+            == "wgmma_conv_forward<__half, 128, 256, 3, false>")
+    assert (wgmma_module._kernel_name(np.dtype(BFLOAT16), (64, 64), 4, True)
+            == "wgmma_conv_forward<__nv_bfloat16, 64, 64, 4, true>")

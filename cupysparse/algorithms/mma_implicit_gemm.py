@@ -189,18 +189,6 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
     return _MmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
 
 
-def _run(features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile, stages,
-         weight_transposed: bool, reverse_weight_offsets: int = 0):
-    cupy = cupy_module()
-    kernel_volume, num_out = kernel_map.pair_table.shape
-    if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
-        return cupy.zeros((num_out, out_channels), dtype=features.dtype)
-    features = cupy.ascontiguousarray(features)
-    plan = _plan(current_device(), np.dtype(features.dtype), kernel_volume, in_channels, out_channels, tile, stages,
-                 sort_rows, weight_transposed)
-    return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
-
-
 @register
 class MmaImplicitGemm(WmmaImplicitGemm):
     name = "mma_implicit_gemm"
@@ -247,27 +235,38 @@ class MmaImplicitGemm(WmmaImplicitGemm):
 
     def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
         weight = self.prepare_weight(weight)
-        tile = _check_tile(tile, "forward")
+        tile = self.checked_tile(tile, "forward")
         check_weight(weight, kernel_map)
         check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
-        if stages not in STAGES:
-            raise ValueError(f"mma_implicit_gemm stages must be one of {STAGES}, got {stages!r}")
-        return _run(features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels, tile,
-                    stages, False)
+        if stages not in self.forward_params["stages"]:
+            raise ValueError(f"{self.name} stages must be one of {self.forward_params['stages']}, got {stages!r}")
+        return self._run(features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels,
+                         tile, stages, False)
 
     def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
         weight = self.prepare_weight(weight)
-        tile = _check_tile(tile, "dgrad")
+        tile = self.checked_tile(tile, "dgrad")
         check_weight(weight, kernel_map)
         check_operand(self, "grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out,
                       weight.out_channels)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
-        return _run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
-                    DGRAD_STAGES, True, reverse_weight_offsets)
+        return self._run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
+                         self.dgrad_stages, True, reverse_weight_offsets)
 
     def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
-        _check_tile(tile, "wgrad")
+        self.checked_tile(tile, "wgrad")
         return super().wgrad(features, grad_output, kernel_map, wgrad_warps_per_sm=wgrad_warps_per_sm)
+
+    def _run(self, features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile,
+             stages: int, weight_transposed: bool, reverse_weight_offsets: int = 0):
+        cupy = cupy_module()
+        kernel_volume, num_out = kernel_map.pair_table.shape
+        if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
+            return cupy.zeros((num_out, out_channels), dtype=features.dtype)
+        features = cupy.ascontiguousarray(features)
+        plan = self.gemm_plan(np.dtype(features.dtype), kernel_volume, in_channels, out_channels, tile, stages,
+                              sort_rows, weight_transposed)
+        return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
 
     def checked_tile(self, tile, phase: str) -> tuple:
         return _check_tile(tile, phase)

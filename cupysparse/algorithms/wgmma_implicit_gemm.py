@@ -1,19 +1,18 @@
 """`wgmma_implicit_gemm`: implicit GEMM on Hopper's warpgroup tensor cores (`wgmma.mma_async`,
 sm_90a only: compute capability 9.0 exactly, with an NVRTC that knows sm_90a), fp16 and bf16 features,
-fp32 accumulation; forward kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with -arch=sm_90a.
+fp32 accumulation; forward and dgrad kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with
+-arch=sm_90a.
 
 The forward is mma_implicit_gemm's dataflow (output-stationary tiles over the mask-sorted rows, offsets
 a tile's rows lack skipped, each output written once, any channel count: 16-byte copies where the rows
 allow them, element copies elsewhere) with one or two warpgroups per block, each multiplying 64 rows by
 the block's 64, 128 or 256 output channels straight from shared memory, whose operand tiles a 3- or
-4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout.
+4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout. dgrad is the same
+kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); wgrad is
+mma_implicit_gemm's.
 
-dgrad and wgrad are mma_implicit_gemm's, unchanged (the registry has no per-phase algorithms, so this
-one offers all three phases, backward through the parent's plans and parameters); a wgmma dgrad (the
-weight read transposed: a K-major B) and wgrad come later.
-
-Not measured on a GPU yet: `auto` leaves it out (`auto_priority` below every other algorithm) until a
-run on an H100 has validated it against the fp64 reference and timed it; naming it, or `all`, runs it.
+On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
+`auto` measures it beside them; everywhere else it is unsupported, and its kernels are never loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, p
 from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
 from .base import ConvProblem, gpu_only_reason, register
 from .mma_implicit_gemm import MmaImplicitGemm
-from .wmma_implicit_gemm import VECTOR_BYTES, check_operand, check_weight, current_device, padded_channels
+from .wmma_implicit_gemm import VECTOR_BYTES, WGRAD_WARPS_PER_SM, current_device, padded_channels
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
@@ -40,20 +39,21 @@ MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
 # holding 128 accumulators a thread spills (ptxas, 255 registers).
 TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
 STAGES = (4, 3)
+DGRAD_STAGES = STAGES[0]
+B_REGION_COLUMNS = 64  # output channels of one 128-byte swizzled row of the N-major weight tile
 FEATURE_DTYPES = (FLOAT16, BFLOAT16)
-# Below every other algorithm's priority (explicit_gemm's is 0): `auto` never picks it until measured.
-UNVALIDATED_PRIORITY = -100
 
 
-def _kernel_name(dtype, tile, stages: int) -> str:
+def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
     rows, cols = tile
-    return f"wgmma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {stages}>"
+    return f"wgmma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {stages}, {str(weight_transposed).lower()}>"
 
 
 def _kernel_family(dtype) -> KernelFamily:
     # One module per kernel, as mma_implicit_gemm's; every one compiled for sm_90a only.
-    return KernelFamily("wgmma_implicit_gemm.cu",
-                        ((_kernel_name(dtype, tile, stages),) for tile in TILES for stages in STAGES), ARCHITECTURE)
+    forward = (_kernel_name(dtype, tile, stages, False) for tile in TILES for stages in STAGES)
+    dgrad = (_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
+    return KernelFamily("wgmma_implicit_gemm.cu", ((name,) for name in (*forward, *dgrad)), ARCHITECTURE)
 
 
 _SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
@@ -65,25 +65,27 @@ def threads(tile) -> int:
 
 def shared_bytes(tile, stages: int) -> int:
     """Dynamic shared memory of one block: `WgmmaSharedLayout::ALLOCATED` in the kernel source (the
-    layout plus 1024 bytes to align the operand tiles to swizzle atoms)."""
+    layout plus 1024 bytes to align the operand tiles to swizzle atoms); the same for either weight
+    layout (BLOCK_N rows of 128 bytes)."""
     rows, cols = tile
     stage = rows * SWIZZLE_ROW_BYTES + cols * BLOCK_K * 2
     offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
     return stages * stage + offset_batch * rows * 4 + rows * 4 + threads(tile) // 32 * 4 + SWIZZLE_ATOM_BYTES
 
 
-def _check_tile(tile) -> tuple[int, int]:
+def _check_tile(tile, phase: str) -> tuple[int, int]:
     tile = tuple(tile)
     if tile not in TILES:
-        raise ValueError(f"wgmma_implicit_gemm forward tile must be one of {TILES}, got {tile}")
+        raise ValueError(f"wgmma_implicit_gemm {phase} tile must be one of {TILES}, got {tile}")
     return tile
 
 
 class _WgmmaPlan:
     """The launch of `wgmma_conv_forward` for one dtype, kernel volume, channel counts, tile, pipeline
-    depth and row order, over any pair table of that kernel volume: prepared once per signature."""
+    depth, row order and weight layout, over any pair table of that kernel volume: prepared once per
+    signature."""
 
-    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows):
+    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         self.dtype = dtype
         self.out_channels = out_channels
@@ -92,33 +94,36 @@ class _WgmmaPlan:
         rows, cols = tile
         self.rows, self.column_tiles = rows, -(-out_padded // cols)
         sizes = (kernel_volume, in_channels, in_padded, out_channels, out_padded)
-        # features, pair table, row order, weight, out, the row count and vector_rows are per call.
-        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None)
-        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages))
+        # features, pair table, row order, weight, out, the row count, vector_rows and the offset order are
+        # per call.
+        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
+        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed))
         self.kernel = PreparedLaunch(kernel, (1,), (threads(tile),), arguments, shared_bytes(tile, stages))
 
-    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int) -> None:
-        """Launch over `kernel_map`'s pair table on device addresses (row-major, the weight padded) on the
-        raw CUDA stream handle `stream`."""
+    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
+               reverse_weight_offsets: int = 0) -> None:
+        """Launch over `kernel_map`'s pair table on device addresses (row-major, the weight padded, its
+        offsets taken in reverse when `reverse_weight_offsets`) on the raw CUDA stream handle `stream`."""
         num_out = kernel_map.num_out
         order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
         vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
         self.kernel.launch(stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out,
-                           int(vector_rows), grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
+                           int(vector_rows), reverse_weight_offsets,
+                           grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
 
-    def __call__(self, kernel_map, features, padded_weight):
+    def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         cupy = cupy_module()
         out = cupy.empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # every element is written once
         self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr,
-                    cupy.cuda.get_current_stream().ptr)
+                    cupy.cuda.get_current_stream().ptr, reverse_weight_offsets)
         return out
 
 
 @functools.cache
 def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-          sort_rows: bool) -> _WgmmaPlan:
+          sort_rows: bool, weight_transposed: bool) -> _WgmmaPlan:
     """`_WgmmaPlan` for this signature on `device`, made on first use."""
-    return _WgmmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows)
+    return _WgmmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
 
 
 @register
@@ -130,15 +135,19 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         "backward": "wgmma_implicit_gemm_backward_sm90a",
     }
     forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
+    # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad (mma_implicit_gemm's).
+    backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
+    dgrad_stages: ClassVar[int] = DGRAD_STAGES
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
 
-    def auto_priority(self, problem: ConvProblem) -> int:
-        """Unvalidated on a GPU: below every other algorithm, so `auto` never measures it."""
-        return UNVALIDATED_PRIORITY
-
     def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
-        """The whole forward grid (nothing measured to prune it yet); backward, mma_implicit_gemm's."""
-        return self.param_grid(phase) if phase == "forward" else super().auto_param_grid(phase, problem)
+        """Sorted rows, and tiles no wider than the padded output channels need (dgrad's are the
+        layer's inputs); wgrad's occupancy targets are mma_implicit_gemm's."""
+        channels = padded_channels(problem.out_channels if phase == "forward" else problem.in_channels)
+        tiles = [tile for tile in TILES if tile[1] <= max(B_REGION_COLUMNS, channels)]
+        if phase == "forward":
+            return [{"tile": tile, "sort_rows": True, "stages": stages} for tile in tiles for stages in STAGES]
+        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem)
@@ -154,35 +163,24 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
             return f"{self.name} needs an NVRTC that compiles for {ARCHITECTURE} (CUDA 12.0 or newer)"
         return None
 
+    # The same entry points as mma_implicit_gemm's, with this kernel's tiles as their defaults.
     def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
-        weight = self.prepare_weight(weight)
-        tile = _check_tile(tile)
-        if stages not in STAGES:
-            raise ValueError(f"wgmma_implicit_gemm stages must be one of {STAGES}, got {stages!r}")
-        check_weight(weight, kernel_map)
-        check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
-        cupy = cupy_module()
-        kernel_volume, num_out = kernel_map.pair_table.shape
-        if 0 in (num_out, weight.out_channels, features.shape[0], kernel_volume, weight.in_channels):
-            return cupy.zeros((num_out, weight.out_channels), dtype=features.dtype)
-        features = cupy.ascontiguousarray(features)
-        plan = _plan(current_device(), np.dtype(features.dtype), kernel_volume, weight.in_channels,
-                     weight.out_channels, tile, stages, sort_rows)
-        return plan(kernel_map, features, weight.padded)
+        return super().forward(features, weight, kernel_map, tile, sort_rows, stages)
+
+    def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
+        return super().dgrad(grad_output, weight, kernel_map, tile, wgrad_warps_per_sm)
+
+    def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
+        return super().wgrad(features, grad_output, kernel_map, tile, wgrad_warps_per_sm)
 
     def checked_tile(self, tile, phase: str) -> tuple:
-        """The forward's tiles are this kernel's; dgrad's are mma_implicit_gemm's."""
-        return _check_tile(tile) if phase == "forward" else super().checked_tile(tile, phase)
+        return _check_tile(tile, phase)
 
     def forward_sources(self, dtype, in_channels: int, tile, stages: int,
                         weight_transposed: bool) -> tuple[KernelSource, ...]:
-        if weight_transposed:  # dgrad: mma_implicit_gemm's kernel
-            return super().forward_sources(dtype, in_channels, tile, stages, weight_transposed)
-        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages)),)  # any rows
+        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages, weight_transposed)),)  # any rows
 
     def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-                  sort_rows: bool, weight_transposed: bool):
-        if weight_transposed:
-            return super().gemm_plan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
-                                     weight_transposed)
-        return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows)
+                  sort_rows: bool, weight_transposed: bool) -> _WgmmaPlan:
+        return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
+                     weight_transposed)
