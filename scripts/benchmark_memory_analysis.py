@@ -55,6 +55,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -1048,7 +1049,14 @@ def main(argv=None) -> int:
             meter.limit(int(args.max_memory_gb * 2**30))
         compile_rows = precompile(grid, args.backends, args.device) if args.precompile else []
         harness = Harness(args, meter)
-        harness.run(grid)
+        interrupted = False
+        try:
+            with _terminate_as_interrupt():
+                harness.run(grid)
+        except KeyboardInterrupt:  # keep what was measured: the files below hold the rows so far
+            interrupted = True
+            print(f"interrupted after {len(harness.full_rows)} of {harness.total} measurements; writing those",
+                  file=sys.stderr, flush=True)
         os.makedirs(args.output_dir, exist_ok=True)
         write_csv(harness.full_rows, os.path.join(args.output_dir, "benchmark_full.csv"), FULL_COLUMNS)
         write_csv(harness.breakdown_rows, os.path.join(args.output_dir, "memory_breakdown.csv"), BREAKDOWN_COLUMNS)
@@ -1072,7 +1080,21 @@ def main(argv=None) -> int:
             json.dump({"metadata": metadata, "heatmaps": harness.heatmaps()}, handle, indent=1, default=str)
         print(f"wrote {path}")
         print_summary(harness.full_rows, args.backends, args.output_dir)
-    return 0
+    return 130 if interrupted else 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (a job's time limit, `timeout`) raises KeyboardInterrupt, as Ctrl-C does, while the grid runs."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from cupysparse.algorithms import ConvProblem, get_algorithm
 from cupysparse.algorithms.explicit_gemm import ExplicitGemm
+from cupysparse.compile import nvrtc_knows
 from cupysparse.dtypes import as_feature_dtype
 from cupysparse.scenes import make_scene
 from cupysparse.scripts import analyze_benchmarks as analysis
@@ -184,6 +186,28 @@ def test_an_injected_out_of_memory_stops_that_backend_and_phase_at_its_frontier(
     assert rows[(1000, "explicit_gemm", "forward")]["dispatched"] == "explicit_gemm()"
 
 
+def test_a_terminated_grid_writes_the_rows_measured_before_it_and_exits_130(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "tuning"))
+    forward = ExplicitGemm.forward
+    calls = []
+
+    def terminated_on_the_second_layer(self, features, weight, kernel_map):
+        calls.append(kernel_map.num_in)
+        if len(set(calls)) == 2:  # the 2,000-voxel layer: as `timeout` would, mid-grid
+            signal.raise_signal(signal.SIGTERM)
+        return forward(self, features, weight, kernel_map)
+
+    monkeypatch.setattr(ExplicitGemm, "forward", terminated_on_the_second_layer)
+    argv = ["--device", "cpu", "--num-voxels", "1000,2000", "--channels", "8,8", "--dtypes", "fp32", "--repeats",
+            "1", "--iterations", "1", "--warmup", "0", "--backends", "explicit_gemm", "--phases", "forward",
+            "--output-dir", str(tmp_path / "out")]
+    assert harness.main(argv) == 130
+    rows = read_csv(tmp_path / "out" / "benchmark_full.csv")[1]
+    assert [(row["num_voxels"], row["status"]) for row in rows] == [("1000", "ok")]
+    assert float(rows[0]["median_ms"]) > 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored after the grid
+
+
 def test_a_layer_too_large_to_build_is_recorded_and_larger_ones_are_not_built(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "tuning"))
     built = []
@@ -248,9 +272,11 @@ def test_the_kernel_modules_a_gpu_grid_needs_follow_backend_and_dtype():
                         " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
                        for source in harness.kernel_sources_needed(backends, problems)})
 
-    # auto in fp16: tensor cores only (both kernels); the fp16 modules, not the bf16 ones.
+    # auto in fp16 on sm_90: tensor cores only (the three kernels, wgmma's where NVRTC compiles sm_90a);
+    # the fp16 modules, not the bf16 ones.
+    wgmma = [("wgmma_implicit_gemm.cu", True, False)] if nvrtc_knows("sm_90a") else []
     assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [
-        ("mma_implicit_gemm.cu", True, False), ("wmma_implicit_gemm.cu", True, False)
+        ("mma_implicit_gemm.cu", True, False), *wgmma, ("wmma_implicit_gemm.cu", True, False)
     ]
     # auto in fp32 on a narrow layer: SIMT implicit GEMM (the module of fp32 and fp16); wide: cuBLAS, no module.
     assert needed(["auto"], [problem(np.float32, 32)]) == [("implicit_gemm.cu", True, False)]
