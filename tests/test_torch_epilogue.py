@@ -107,6 +107,13 @@ def test_with_gradients_wanted_or_in_training_torchs_batch_norm_runs_and_differe
     assert not frozen.train().runs_inference_epilogue(x.features)
 
 
+def test_a_residual_of_another_dtype_is_left_to_torchs_promoting_sum():
+    norm, x, added = norm_case(torch.float32, torch.float32)
+    with torch.no_grad():
+        assert norm.runs_inference_epilogue(x.features, added)
+        assert not norm.runs_inference_epilogue(x.features, added.double())
+
+
 def counted_epilogues(monkeypatch) -> list:
     """The (relu, residual given) of each epilogue the modules run, recorded as they run."""
     calls = []

@@ -215,8 +215,11 @@ class SparseBatchNorm(nn.BatchNorm1d):
 
     def runs_inference_epilogue(self, features: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
-        it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate."""
+        it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
+        residual of the features' shape and dtype (torch's sum would promote another)."""
         if self.training or self.running_mean is None or torch.compiler.is_compiling():
+            return False
+        if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype):
             return False
         if not torch.is_grad_enabled():
             return True
