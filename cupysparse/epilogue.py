@@ -28,7 +28,7 @@ from .dtypes import BFLOAT16, FEATURE_DTYPES, FLOAT16, FLOAT32, accumulation_dty
 BLOCK = 256
 ROWS_PER_THREAD = 4  # rows a thread normalises with the scale and shift it derived once
 VECTOR_BYTES = 16  # the widest load and store per thread
-KERNEL_ARGUMENTS = 11
+KERNEL_ARGUMENTS = 11  # every one given per launch
 
 KERNEL_DTYPES = tuple(dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16) if dtype is not None)
 

@@ -135,13 +135,13 @@ def test_gpu_kernel_equals_the_float64_formula(dtype, parameter_dtype, shape, re
 @gpu_test
 @pytest.mark.parametrize("dtype", [FLOAT32] + LOW_PRECISION)
 def test_gpu_kernel_on_rows_not_aligned_for_vectors(dtype):
-    """Features starting one row into a buffer (16-byte vectors would straddle) and a residual view
-    with a row stride: the kernel must read each element where it is."""
+    """Features starting one element into a buffer (16-byte vectors would straddle, though the channel
+    count allows them) and a residual view with a row stride: each element is read where it is."""
     cupy = cupy_module()
     arrays = inputs(641, 40, dtype, dtype, seed=3)
-    buffer = cupy.asarray(np.concatenate([arrays["features"][:1], arrays["features"]]))
-    features = buffer[1:]
-    assert features.data.ptr % epilogue.VECTOR_BYTES
+    buffer = cupy.asarray(np.concatenate([arrays["features"].ravel()[:1], arrays["features"].ravel()]))
+    features = buffer[1:].reshape(arrays["features"].shape)
+    assert features.data.ptr % epilogue.VECTOR_BYTES and features.flags.c_contiguous
     residual = cupy.asarray(np.concatenate([arrays["residual"], arrays["residual"]], axis=1))[:, :40]
     got = epilogue.batch_norm_epilogue(features, *(cupy.asarray(arrays[name]) for name in
                                                    ("running_mean", "running_var", "weight", "bias")),
