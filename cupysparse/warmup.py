@@ -9,8 +9,8 @@ Which modules is derived, not listed: for every convolution of the chosen networ
 (`cupysparse.networks`) in every chosen dtype, the candidates that the forward and the backward
 search spaces (`CUPYSPARSE_FWD_ALGO_MODE` / `CUPYSPARSE_BWD_ALGO_MODE`, default `auto`) try on
 that architecture, each with the modules it launches from (`Algorithm.kernel_modules`, what the
-tuner compiles before measuring them); and the kernel-map and pooling modules (the sources no
-convolution algorithm claims) of those dtypes. The files written are exactly the ones a GPU
+tuner compiles before measuring them); and the modules no convolution algorithm claims (kernel
+maps, pooling, the inference epilogue) of those dtypes. The files written are exactly the ones a GPU
 process of the architecture looks up, `compile.kernel_cache_file(source,
 compile.architecture_option(capability))` in `CUPY_CACHE_DIR` (default `~/.cupy/kernel_cache`);
 modules already there are not compiled again. NVRTC keeps one core busy per module and releases the
@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from . import algorithms, backend, compile, coordinate_index, kernel_map, networks, pooling  # noqa: F401 (sources)
+from . import algorithms, backend, compile, coordinate_index, epilogue, kernel_map, networks, pooling  # noqa: F401 (sources)
 from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, KINDS, ConvProblem, registered
 from .coords import as_tuple
@@ -52,7 +52,7 @@ DTYPE_CHOICES = ("float16", "bfloat16", "float32", "tf32")
 DEFAULT_DTYPES = ("float16", "float32")
 # The candidates depend on channels, dtype and architecture, not on sizes: any size will do.
 NOMINAL_VOXELS = 100_000
-MAPS_AND_POOLING = "kernel maps, pooling"
+UNCLAIMED_MODULES = "kernel maps, pooling, epilogue"
 RUN_VOXELS = 20_000  # the scene each network runs on once, to compile CuPy's own kernels
 _ARCHITECTURE = re.compile(r"^(?:sm_)?(\d{2,3})$")
 
@@ -146,7 +146,7 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
         if source.filename in claimed:
             continue
         if _names_any_dtype(source, patterns) or not _names_any_dtype(source, every_dtype):
-            needed.setdefault(source, set()).add(MAPS_AND_POOLING)
+            needed.setdefault(source, set()).add(UNCLAIMED_MODULES)
     return needed
 
 

@@ -334,3 +334,29 @@ def test_pointwise_convolution_matches_the_core_and_has_gradients():
         cst.sparse_conv(x, w[:, :3], 1)
     with pytest.raises(ValueError):
         cst.sparse_conv(x, w, 1, fwd_algo="no_such_algorithm")
+
+
+def test_an_inference_weight_is_padded_once_and_again_after_each_update():
+    """What a planned inference layer reads: the weight zero-padded to the kernels' channel multiples,
+    kept from call to call until the weight is updated in place or replaced."""
+    weight = torch.nn.Parameter(torch.randn(27, 3, 20, dtype=torch.float64))
+    shape = (27, 16, 32)
+
+    def expected():
+        padded = torch.zeros(shape, dtype=torch.float64)
+        padded[:, :3, :20] = weight.detach()
+        return padded
+
+    kept = ops._kept_padded(weight, shape)
+    assert torch.equal(kept, expected())
+    assert ops._kept_padded(weight, shape) is kept
+    with torch.no_grad():
+        weight.mul_(-2.0)
+    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    weight.grad = torch.ones_like(weight)
+    torch.optim.SGD([weight], lr=0.5).step()
+    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    weight.data = torch.randn(27, 3, 20, dtype=torch.float64)
+    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    unpadded = torch.randn(27, 16, 32)
+    assert ops._kept_padded(unpadded, shape) is unpadded  # already the kernels' layout

@@ -274,3 +274,26 @@ def test_a_planned_layer_still_refuses_mismatched_tensors():
             ops.convolution(x.features[:-1].contiguous(), first.weight, table, "", "")
         with pytest.raises(TypeError, match="dtype"):
             ops.convolution(x.features, first.weight.float(), table, "", "")
+
+
+def test_an_inference_layer_with_padded_channels_sees_each_in_place_update_of_its_weight():
+    """A 3-channel input layer's weight is padded for the tensor cores once and kept; each in-place
+    update (a write under no_grad, an optimiser's step, load_state_dict) must reach the next forward:
+    every output equals the core's over the weight as it is then, bitwise."""
+    torch.manual_seed(0)
+    coords = coordinates()
+    conv = cst.SubMConv3d(3, 32, 3, bias=False, fwd_algo="wmma_implicit_gemm").cuda().half()
+    x = cst.SparseTensor(torch.from_numpy(coords).cuda(),
+                         torch.randn(len(coords), 3, device="cuda", dtype=torch.float16))
+    kernel_map = x.kernel_map(3).kernel_map
+    optimizer = torch.optim.SGD(conv.parameters(), lr=0.1)
+    conv.weight.grad = torch.randn_like(conv.weight)
+    updates = (lambda: None, lambda: None, lambda: conv.weight.mul_(-2.0), optimizer.step,
+               lambda: conv.load_state_dict({"weight": torch.randn_like(conv.weight)}))
+    for update in updates:
+        with torch.no_grad():
+            update()
+            out = conv(x).features
+        expected = conv_forward(bridge.to_core(x.features), bridge.to_core(conv.weight.detach()), kernel_map,
+                                "wmma_implicit_gemm")
+        torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)

@@ -66,8 +66,10 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
         if weight.dim() != 3 or weight.shape[0] != 1 or weight.shape[1] != features.shape[1]:
             raise ValueError(f"weight must have shape [K=1, C_in={features.shape[1]}, C_out], got "
                              f"{tuple(weight.shape)}")
-        out = torch.mm(features, weight[0])
-        return input.replace_feature(out if bias is None else out + bias.to(out.dtype))
+        if bias is None:
+            return input.replace_feature(torch.mm(features, weight[0]))
+        # One launch where torch hands the bias to cuBLASLt's epilogue, not a product and then a sum.
+        return input.replace_feature(torch.addmm(bias.to(features.dtype), features, weight[0]))
     result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
     kernel_map = result.kernel_map
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:

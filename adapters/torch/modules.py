@@ -19,6 +19,7 @@ from cupysparse.coords import as_tuple
 from cupysparse.weight_conversion import from_spconv_weight
 
 from . import functional as F
+from .epilogue import batch_norm_epilogue
 from .ops import algorithm_argument
 from .tensor import SparseTensor
 
@@ -184,20 +185,20 @@ class PerVoxel(nn.Module):
 class SparseBatchNorm(nn.BatchNorm1d):
     """`nn.BatchNorm1d` over the features `[N, C]`; its state-dict keys are BatchNorm1d's.
 
-    In evaluation with running statistics and nothing to differentiate (inference), it is one
-    per-channel multiply-add, `x · scale + shift`, with the two vectors computed in float32 (float64
-    for float64 features) once per change of the statistics or parameters and rounded to the
-    features' dtype: one kernel and one torch call where `F.batch_norm` costs three kernels and tens
-    of microseconds of host time a layer. In training with a momentum it makes `F.batch_norm`'s own
-    call (and counts the batch) without the module's Python path in between.
+    In evaluation with running statistics and nothing to differentiate (inference) it is the core's
+    inference epilogue (`cupysparse.epilogue`): on the GPU one kernel of ours, which derives scale and
+    shift from the statistics itself in fp32, where `F.batch_norm` costs three kernels and tens of
+    microseconds of host time a layer. `inference_epilogue` also adds a residual and applies a ReLU in
+    the same pass, which the networks use for a batch norm followed by a ReLU or by a residual sum
+    (`adapters.torch.networks`); `runs_inference_epilogue` says when it may stand in. In training with
+    a momentum it makes `F.batch_norm`'s own call (and counts the batch) without the module's Python
+    path in between.
     """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._affine_key, self._affine = None, None
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         features = input.features
+        if self.runs_inference_epilogue(features):
+            return self.inference_epilogue(input)
         if self.running_mean is None or torch.compiler.is_compiling():
             return input.replace_feature(super().forward(features))
         if self.training:
@@ -210,24 +211,26 @@ class SparseBatchNorm(nn.BatchNorm1d):
                 features, self.weight, self.bias, self.running_mean, self.running_var, True, self.momentum, self.eps,
                 torch.backends.cudnn.enabled,
             ))
-        if torch.is_grad_enabled() and (features.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return input.replace_feature(super().forward(features))
-        scale, shift = self._evaluation_affine(features.dtype)
-        return input.replace_feature(torch.addcmul(shift, features, scale))
+        return input.replace_feature(super().forward(features))  # evaluation with gradients
 
-    def _evaluation_affine(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = (self.running_mean, self.running_var, self.weight, self.bias)
-        key = (dtype, self.eps, *((tensor.data_ptr(), tensor._version) for tensor in tensors if tensor is not None))
-        if key != self._affine_key:
-            compute = torch.promote_types(dtype, torch.float32)
-            scale = torch.rsqrt(self.running_var.to(compute) + self.eps)
-            if self.weight is not None:
-                scale = scale * self.weight.to(compute)
-            shift = -self.running_mean.to(compute) * scale
-            if self.bias is not None:
-                shift = shift + self.bias.to(compute)
-            self._affine_key, self._affine = key, (scale.to(dtype), shift.to(dtype))
-        return self._affine
+    def runs_inference_epilogue(self, features: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
+        it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
+        residual of the features' shape and dtype (torch's sum would promote another)."""
+        if self.training or self.running_mean is None or torch.compiler.is_compiling():
+            return False
+        if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype):
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        return not (features.requires_grad or (residual is not None and residual.requires_grad)
+                    or any(parameter.requires_grad for parameter in self.parameters()))
+
+    def inference_epilogue(self, input: SparseTensor, residual: torch.Tensor | None = None,
+                           relu: bool = False) -> SparseTensor:
+        """`relu?(self(input).features (+ residual))` in one pass, for where `runs_inference_epilogue`."""
+        return input.replace_feature(batch_norm_epilogue(input.features, self.running_mean, self.running_var,
+                                                         self.weight, self.bias, self.eps, residual, relu))
 
 
 class SparseLayerNorm(PerVoxel):

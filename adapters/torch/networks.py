@@ -11,6 +11,8 @@ exactly the keys `cupysparse.networks.parameter_shapes` lists (plus BatchNorm's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -29,18 +31,46 @@ class _Skips:
         self.saved: dict[str, SparseTensor] = {}
 
 
+@dataclass(frozen=True)
+class _NormThenReLU:
+    """A batch norm and the ReLU after it (module names): in inference, one pass of the epilogue."""
+
+    norm: str
+    relu: str
+
+
+def _register_layers(owner: nn.Module, layers, fwd_algo, bwd_algo) -> list:
+    """Add the modules of `layers` to `owner`; returns the steps that run them in order: module names,
+    the skips' descriptions, and a `_NormThenReLU` for each batch norm followed by a ReLU."""
+    steps, previous = [], None
+    for layer in layers:
+        if isinstance(layer, (networks.SaveSkip, networks.ConcatSkip)):
+            steps.append(layer)
+        else:
+            owner.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
+            if isinstance(layer, networks.ReLU) and isinstance(previous, networks.BatchNorm):
+                steps[-1] = _NormThenReLU(previous.name, layer.name)
+            else:
+                steps.append(layer.name)
+        previous = layer
+    return steps
+
+
+def _norm_then_relu(owner: nn.Module, step: _NormThenReLU, input: SparseTensor) -> SparseTensor:
+    """One inference epilogue where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`),
+    the two modules otherwise."""
+    norm = getattr(owner, step.norm)
+    if norm.runs_inference_epilogue(input.features):
+        return norm.inference_epilogue(input, relu=True)
+    return getattr(owner, step.relu)(norm(input))
+
+
 class SparseSequential(nn.Module):
     """The layers of a `networks.Sequential`, run in order; skip saves and concatenations included."""
 
     def __init__(self, description: networks.Sequential, fwd_algo=None, bwd_algo=None):
         super().__init__()
-        self._steps = []
-        for layer in description.layers:
-            if isinstance(layer, (networks.SaveSkip, networks.ConcatSkip)):
-                self._steps.append(layer)
-            else:
-                self.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
-                self._steps.append(layer.name)
+        self._steps = _register_layers(self, description.layers, fwd_algo, bwd_algo)
 
     def forward(self, input: SparseTensor, skips: _Skips | None = None) -> SparseTensor:
         skips = _Skips() if skips is None else skips
@@ -50,6 +80,8 @@ class SparseSequential(nn.Module):
                 skips.saved[step.name] = output
             elif isinstance(step, networks.ConcatSkip):
                 output = _concatenate(output, skips.saved.pop(step.skip), step.skip)
+            elif isinstance(step, _NormThenReLU):
+                output = _norm_then_relu(self, step, output)
             else:
                 module = getattr(self, step)
                 output = module(output, skips) if isinstance(module, SparseSequential) else module(output)
@@ -64,23 +96,36 @@ def _concatenate(current: SparseTensor, skip: SparseTensor, skip_name: str) -> S
 
 
 class ResidualBlock(nn.Module):
-    """`relu(body(x) + shortcut(x))` of a `networks.Residual`."""
+    """`relu(body(x) + shortcut(x))` of a `networks.Residual`. When the body ends with a batch norm,
+    the shortcut runs before it, and where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`)
+    the norm, the sum and the ReLU are one pass of the inference epilogue."""
 
     def __init__(self, description: networks.Residual, fwd_algo=None, bwd_algo=None):
         super().__init__()
-        self._body = []
-        for layer in description.body:
-            self.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
-            self._body.append(layer.name)
+        body = description.body
+        final = body[-1] if body and isinstance(body[-1], networks.BatchNorm) else None
+        self._steps = _register_layers(self, body[:-1] if final else body, fwd_algo, bwd_algo)
+        self._final_norm = None
+        if final is not None:
+            self.add_module(final.name, build_module(final, fwd_algo, bwd_algo))
+            self._final_norm = final.name
         self.shortcut = None
         if description.shortcut is not None:
             self.shortcut = SparseSequential(description.shortcut, fwd_algo, bwd_algo)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         output = input
-        for name in self._body:
-            output = getattr(self, name)(output)
+        for step in self._steps:
+            if isinstance(step, _NormThenReLU):
+                output = _norm_then_relu(self, step, output)
+            else:
+                output = getattr(self, step)(output)
         identity = input if self.shortcut is None else self.shortcut(input)
+        if self._final_norm is not None:
+            norm = getattr(self, self._final_norm)
+            if norm.runs_inference_epilogue(output.features, identity.features):
+                return norm.inference_epilogue(output, identity.features, relu=True)
+            output = norm(output)
         return output.replace_feature(torch.relu(output.features + identity.features))
 
 

@@ -28,6 +28,7 @@ import os
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cupysparse import functional
 from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
@@ -132,10 +133,33 @@ def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
 
 
 def _padded(weight: torch.Tensor, shape) -> torch.Tensor:
-    """`weight` `[K, A, B]` zero-padded at the end of its last two dimensions to `shape`, contiguous."""
+    """`weight` `[K, A, B]` zero-padded at the end of its last two dimensions to `shape`, contiguous:
+    the layout a plan's kernels read (tensor-core kernels take channels in whole fragments, e.g. a
+    3-channel input layer's weight as 16)."""
     if weight.shape == shape:
         return weight.contiguous()
-    return torch.nn.functional.pad(weight, (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1]))
+    return torch.nn.functional.pad(weight.detach(), (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1]))
+
+
+# Inference's padded weights, by weight: ((its version, address, padded shape), the padded copy).
+_padded_weights = WeakIdKeyDictionary()
+
+
+def _kept_padded(weight: torch.Tensor, shape) -> torch.Tensor:
+    """`_padded`, kept from call to call while `weight` is unchanged: an in-place update (an
+    optimiser's step, `load_state_dict`, anything under `torch.no_grad()`) bumps its `_version`, a
+    reassigned `.data` changes its address, so either pads again. Writes through `weight.data` are
+    not seen (they bump no version): such a weight must be updated in place on the tensor itself.
+    While a CUDA graph is captured it pads anew, so that every replay reads the weight as it is then."""
+    if weight.shape == shape:
+        return weight.contiguous()
+    if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _padded(weight, shape)  # an inference tensor has no version to key on
+    key = (weight._version, weight.data_ptr(), shape)
+    kept = _padded_weights.get(weight)
+    if kept is None or kept[0] != key:
+        kept = _padded_weights[weight] = (key, _padded(weight, shape))
+    return kept[1]
 
 
 def _forward_plan(features, weight, kernel_map, fwd_algo: str):
@@ -166,12 +190,14 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
     return _map_forward(features, weight, _kernel_map(table), fwd_algo)
 
 
-def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str) -> torch.Tensor:
+def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str, inference: bool = False) -> torch.Tensor:
+    """The forward; `inference` (nothing to differentiate, eager mode) keeps a padded weight from call
+    to call (`_kept_padded`), where training, whose weight changes every step, pads per call."""
     plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
     if plan is not None:
         with naming_sizes("forward", features, weight, kernel_map):
             out = features.new_empty((kernel_map.num_out, weight.shape[2]))
-            padded = _padded(weight, plan.weight_shape)
+            padded = (_kept_padded if inference else _padded)(weight, plan.weight_shape)
             plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(),
                         stream_handle(features.device))
         return out
@@ -354,4 +380,4 @@ def _eager_convolution(features, weight, kernel_map: KernelMap, fwd_algo: str, b
     if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
         return _Convolution.apply(features, weight, kernel_map, fwd_algo, bwd_algo)
     # Nothing to differentiate (inference): autograd's bookkeeping would cost more than the launch.
-    return _map_forward(features, weight, kernel_map, fwd_algo)
+    return _map_forward(features, weight, kernel_map, fwd_algo, inference=True)
