@@ -34,18 +34,20 @@ def inputs(num_rows: int, channels: int, dtype, parameter_dtype, seed: int = 0) 
 
 
 def float64_formula(features, residual, running_mean, running_var, weight, bias, relu: bool):
-    """Batch norm as torch writes it, `(x − mean) / sqrt(var + eps) · weight + bias`, in float64."""
+    """Batch norm as torch writes it, `(x − mean) / sqrt(var + eps) · weight + bias`, in float64; and
+    the size of the terms an implementation adds, `|x · s| + |mean · s| + |bias| + |residual|` with
+    `s = weight / sqrt(var + eps)`: where x is close to the mean, the first two cancel, and their
+    rounding is what is left of the result."""
     wide = {name: None if value is None else np.asarray(value, dtype=np.float64)
             for name, value in dict(x=features, r=residual, mean=running_mean, var=running_var, w=weight,
                                     b=bias).items()}
-    normalised = (wide["x"] - wide["mean"]) / np.sqrt(wide["var"] + EPS)
-    terms = [normalised * (1.0 if wide["w"] is None else wide["w"])]
-    if wide["b"] is not None:
-        terms.append(np.broadcast_to(wide["b"], normalised.shape))
-    if wide["r"] is not None:
-        terms.append(wide["r"])
-    value = sum(terms)
-    return (np.maximum(value, 0) if relu else value), sum(np.abs(term) for term in terms)
+    scale = (1.0 if wide["w"] is None else wide["w"]) / np.sqrt(wide["var"] + EPS)
+    value = (wide["x"] - wide["mean"]) / np.sqrt(wide["var"] + EPS) * (1.0 if wide["w"] is None else wide["w"])
+    magnitude = np.abs(wide["x"] * scale) + np.abs(wide["mean"] * scale)
+    for term in (wide["b"], wide["r"]):
+        if term is not None:
+            value, magnitude = value + term, magnitude + np.abs(term)
+    return (np.maximum(value, 0) if relu else value), magnitude
 
 
 def assert_epilogue_close(got, expected, magnitude, dtype) -> None:

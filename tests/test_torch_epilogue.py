@@ -39,13 +39,17 @@ def trained_looking(norm, seed: int = 1):
 
 
 def torch_reference(norm, features, residual, relu: bool):
-    """torch's BatchNorm1d in evaluation (float64, from the same rounded values), then the sum and ReLU;
-    and the size of the terms, for the bound where they cancel."""
-    reference = torch.nn.BatchNorm1d(norm.num_features, eps=norm.eps).double().eval()
+    """torch's BatchNorm1d in evaluation (float64, from the same rounded values, on the features'
+    device), then the sum and ReLU; and the size of the terms an implementation adds, `|x · s| +
+    |mean · s| + |bias| + |residual|` with `s = weight / sqrt(var + eps)`, for the bound where they
+    cancel (x close to the mean)."""
+    reference = torch.nn.BatchNorm1d(norm.num_features, eps=norm.eps).double().eval().to(features.device)
     reference.load_state_dict({name: value.double() for name, value in norm.state_dict().items()})
     with torch.no_grad():
-        value = reference(features.double())
-        magnitude = (value - reference.bias).abs() + reference.bias.abs()
+        wide = features.double()
+        value = reference(wide)
+        scale = reference.weight / torch.sqrt(reference.running_var + reference.eps)
+        magnitude = (wide * scale).abs() + (reference.running_mean * scale).abs() + reference.bias.abs()
         if residual is not None:
             value = value + residual.double()
             magnitude = magnitude + residual.double().abs()
