@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import datetime
 import fcntl
+import functools
 import os
 import pathlib
 import tempfile
@@ -104,6 +105,22 @@ def _normalise_key(key) -> tuple[tuple[str, object], ...]:
 def _match_key(key: tuple[tuple[str, object], ...]) -> tuple[tuple[str, object], ...]:
     """Keys match whatever order their parameters were given in; the entry keeps the order of its put."""
     return tuple(sorted(key, key=lambda pair: pair[0]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _match_of_hashable(key: tuple) -> tuple[tuple[str, object], ...]:
+    return _match_key(_normalise_key(key))
+
+
+def _match_of(key) -> tuple[tuple[str, object], ...]:
+    """`_match_key(_normalise_key(key))`, remembered for hashable keys: a process looks the same few
+    hundred keys up again and again (the tuner reads several namespaces per layer)."""
+    if isinstance(key, tuple):
+        try:
+            return _match_of_hashable(key)
+        except TypeError:  # an unhashable value (a list, say): normalised, or refused, below
+            pass
+    return _match_key(_normalise_key(key))
 
 
 def _normalise_results(results) -> tuple[tuple[str, dict, float], ...]:
@@ -205,24 +222,26 @@ def _decode_file(data: bytes) -> list[CacheEntry]:
 
 class _FileIndex:
     """A cache file's entries found by key without decoding them. Opening a large file that is only
-    read (the shipped tuning results: about 1,500 entries, 1 MB) costs one pass over its keys, not
-    the ~100 ms of decoding and checking every entry in a process's first convolution; an entry is
-    decoded and checked when first asked for, so a malformed one raises `NotACacheFile` then."""
+    read (the shipped tuning results: about 2,000 entries, 1.5 MB) costs one pass that skips over each
+    namespace's entries, not the ~100 ms of decoding and checking every entry in a process's first
+    convolution; a namespace's keys are indexed when one of its entries is first asked for (a warm
+    first forward reads one namespace), and an entry is decoded and checked then, so a malformed one
+    raises `NotACacheFile` at that point."""
 
     def __init__(self, data: bytes):
         _refuse_pickle(data)
         self._data = data
+        self._spans: dict[str, tuple[int, int]] = {}  # namespace -> byte range of its entry array
         # namespace -> match key -> byte ranges of the entries with that key (newest wins, as in a merge)
         self._ranges: dict[str, dict[tuple, list[tuple[int, int]]]] = {}
         self._decoded: dict[tuple[str, tuple], CacheEntry] = {}
-        unpacker = msgpack.Unpacker(raw=False, use_list=False, max_buffer_size=max(len(data), 1))
-        unpacker.feed(data)
+        unpacker = self._unpacker(data)
         header = {}
         try:
             for _ in range(unpacker.read_map_header()):
                 name = unpacker.unpack()
                 if name == "namespaces":
-                    self._index_namespaces(unpacker)
+                    self._find_namespaces(unpacker)
                 else:
                     header[name] = unpacker.unpack()
             if unpacker.tell() != len(data):
@@ -232,13 +251,29 @@ class _FileIndex:
             raise _malformed(error) from error
         _check_format(header)
 
-    def _index_namespaces(self, unpacker: msgpack.Unpacker) -> None:
+    @staticmethod
+    def _unpacker(data: bytes) -> msgpack.Unpacker:
+        unpacker = msgpack.Unpacker(raw=False, use_list=False, max_buffer_size=max(len(data), 1))
+        unpacker.feed(data)
+        return unpacker
+
+    def _find_namespaces(self, unpacker: msgpack.Unpacker) -> None:
         for _ in range(unpacker.read_map_header()):
             namespace = unpacker.unpack()
             _require(isinstance(namespace, str), f"a namespace must be a string, got {namespace!r}")
-            slot = self._ranges.setdefault(namespace, {})
+            begin = unpacker.tell()
+            unpacker.skip()
+            self._spans[namespace] = (begin, unpacker.tell())  # a repeated name: the last, as a whole read
+
+    def _indexed(self, namespace: str) -> dict[tuple, list[tuple[int, int]]]:
+        slot = self._ranges.get(namespace)
+        if slot is not None or namespace not in self._spans:
+            return slot or {}
+        begin, end = self._spans[namespace]
+        unpacker, slot = self._unpacker(self._data[begin:end]), {}
+        try:
             for _ in range(unpacker.read_array_header()):
-                begin, key = unpacker.tell(), None
+                start, key = unpacker.tell(), None
                 for _ in range(unpacker.read_map_header()):
                     if unpacker.unpack() == "key":
                         key = unpacker.unpack()
@@ -246,10 +281,15 @@ class _FileIndex:
                         unpacker.skip()
                 _require(key is not None, "an entry has no key")
                 # What `_match_key(_normalise_key(key))` gives for a key read with arrays as tuples.
-                slot.setdefault(tuple(sorted(key, key=itemgetter(0))), []).append((begin, unpacker.tell()))
+                slot.setdefault(tuple(sorted(key, key=itemgetter(0))), []).append(
+                    (begin + start, begin + unpacker.tell()))
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as error:
+            raise _malformed(error) from error
+        self._ranges[namespace] = slot
+        return slot
 
     def get(self, namespace: str, match: tuple) -> CacheEntry | None:
-        ranges = self._ranges.get(namespace, {}).get(match)
+        ranges = self._indexed(namespace).get(match)
         if ranges is None:
             return None
         entry = self._decoded.get((namespace, match))
@@ -262,8 +302,8 @@ class _FileIndex:
         return _entry_from_file(namespace, msgpack.unpackb(self._data[begin:end], raw=False, use_list=False))
 
     def all_entries(self) -> dict[str, dict[tuple, CacheEntry]]:
-        return {namespace: {match: self.get(namespace, match) for match in slot}
-                for namespace, slot in self._ranges.items()}
+        return {namespace: {match: self.get(namespace, match) for match in self._indexed(namespace)}
+                for namespace in self._spans}
 
 
 def _merge_newer(into: dict[str, dict[tuple, CacheEntry]], entries: Iterable[CacheEntry]) -> None:
@@ -366,7 +406,7 @@ class BenchmarkCache:
 
     def get(self, namespace: str, key) -> CacheEntry | None:
         """The entry of `key` (a dict or a sequence of (name, value) pairs), None when absent or stale."""
-        match = _match_key(_normalise_key(key))
+        match = _match_of(key)
         self._ensure_loaded()
         with self._state_lock:
             if self._index is not None:
