@@ -341,6 +341,10 @@ class Tuner:
         sweeps: dict[Algorithm, list[dict]] = {}
         for algorithm, params in pool:
             sweeps.setdefault(algorithm, []).append(params)
+        recorded = self._recorded_ranking(NAMESPACES[(kind, phase)], key, sweeps)
+        if recorded:
+            name, params, _ = recorded[0]
+            return Selection(get_algorithm(name, kind), params), True
         known = {algorithm: self._cached_sweep(algorithm, phase, key, wanted) for algorithm, wanted in sweeps.items()}
         unknown = [algorithm for algorithm, results in known.items() if results is None]
         if unknown:
@@ -454,6 +458,20 @@ class Tuner:
         wanted_keys = {_params_key(params) for params in wanted}
         found = [result for result in entry.results if _params_key(result[1]) in wanted_keys]
         return found or None  # swept other parameters than these: sweep again
+
+    def _recorded_ranking(self, namespace: str, key, sweeps: dict[Algorithm, list[dict]]) -> list | None:
+        """The phase namespace's ranking of these candidates, when it holds results of every algorithm
+        of the pool (a process that measured them recorded it): one cache read where the algorithms'
+        own entries take one each, which is most of a first call's look-up with warm caches. None
+        sends the look-up through the algorithms' entries."""
+        entry = self.cache.get(namespace, key)
+        if entry is None:
+            return None
+        wanted = {(algorithm.name, _params_key(params)) for algorithm, sweep in sweeps.items() for params in sweep}
+        ranking = [result for result in entry.results if (result[0], _params_key(result[1])) in wanted]
+        if {name for name, _, _ in ranking} != {algorithm.name for algorithm in sweeps}:
+            return None
+        return ranking
 
     def _record_ranking(self, namespace: str, key, ranking: list, kind: str) -> None:
         """Add `ranking` to the phase namespace's entry of `key`, unless it holds all of it already."""

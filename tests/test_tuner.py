@@ -158,6 +158,38 @@ def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_pa
     assert timed == [] and calls == [] and tuner.measurements == 0
 
 
+class CountingCache:
+    """A cache that records the namespaces read from it."""
+
+    def __init__(self, cache):
+        self.cache, self.read = cache, []
+
+    def get(self, namespace, key):
+        self.read.append(namespace)
+        return self.cache.get(namespace, key)
+
+    def put(self, *args, **kwargs):
+        return self.cache.put(*args, **kwargs)
+
+
+def test_a_cached_choice_is_read_from_the_phase_ranking_alone_when_it_ranks_every_algorithm(
+        algorithms, timings, tmp_path):
+    cache = cache_file(tmp_path / "cache.msgpack")
+    measured = Tuner(cache).select(space("names", "slow", "fast"), PROBLEM, runner(algorithms)[0])
+    counting = CountingCache(cache)
+    tuner = Tuner(counting)
+    chosen = tuner.select(space("names", "slow", "fast"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == (measured.algorithm.name, measured.params) == ("slow", {"size": 2})
+    assert counting.read == ["sparse_conv_forward"] and tuner.measurements == 0
+    # A ranking that lacks one of the algorithms (written by a narrower filter) sends the look-up through
+    # the algorithms' own entries, which decide: slow's 1.0 ms beats the ranking's fast.
+    cache.put("sparse_conv_forward", tuning_key(PROBLEM), [("fast", {"size": 2}, 1.5)], [("fast.cu", "digest-1")])
+    counting.read.clear()
+    chosen = Tuner(counting).select(space("names", "slow", "fast"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
+    assert set(counting.read) == {"sparse_conv_forward", "slow_forward_sweep", "fast_forward_sweep"}
+
+
 def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_results(algorithms, timings, tmp_path):
     cache = cache_file(tmp_path / "cache.msgpack")
     Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
