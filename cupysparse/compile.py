@@ -138,7 +138,10 @@ def source_digest(filename: str) -> str:
     return hashlib.sha256(load_source(filename).encode()).hexdigest()[:16]
 
 
+@functools.cache
 def needs_mma_header(filename: str) -> bool:
+    """Whether `filename` or a project header it includes uses `<mma.h>` (asked once per module
+    compiled or loaded: remembered, as `load_source` is)."""
     text = load_source(filename)
     return bool(_MMA_INCLUDE.search(text)) or any(
         _MMA_INCLUDE.search((KERNEL_DIR / name).read_text()) for name in _included_headers(text, set())
