@@ -141,26 +141,28 @@ class _MmaWgradPlan(WgradPlan):
         self.gemm.launch(stream, *values, int(vectors), grid=grid)
 
 
-class _MmaPlan:
-    """The launch of `mma_conv_forward` for one dtype, kernel volume, channel counts, tile, pipeline
-    depth, row order and weight layout, over any pair table of that kernel volume: prepared once per
-    signature."""
+def forward_arguments(kernel_volume: int, in_channels: int, out_channels: int) -> tuple:
+    """The fixed arguments of an output-stationary forward kernel (`mma_conv_forward`,
+    `wgmma_conv_forward`): features, pair table, row order, weight, out and the row count, then
+    vector_rows and the offset order, are per call."""
+    sizes = (kernel_volume, in_channels, padded_channels(in_channels), out_channels, padded_channels(out_channels))
+    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
 
-    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed):
-        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
+
+class ForwardGemmPlan:
+    """The launch of an output-stationary forward kernel (`forward_arguments`) for one dtype, channel
+    counts, tile and row order, over any pair table of the kernel volume it was prepared for; dgrad
+    launches it over `dgrad_operands` with the weight read transposed. `kernel` is the prepared launch
+    of the tile's kernel (block size and shared memory set), `rows` x `cols` its output tile."""
+
+    def __init__(self, dtype, in_channels: int, out_channels: int, rows: int, cols: int, sort_rows: bool,
+                 kernel: PreparedLaunch):
         self.dtype = dtype
         self.out_channels = out_channels
         self.sort_rows = sort_rows
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
-        rows, cols, warps_m, warps_n = tile
-        self.rows, self.column_tiles = rows, -(-out_padded // cols)
-        sizes = (kernel_volume, in_channels, in_padded, out_channels, out_padded)
-        # features, pair table, row order, weight, out, the row count, vector_rows and the offset order are
-        # per call.
-        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
-        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed))
-        self.kernel = PreparedLaunch(kernel, (1,), (warps_m * warps_n * WARP_SIZE,), arguments,
-                                     shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
+        self.rows, self.column_tiles = rows, -(-padded_channels(out_channels) // cols)
+        self.kernel = kernel
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
                reverse_weight_offsets: int = 0) -> None:
@@ -184,9 +186,14 @@ class _MmaPlan:
 
 @functools.cache
 def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-          sort_rows: bool, weight_transposed: bool) -> _MmaPlan:
-    """`_MmaPlan` for this signature on `device`, made on first use."""
-    return _MmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
+          sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
+    """The plan of `mma_conv_forward` for this signature on `device`, made on first use."""
+    rows, cols, warps_m, warps_n = tile
+    kernel = PreparedLaunch(_SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed)), (1,),
+                            (warps_m * warps_n * WARP_SIZE,),
+                            forward_arguments(kernel_volume, in_channels, out_channels),
+                            shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
+    return ForwardGemmPlan(dtype, in_channels, out_channels, rows, cols, sort_rows, kernel)
 
 
 @register
@@ -276,6 +283,6 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages, weight_transposed)),)  # any rows
 
     def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-                  sort_rows: bool, weight_transposed: bool) -> _MmaPlan:
+                  sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
         return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
                      weight_transposed)

@@ -20,14 +20,12 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-import numpy as np
 
-from ..backend import cupy_module
 from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
 from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
 from .base import ConvProblem, gpu_only_reason, register
-from .mma_implicit_gemm import MmaImplicitGemm
-from .wmma_implicit_gemm import VECTOR_BYTES, WGRAD_WARPS_PER_SM, current_device, padded_channels
+from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, forward_arguments
+from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device, padded_channels
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
@@ -80,50 +78,15 @@ def _check_tile(tile, phase: str) -> tuple[int, int]:
     return tile
 
 
-class _WgmmaPlan:
-    """The launch of `wgmma_conv_forward` for one dtype, kernel volume, channel counts, tile, pipeline
-    depth, row order and weight layout, over any pair table of that kernel volume: prepared once per
-    signature."""
-
-    def __init__(self, dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed):
-        in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        self.dtype = dtype
-        self.out_channels = out_channels
-        self.sort_rows = sort_rows
-        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
-        rows, cols = tile
-        self.rows, self.column_tiles = rows, -(-out_padded // cols)
-        sizes = (kernel_volume, in_channels, in_padded, out_channels, out_padded)
-        # features, pair table, row order, weight, out, the row count, vector_rows and the offset order are
-        # per call.
-        arguments = (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
-        kernel = _SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed))
-        self.kernel = PreparedLaunch(kernel, (1,), (threads(tile),), arguments, shared_bytes(tile, stages))
-
-    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0) -> None:
-        """Launch over `kernel_map`'s pair table on device addresses (row-major, the weight padded, its
-        offsets taken in reverse when `reverse_weight_offsets`) on the raw CUDA stream handle `stream`."""
-        num_out = kernel_map.num_out
-        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
-        vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
-        self.kernel.launch(stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out,
-                           int(vector_rows), reverse_weight_offsets,
-                           grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
-
-    def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
-        cupy = cupy_module()
-        out = cupy.empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # every element is written once
-        self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr,
-                    cupy.cuda.get_current_stream().ptr, reverse_weight_offsets)
-        return out
-
-
 @functools.cache
 def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-          sort_rows: bool, weight_transposed: bool) -> _WgmmaPlan:
-    """`_WgmmaPlan` for this signature on `device`, made on first use."""
-    return _WgmmaPlan(dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows, weight_transposed)
+          sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
+    """The plan of `wgmma_conv_forward` for this signature on `device`, made on first use."""
+    rows, cols = tile
+    kernel = PreparedLaunch(_SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed)), (1,),
+                            (threads(tile),), forward_arguments(kernel_volume, in_channels, out_channels),
+                            shared_bytes(tile, stages))
+    return ForwardGemmPlan(dtype, in_channels, out_channels, rows, cols, sort_rows, kernel)
 
 
 @register
@@ -181,6 +144,6 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages, weight_transposed)),)  # any rows
 
     def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
-                  sort_rows: bool, weight_transposed: bool) -> _WgmmaPlan:
+                  sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
         return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
                      weight_transposed)
