@@ -1,5 +1,5 @@
-// Implicit GEMM on Hopper's warpgroup tensor cores (wgmma.mma_async, sm_90a only): fp16 or bf16 inputs,
-// fp32 accumulation in registers, operands read by the tensor cores straight from shared memory, where a
+// Implicit GEMM on Hopper's warpgroup tensor cores (wgmma.mma_async, sm_90a only): fp16 or bf16 inputs, or
+// fp32 ones read as TF32 (the tensor cores ignore their 13 low mantissa bits), fp32 accumulation in registers, operands read by the tensor cores straight from shared memory, where a
 // STAGES-deep cp.async pipeline gathers them.
 //
 // The dataflow is mma_implicit_gemm.cu's forward (and its dgrad: the same kernel over the weight read
@@ -8,15 +8,17 @@
 // only the offsets some row has, and the input channels in chunks of BLOCK_K = 64, and writes every
 // output element once from registers (deterministic, no atomics).
 // BLOCK_M / 64 warpgroups (4 warps each) split the rows: warpgroup g multiplies rows 64 g .. 64 g + 63 of
-// the gathered tile by the whole weight tile, one m64nBLOCK_Nk16 wgmma per 16 input channels.
+// the gathered tile by the whole weight tile, one m64nBLOCK_Nk16 wgmma per 32 bytes of input channels (16
+// 16-bit ones; k8 for TF32's 8).
 //
 // Shared-memory layouts, both in the 128-byte swizzle mode of the wgmma matrix descriptors (no bank
 // conflicts for the tensor cores' reads): a swizzle atom is 8 rows of 128 bytes (1024 bytes, 1024-byte
 // aligned), and 16-byte chunk c of row r lies at chunk c ^ (r % 8) of its row.
-// - A, the gathered feature rows, K-major: row m holds input channels c0 .. c0 + 63 of its gathered row
-//   (128 bytes, one swizzle row); 8-row atoms follow each other (stride byte offset 1024; the leading
-//   byte offset is unused by swizzled K-major layouts). The k-th 16-channel step starts 32 k bytes into
-//   the rows: the hardware swizzles on the address bits, so an offset start inside an aligned atom works.
+// - A, the gathered feature rows, K-major: row m holds the 128 bytes of input channels c0 .. (64 16-bit
+//   ones or 32 fp32 ones: one stage, one swizzle row) of its gathered row; 8-row atoms follow each other
+//   (stride byte offset 1024; the leading byte offset is unused by swizzled K-major layouts). The k-th
+//   wgmma starts 32 k bytes into the rows: the hardware swizzles on the address bits, so an offset start
+//   inside an aligned atom works.
 // - B, the weight slice W_k[c0 .. c0 + 63][col_base .. col_base + BLOCK_N - 1], N-major (as the weight
 //   lies in memory, [C_in][C_out]; the instruction's transpose-B flag): one region per 64 output channels
 //   (128 bytes a row), each holding the 64 input-channel rows (leading byte offset: the region size;
@@ -24,6 +26,8 @@
 //   bytes) in, still atom-aligned.
 //   dgrad reads the weight transposed (WEIGHT_TRANSPOSED): B[k][n] = W[n][k] has its rows of k in
 //   memory, so it is staged K-major like A, one 128-byte swizzled row per output channel of the call.
+//   TF32 operands must be K-major: the fp32 forward transposes the weight slice while staging it (4-byte
+//   copies) into the same K-major layout.
 // Feature rows are copied in 16-byte vectors when `vector_rows` (rows a multiple of 16 bytes, base
 // 16-byte aligned), else element by element; the weight, zero-padded to multiples of 16 channels on both
 // sides, always in vectors. Past the channel counts the tiles hold zeros.
@@ -37,19 +41,22 @@
 #include "gather_tiles.cuh"
 
 constexpr int WARPGROUP_THREADS = 4 * WARP_SIZE;
-constexpr int WGMMA_M = 64, WGMMA_K = 16;
+constexpr int WGMMA_M = 64;
+constexpr int WGMMA_K_BYTES = 32;  // of an operand row per wgmma: k16 of 16-bit values, k8 of TF32
 constexpr int SWIZZLE_ROW_BYTES = 128;  // one row of a 128-byte swizzle atom
 constexpr int SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ROW_BYTES;
-constexpr int WGMMA_BLOCK_K = SWIZZLE_ROW_BYTES / 2;  // 16-bit input channels per pipeline stage
-constexpr int B_REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;  // output channels of one B region
+template <typename T>
+constexpr int STAGE_CHANNELS = SWIZZLE_ROW_BYTES / (int)sizeof(T);  // input channels per pipeline stage
+constexpr int N_MAJOR_ROWS = SWIZZLE_ROW_BYTES / 2;  // k rows of an N-major B (16-bit values only)
+constexpr int B_REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;  // output channels of one N-major B region
 
-// Per stage: A [BLOCK_M rows of 128 bytes], then B [BLOCK_N / 64 regions][64 rows of 128 bytes]; after the
-// stages, the pair-table entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M], one mask word per warp.
+// Per stage: A [BLOCK_M rows of 128 bytes], then B: N-major [BLOCK_N / 64 regions][64 rows of 128 bytes], or
+// K-major [BLOCK_N rows of 128 bytes], the same size; after the stages, the pair-table entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M], one mask word per warp.
 template <int BLOCK_M, int BLOCK_N, int STAGES, int OFFSET_BATCH, int WARPS>
 struct WgmmaSharedLayout {
   static constexpr int A_BYTES = BLOCK_M * SWIZZLE_ROW_BYTES;
-  static constexpr int B_REGION_BYTES = WGMMA_BLOCK_K * SWIZZLE_ROW_BYTES;
-  static constexpr int STAGE_BYTES = A_BYTES + BLOCK_N / B_REGION_COLUMNS * B_REGION_BYTES;
+  static constexpr int B_REGION_BYTES = N_MAJOR_ROWS * SWIZZLE_ROW_BYTES;
+  static constexpr int STAGE_BYTES = A_BYTES + BLOCK_N * SWIZZLE_ROW_BYTES;
   static constexpr int IN_ROWS = STAGES * STAGE_BYTES;
   static constexpr int OUT_ROWS = IN_ROWS + OFFSET_BATCH * BLOCK_M * (int)sizeof(int);
   static constexpr int MASKS = OUT_ROWS + BLOCK_M * (int)sizeof(int);
@@ -69,6 +76,10 @@ struct PairOf<__half> {
 template <>
 struct PairOf<__nv_bfloat16> {
   using type = __nv_bfloat162;
+};
+template <>
+struct PairOf<float> {
+  using type = float2;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -113,93 +124,104 @@ __device__ __forceinline__ void pin_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (the m64nNk16 accumulator fragment, N / 2 floats a thread) += A * B for the 64 x 16 A and 16 x N B
-// the descriptors describe, issued asynchronously: A K-major; B K-major, or N-major with TRANSPOSE_B = 1.
+// d (the m64nN accumulator fragment, N / 2 floats a thread) += A * B for the 64 x k A and k x N B the
+// descriptors describe (k: 32 bytes of values), issued asynchronously: A K-major; B K-major, or N-major
+// with TRANSPOSE_B = 1 (16-bit types only: TF32 has no transpose immediates, its operands are K-major).
 // One overload per N (the fragment's size) and type (the last argument, a tag), written out by a macro per
-// N for both types: the instruction lists every accumulator register.
-#define WGMMA_ASYNC_M64N64K16(TYPE, PTX_TYPE)                                                                      \
-  template <int TRANSPOSE_B>                                                                                       \
-  __device__ __forceinline__ void wgmma_async(float(&d)[32], unsigned long long a, unsigned long long b, TYPE) {   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"                                             \
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " {"                                   \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                           \
-        "}, %32, %33, accumulate, 1, 1, 0, %35;\n}\n"                                                              \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])   \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                               \
+// N for every type: the instruction lists every accumulator register.
+#define WITH_TRANSPOSES(immediates) immediates
+#define WITHOUT_TRANSPOSES(immediates)
+#define WGMMA_ASYNC_M64N64(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                   \
+  template <int TRANSPOSE_B>                                                                                      \
+  __device__ __forceinline__ void wgmma_async(float(&d)[32], unsigned long long a, unsigned long long b, TYPE) {  \
+    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                       \
+    asm volatile(                                                                                                 \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"                                            \
+        "wgmma.mma_async.sync.aligned.m64n64" SHAPE_K_AND_TYPES " {"                                              \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
+        "}, %32, %33, accumulate, 1, 1" TRANSPOSES(", 0, %35") ";\n}\n"                                           \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                              \
   }
 
-WGMMA_ASYNC_M64N64K16(__half, "f16")
-WGMMA_ASYNC_M64N64K16(__nv_bfloat16, "bf16")
-#undef WGMMA_ASYNC_M64N64K16
+WGMMA_ASYNC_M64N64(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N64(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N64(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
+#undef WGMMA_ASYNC_M64N64
 
-#define WGMMA_ASYNC_M64N128K16(TYPE, PTX_TYPE)                                                                     \
-  template <int TRANSPOSE_B>                                                                                       \
-  __device__ __forceinline__ void wgmma_async(float(&d)[64], unsigned long long a, unsigned long long b, TYPE) {   \
-    asm volatile(                                                                                                  \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                             \
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " {"                                  \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                   \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                         \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                         \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                           \
-        "}, %64, %65, accumulate, 1, 1, 0, %67;\n}\n"                                                              \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),    \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),  \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),  \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),  \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),  \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),  \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])   \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                               \
+#define WGMMA_ASYNC_M64N128(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                  \
+  template <int TRANSPOSE_B>                                                                                      \
+  __device__ __forceinline__ void wgmma_async(float(&d)[64], unsigned long long a, unsigned long long b, TYPE) {  \
+    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                       \
+    asm volatile(                                                                                                 \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                            \
+        "wgmma.mma_async.sync.aligned.m64n128" SHAPE_K_AND_TYPES " {"                                             \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
+        "}, %64, %65, accumulate, 1, 1" TRANSPOSES(", 0, %67") ";\n}\n"                                           \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                              \
   }
 
-WGMMA_ASYNC_M64N128K16(__half, "f16")
-WGMMA_ASYNC_M64N128K16(__nv_bfloat16, "bf16")
-#undef WGMMA_ASYNC_M64N128K16
+WGMMA_ASYNC_M64N128(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N128(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N128(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
+#undef WGMMA_ASYNC_M64N128
 
-#define WGMMA_ASYNC_M64N256K16(TYPE, PTX_TYPE)                                                                             \
-  template <int TRANSPOSE_B>                                                                                               \
-  __device__ __forceinline__ void wgmma_async(float(&d)[128], unsigned long long a, unsigned long long b, TYPE) {          \
-    asm volatile(                                                                                                          \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"                                                    \
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE " {"                                          \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                           \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                 \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                 \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                 \
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                 \
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                 \
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                     \
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                   \
-        "}, %128, %129, accumulate, 1, 1, 0, %131;\n}\n"                                                                   \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                  \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),            \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),          \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),          \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),          \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),          \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),          \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),          \
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),          \
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),          \
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),          \
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),          \
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),      \
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),  \
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),  \
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])   \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                                       \
+#define WGMMA_ASYNC_M64N256(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                          \
+  template <int TRANSPOSE_B>                                                                                              \
+  __device__ __forceinline__ void wgmma_async(float(&d)[128], unsigned long long a, unsigned long long b, TYPE) {         \
+    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                               \
+    asm volatile(                                                                                                         \
+        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n256" SHAPE_K_AND_TYPES " {"                                                     \
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
+        "}, %128, %129, accumulate, 1, 1" TRANSPOSES(", 0, %131") ";\n}\n"                                                \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                                      \
   }
 
-WGMMA_ASYNC_M64N256K16(__half, "f16")
-WGMMA_ASYNC_M64N256K16(__nv_bfloat16, "bf16")
-#undef WGMMA_ASYNC_M64N256K16
+WGMMA_ASYNC_M64N256(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N256(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
+WGMMA_ASYNC_M64N256(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
+#undef WGMMA_ASYNC_M64N256
+#undef WITH_TRANSPOSES
+#undef WITHOUT_TRANSPOSES
 
 __device__ __forceinline__ unsigned dynamic_shared_bytes() {
   unsigned bytes;
@@ -207,14 +229,14 @@ __device__ __forceinline__ unsigned dynamic_shared_bytes() {
   return bytes;
 }
 
-// Copies ROWS gathered rows (row r is matrix row `row_of(r)`, -1: zeros) of 64 columns from col0 of a
-// row-major matrix with `num_cols` columns into 128-byte swizzled rows at `dst` (columns at or past
-// `num_cols` zero). VECTOR_COPIES moves 16 bytes at once (asynchronously) and needs `num_cols` a
-// multiple of 8 and `src` 16-byte aligned.
+// Copies ROWS gathered rows (row r is matrix row `row_of(r)`, -1: zeros) of 128 bytes of columns from col0
+// of a row-major matrix with `num_cols` columns into 128-byte swizzled rows at `dst` (columns at or past
+// `num_cols` zero). VECTOR_COPIES moves 16 bytes at once (asynchronously) and needs rows of whole 16-byte
+// vectors and `src` 16-byte aligned.
 template <int ROWS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
 __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, int num_cols, int col0, RowOf row_of,
                                                    unsigned char* dst) {
-  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16;
+  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, ELEMENTS = VECTOR_ELEMENTS<T>, ROW_ELEMENTS = STAGE_CHANNELS<T>;
   if constexpr (VECTOR_COPIES) {
     static_assert(ROWS * CHUNKS % THREADS == 0, "whole copies per thread");
 #pragma unroll
@@ -222,17 +244,17 @@ __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, i
       const int v = threadIdx.x + i * THREADS;
       const int r = v / CHUNKS, chunk = v % CHUNKS;
       const long long row = row_of(r);
-      const int col = col0 + chunk * VECTOR;
+      const int col = col0 + chunk * ELEMENTS;
       const bool valid = row >= 0 && col < num_cols;
       copy_16_bytes(dst + swizzled(r, chunk), valid ? src + row * num_cols + col : src, valid);
     }
   } else {
     const T zero = from_float<T>(0.0f);
-    for (int e = threadIdx.x; e < ROWS * WGMMA_BLOCK_K; e += THREADS) {
-      const int r = e / WGMMA_BLOCK_K, c = e % WGMMA_BLOCK_K;
+    for (int e = threadIdx.x; e < ROWS * ROW_ELEMENTS; e += THREADS) {
+      const int r = e / ROW_ELEMENTS, c = e % ROW_ELEMENTS;
       const long long row = row_of(r);
       const int col = col0 + c;
-      *reinterpret_cast<T*>(dst + swizzled(r, c / VECTOR) + (c % VECTOR) * (int)sizeof(T)) =
+      *reinterpret_cast<T*>(dst + swizzled(r, c / ELEMENTS) + (c % ELEMENTS) * (int)sizeof(T)) =
           row >= 0 && col < num_cols ? src[row * num_cols + col] : zero;
     }
   }
@@ -244,8 +266,9 @@ __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, i
 template <int BLOCK_N, int THREADS, typename T>
 __device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num_rows, int num_cols, int row0,
                                               int col0, unsigned char* dst) {
+  static_assert(sizeof(T) == 2, "N-major operands are 16-bit");
   constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, ROW_VECTORS = BLOCK_N / VECTOR;
-  constexpr int VECTORS = WGMMA_BLOCK_K * ROW_VECTORS;
+  constexpr int VECTORS = N_MAJOR_ROWS * ROW_VECTORS;
   static_assert(VECTORS % THREADS == 0, "whole copies per thread");
 #pragma unroll
   for (int i = 0; i < VECTORS / THREADS; ++i) {
@@ -253,17 +276,43 @@ __device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num
     const int k = v / ROW_VECTORS, n_vector = v % ROW_VECTORS;
     const int row = row0 + k, col = col0 + n_vector * VECTOR;
     const bool valid = row < num_rows && col < num_cols;
-    unsigned char* region = dst + n_vector / CHUNKS * WGMMA_BLOCK_K * SWIZZLE_ROW_BYTES;
+    unsigned char* region = dst + n_vector / CHUNKS * N_MAJOR_ROWS * SWIZZLE_ROW_BYTES;
     copy_16_bytes(region + swizzled(k, n_vector % CHUNKS), valid ? src + (long long)row * num_cols + col : src,
                   valid);
+  }
+}
+
+// Copies rows row0 .. row0 + 31 (zeros at or past `num_rows`) and columns col0 .. col0 + BLOCK_N - 1 (zeros
+// at or past `num_cols`) of a row-major fp32 matrix transposed into BLOCK_N swizzled 128-byte rows, row n
+// holding column col0 + n: the K-major B operand TF32 needs, from the weight as it lies in memory. One
+// 4-byte copy per element. A warp copies 8 columns x 4 rows at a time, so that it reads 4 runs of 32 bytes
+// and writes 32 different banks (the 8 rows of a swizzle atom put a 16-byte chunk in 8 places); each
+// thread keeps its column and steps down the rows, which keeps its addresses a stride apart.
+template <int BLOCK_N, int THREADS>
+__device__ __forceinline__ void stage_transposed(const float* __restrict__ src, int num_rows, int num_cols, int row0,
+                                                 int col0, unsigned char* dst) {
+  constexpr int ROWS = STAGE_CHANNELS<float>, CHUNK_ELEMENTS = VECTOR_ELEMENTS<float>;
+  constexpr int COLUMN_GROUPS = BLOCK_N / 8, WARPS = THREADS / WARP_SIZE;
+  static_assert(COLUMN_GROUPS % WARPS == 0, "whole column groups per warp");
+  const int lane = threadIdx.x % WARP_SIZE, row_in_chunk = lane / 8;
+#pragma unroll
+  for (int group = threadIdx.x / WARP_SIZE; group < COLUMN_GROUPS; group += WARPS) {
+    const int n = group * 8 + lane % 8, col = col0 + n;
+    const float* column = src + (long long)(row0 + row_in_chunk) * num_cols + col;
+    unsigned char* n_row = dst + n * SWIZZLE_ROW_BYTES + row_in_chunk * (int)sizeof(float);
+#pragma unroll
+    for (int chunk = 0; chunk < ROWS / CHUNK_ELEMENTS; ++chunk) {
+      const bool valid = row0 + chunk * CHUNK_ELEMENTS + row_in_chunk < num_rows && col < num_cols;
+      copy_4_bytes(n_row + ((chunk ^ n % 8) << 4), valid ? column + chunk * CHUNK_ELEMENTS * num_cols : src, valid);
+    }
   }
 }
 
 #endif  // sm_90a
 
 // out[i] = sum_k W_k^T x[pair_table[k, i]] for the BLOCK_M rows and BLOCK_N channels of one tile, as
-// mma_conv_forward. x [num_in, in_channels]; weight [kernel_volume, in_channels_padded,
-// out_channels_padded], or with WEIGHT_TRANSPOSED the layer's weight read transposed (dgrad: stored
+// mma_conv_forward, T __half, __nv_bfloat16 or float (TF32). x [num_in, in_channels]; weight
+// [kernel_volume, in_channels_padded, out_channels_padded], or with WEIGHT_TRANSPOSED the layer's weight read transposed (dgrad: stored
 // [kernel_volume, out_channels_padded, in_channels_padded], a K-major B); out [num_out, out_channels];
 // `row_order` (or null: rows in order) the mask-sorted output rows. With `reverse_weight_offsets` offset k
 // takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands).
@@ -308,38 +357,39 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 #pragma unroll
   for (int i = 0; i < BLOCK_N / 2; ++i) acc[i] = 0.0f;
 
-  // Issues this warpgroup's 64 rows times the stage's weight tile: BLOCK_K / 16 wgmma, one commit group.
-  // K-major operands step 16 channels (32 bytes) along their swizzled rows, N-major B 16 of its rows.
-  constexpr int K_STEP_BYTES = WGMMA_K * (int)sizeof(T);
+  // Issues this warpgroup's 64 rows times the stage's weight tile: 4 wgmma (of 32 bytes of channels each),
+  // one commit group. K-major operands step 32 bytes along their swizzled rows, N-major B 16 of its rows.
+  constexpr bool K_MAJOR_B = WEIGHT_TRANSPOSED || sizeof(T) == 4;  // TF32 operands are K-major only
+  constexpr int CHANNELS = STAGE_CHANNELS<T>, K_STEP = WGMMA_K_BYTES / (int)sizeof(T);
   const auto multiply_stage = [&](int buffer) {
     const unsigned a = shared_address + buffer * Layout::STAGE_BYTES + warpgroup * WGMMA_M * SWIZZLE_ROW_BYTES;
     const unsigned b = shared_address + buffer * Layout::STAGE_BYTES + Layout::A_BYTES;
     pin_registers(acc);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < WGMMA_BLOCK_K / WGMMA_K; ++k) {
-      const unsigned long long a_descriptor = matrix_descriptor(a + k * K_STEP_BYTES, 16, SWIZZLE_ATOM_BYTES);
-      if constexpr (WEIGHT_TRANSPOSED) {
-        wgmma_async<0>(acc, a_descriptor, matrix_descriptor(b + k * K_STEP_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
+    for (int k = 0; k < SWIZZLE_ROW_BYTES / WGMMA_K_BYTES; ++k) {
+      const unsigned long long a_descriptor = matrix_descriptor(a + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES);
+      if constexpr (K_MAJOR_B) {
+        wgmma_async<0>(acc, a_descriptor, matrix_descriptor(b + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
       } else {
         const unsigned long long b_descriptor =
-            matrix_descriptor(b + k * WGMMA_K * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
+            matrix_descriptor(b + k * K_STEP * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
         wgmma_async<1>(acc, a_descriptor, b_descriptor, T());
       }
     }
     wgmma_commit();
   };
 
-  const int chunks = (in_channels_padded + WGMMA_BLOCK_K - 1) / WGMMA_BLOCK_K;
+  const int chunks = (in_channels_padded + CHANNELS - 1) / CHANNELS;
   for (int batch_start = 0; batch_start < kernel_volume; batch_start += OFFSET_BATCH) {
     const int batch = min(OFFSET_BATCH, kernel_volume - batch_start);
     unsigned offsets_to_stage =
         read_offset_batch<BLOCK_M, THREADS>(pair_table, num_out, out_rows, batch_start, batch, in_rows, warp_masks);
     const int steps = __popc(offsets_to_stage) * chunks;
 
-    int offset = 0, c0 = chunks * WGMMA_BLOCK_K;  // of the step staged last
+    int offset = 0, c0 = chunks * CHANNELS;  // of the step staged last
     const auto stage_next_step = [&](int buffer) {
-      if (c0 == chunks * WGMMA_BLOCK_K) {
+      if (c0 == chunks * CHANNELS) {
         offset = __ffs(offsets_to_stage) - 1;
         offsets_to_stage &= offsets_to_stage - 1;
         c0 = 0;
@@ -361,11 +411,14 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         };
         stage_swizzled_rows<BLOCK_N, THREADS, true>(weight_k, in_channels_padded, c0, weight_row,
                                                     a_tile + Layout::A_BYTES);
+      } else if constexpr (K_MAJOR_B) {
+        stage_transposed<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
+                                           a_tile + Layout::A_BYTES);
       } else {
         stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
                                         a_tile + Layout::A_BYTES);
       }
-      c0 += WGMMA_BLOCK_K;
+      c0 += CHANNELS;
     };
 
     // One cp.async commit group per step, AHEAD steps ahead. At step s: s's copies land (each thread

@@ -99,7 +99,8 @@ def test_the_wgmma_kernels_compile_for_sm_90a_and_only_there(ptx_per_file):
     ptx = ptx_per_file[("wgmma_implicit_gemm.cu", "sm_90a")].result()
     for instruction in (b"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", b"wgmma.fence.sync.aligned",
                         b"wgmma.commit_group.sync.aligned", b"wgmma.wait_group.sync.aligned",
-                        b"fence.proxy.async.shared::cta", b"cp.async.cg.shared.global"):
+                        b"wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", b"fence.proxy.async.shared::cta",
+                        b"cp.async.cg.shared.global", b"cp.async.ca.shared.global"):
         assert instruction in ptx, instruction
 
 

@@ -83,11 +83,19 @@ def test_mma_runs_fp32_only_as_tf32_and_only_from_sm80():
     assert not algorithm.supports(gpu_problem(FLOAT64, tf32=False))
 
 
-def test_under_tf32_auto_measures_the_tensor_core_kernels_only():
-    pool = tuner.candidates(AlgorithmFilter(CONV, "forward", "auto", ()), gpu_problem(tf32=True))
-    assert pool and {algorithm.name for algorithm, _ in pool} == {"mma_implicit_gemm"}
-    exact = tuner.candidates(AlgorithmFilter(CONV, "forward", "auto", ()), gpu_problem())
-    assert "mma_implicit_gemm" not in {algorithm.name for algorithm, _ in exact}
+@pytest.mark.parametrize(("capability", "tensor_core_algorithms"), [
+    (80, {"mma_implicit_gemm"}),
+    (90, {"mma_implicit_gemm", "wgmma_implicit_gemm"}),
+])
+def test_under_tf32_auto_measures_the_tensor_core_kernels_only(capability, tensor_core_algorithms, monkeypatch):
+    from cupysparse.algorithms import wgmma_implicit_gemm
+
+    monkeypatch.setattr(wgmma_implicit_gemm, "nvrtc_knows", lambda architecture: True)
+    pool = tuner.candidates(AlgorithmFilter(CONV, "forward", "auto", ()), gpu_problem(capability=capability,
+                                                                                       tf32=True))
+    assert {algorithm.name for algorithm, _ in pool} == tensor_core_algorithms
+    exact = tuner.candidates(AlgorithmFilter(CONV, "forward", "auto", ()), gpu_problem(capability=capability))
+    assert not tensor_core_algorithms & {algorithm.name for algorithm, _ in exact}
 
 
 def test_tf32_measurements_have_their_own_key():

@@ -1,6 +1,7 @@
-"""wgmma_implicit_gemm without a GPU: registration, where it is refused, that `auto` measures it beside
-the other tensor-core algorithms on compute capability 9.0 only, its tiles in every phase, its
-shared-memory sizes against the kernel's limits, and its sources pinned to sm_90a."""
+"""wgmma_implicit_gemm without a GPU: registration, its dtypes (fp32 only as TF32), where it is refused,
+that `auto` measures it beside the other tensor-core algorithms on compute capability 9.0 only, its
+tiles in every phase, its shared-memory sizes against the kernel's limits, and its sources pinned to
+sm_90a."""
 
 import numpy as np
 import pytest
@@ -16,19 +17,21 @@ NAME = "wgmma_implicit_gemm"
 H100_SHARED_LIMIT = 227 * 1024  # dynamic shared memory a block may opt into on sm_90
 
 
-def _problem(dtype=FLOAT16, capability=90, in_channels=64, out_channels=64, device="cuda"):
-    return ConvProblem(10**5, 10**5, in_channels, out_channels, 27, np.dtype(dtype), device, capability)
+def _problem(dtype=FLOAT16, capability=90, in_channels=64, out_channels=64, device="cuda", tf32=False):
+    return ConvProblem(10**5, 10**5, in_channels, out_channels, 27, np.dtype(dtype), device, capability, tf32=tf32)
 
 
-def test_it_is_registered_and_supports_fp16_and_bf16_on_compute_capability_9_0_only(monkeypatch):
+def test_it_is_registered_and_supports_fp16_bf16_and_tf32_on_compute_capability_9_0_only(monkeypatch):
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
     algorithm = registered(CONV)[NAME]
-    for dtype in (FLOAT16, BFLOAT16):
+    for dtype, tf32 in ((FLOAT16, False), (BFLOAT16, False), (FLOAT32, True)):
         for channels in (3, 17, 64, 256):
-            assert algorithm.supports(_problem(dtype, in_channels=channels, out_channels=channels))
+            assert algorithm.supports(_problem(dtype, in_channels=channels, out_channels=channels, tf32=tf32))
     for capability in (80, 86, 89, 100, 120):
         assert "9.0 exactly" in algorithm.unsupported_reason(_problem(capability=capability))
-    assert "not fp32" in algorithm.unsupported_reason(_problem(FLOAT32))
+        assert "9.0 exactly" in algorithm.unsupported_reason(_problem(FLOAT32, capability=capability, tf32=True))
+    assert "fp32 only in TF32" in algorithm.unsupported_reason(_problem(FLOAT32))
+    assert "not fp64" in algorithm.unsupported_reason(_problem(np.float64))
     assert "CUDA GPUs only" in algorithm.unsupported_reason(_problem(device="cpu", capability=None))
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: False)
     assert "NVRTC" in algorithm.unsupported_reason(_problem())
@@ -74,7 +77,7 @@ def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
 
 
 @pytest.mark.parametrize(("tile", "stages", "expected"), [
-    # stages x (rows x 128 B + cols x 64 x 2 B) + 32 offsets x rows x 4 B (16 KB) + rows x 4 B + warps x 4 B + 1 KB
+    # stages x (rows + cols) x 128 B + 32 offsets x rows x 4 B (16 KB) + rows x 4 B + warps x 4 B + 1 KB
     ((128, 128), 4, 4 * (16384 + 16384) + 16384 + 512 + 32 + 1024),
     ((128, 256), 4, 4 * (16384 + 32768) + 16384 + 512 + 32 + 1024),
     ((64, 64), 3, 3 * (8192 + 8192) + 8192 + 256 + 16 + 1024),
@@ -88,13 +91,13 @@ def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms()
         rows, cols = tile
         assert rows % 64 == 0 and cols % 64 == 0 and cols <= 256
         assert wgmma_module.threads(tile) == rows // 64 * 128
-        assert (rows * 128) % 1024 == 0 and (cols * 64 * 2) % 1024 == 0
+        assert (rows * 128) % 1024 == 0 and (cols * 128) % 1024 == 0
         for stages in wgmma_module.STAGES:
             assert wgmma_module.shared_bytes(tile, stages) <= H100_SHARED_LIMIT, (tile, stages)
 
 
 def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
-    for dtype in (FLOAT16, BFLOAT16):
+    for dtype in (FLOAT16, BFLOAT16, FLOAT32):
         family = wgmma_module._SOURCES[dtype]
         # Forward at every depth, dgrad at one.
         assert len(family.sources) == len(wgmma_module.TILES) * (len(wgmma_module.STAGES) + 1)
@@ -104,3 +107,5 @@ def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
             == "wgmma_conv_forward<__half, 128, 256, 3, false>")
     assert (wgmma_module._kernel_name(np.dtype(BFLOAT16), (64, 64), 4, True)
             == "wgmma_conv_forward<__nv_bfloat16, 64, 64, 4, true>")
+    assert (wgmma_module._kernel_name(np.dtype(FLOAT32), (128, 128), 4, False)
+            == "wgmma_conv_forward<float, 128, 128, 4, false>")

@@ -227,17 +227,21 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
-        reason = gpu_only_reason(problem)
+        reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)
         if reason:
             return reason
-        if problem.dtype == FLOAT32 and not problem.tf32:
-            return (f"{self.name} runs fp32 only in TF32, and exact fp32 is chosen (TF32: "
-                    f"cupysparse.precision.set_fp32_precision('tf32') or {FP32_PRECISION_VARIABLE}=tf32)")
-        if problem.dtype not in _SOURCES:
-            return f"{self.name} runs fp16, bf16 and TF32 on tensor cores, not {problem.dtype}"
         if (problem.compute_capability or 0) < MIN_COMPUTE_CAPABILITY:
             return (f"{self.name} needs compute capability 8.0 or newer (mma.sync for {short_name(problem.dtype)}); "
                     f"this GPU is sm_{problem.compute_capability}")
+        return None
+
+    def dtype_unsupported_reason(self, problem: ConvProblem) -> str | None:
+        """Why the features' dtype cannot run: fp32 unless TF32 is chosen, or no kernel for it."""
+        if problem.dtype == FLOAT32 and not problem.tf32:
+            return (f"{self.name} runs fp32 only in TF32, and exact fp32 is chosen (TF32: "
+                    f"cupysparse.precision.set_fp32_precision('tf32') or {FP32_PRECISION_VARIABLE}=tf32)")
+        if problem.dtype not in self.feature_dtypes:
+            return f"{self.name} runs fp16, bf16 and TF32 on tensor cores, not {short_name(problem.dtype)}"
         return None
 
     def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):

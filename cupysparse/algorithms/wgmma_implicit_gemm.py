@@ -1,14 +1,16 @@
 """`wgmma_implicit_gemm`: implicit GEMM on Hopper's warpgroup tensor cores (`wgmma.mma_async`,
 sm_90a only: compute capability 9.0 exactly, with an NVRTC that knows sm_90a), fp16 and bf16 features,
-fp32 accumulation; forward and dgrad kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with
--arch=sm_90a.
+and fp32 ones as TF32 when `cupysparse.precision` allows it (the tensor cores read the 19 high bits of
+each fp32 operand: truncated, where mma_implicit_gemm rounds to nearest), fp32 accumulation; forward and
+dgrad kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with -arch=sm_90a.
 
 The forward is mma_implicit_gemm's dataflow (output-stationary tiles over the mask-sorted rows, offsets
 a tile's rows lack skipped, each output written once, any channel count: 16-byte copies where the rows
 allow them, element copies elsewhere) with one or two warpgroups per block, each multiplying 64 rows by
 the block's 64, 128 or 256 output channels straight from shared memory, whose operand tiles a 3- or
 4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout. dgrad is the same
-kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); wgrad is
+kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); TF32, which takes
+K-major operands only, has its forward transpose the weight slice as it is staged. wgrad is
 mma_implicit_gemm's.
 
 On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
@@ -22,7 +24,7 @@ from typing import ClassVar
 
 
 from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
-from ..dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
+from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
 from .base import ConvProblem, gpu_only_reason, register
 from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, forward_arguments
 from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device, padded_channels
@@ -30,7 +32,6 @@ from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device, padded_chann
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
 WGMMA_M = 64  # rows of one warpgroup's tile
-BLOCK_K = 64  # input channels per pipeline stage: one 128-byte swizzle row of 16-bit values
 SWIZZLE_ROW_BYTES, SWIZZLE_ATOM_BYTES = 128, 1024
 MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
 # (rows, channels) of a block's output tile: rows / 64 warpgroups. 64 x 256 is left out: one warpgroup
@@ -39,7 +40,7 @@ TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
 STAGES = (4, 3)
 DGRAD_STAGES = STAGES[0]
 B_REGION_COLUMNS = 64  # output channels of one 128-byte swizzled row of the N-major weight tile
-FEATURE_DTYPES = (FLOAT16, BFLOAT16)
+FEATURE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
 
 
 def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
@@ -63,10 +64,10 @@ def threads(tile) -> int:
 
 def shared_bytes(tile, stages: int) -> int:
     """Dynamic shared memory of one block: `WgmmaSharedLayout::ALLOCATED` in the kernel source (the
-    layout plus 1024 bytes to align the operand tiles to swizzle atoms); the same for either weight
-    layout (BLOCK_N rows of 128 bytes)."""
+    layout plus 1024 bytes to align the operand tiles to swizzle atoms); the same for every dtype and
+    weight layout (a stage holds 128 bytes of channels of each of its rows and of each weight column)."""
     rows, cols = tile
-    stage = rows * SWIZZLE_ROW_BYTES + cols * BLOCK_K * 2
+    stage = (rows + cols) * SWIZZLE_ROW_BYTES
     offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
     return stages * stage + offset_batch * rows * 4 + rows * 4 + threads(tile) // 32 * 4 + SWIZZLE_ATOM_BYTES
 
@@ -113,11 +114,9 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
-        reason = gpu_only_reason(problem)
+        reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)
         if reason:
             return reason
-        if problem.dtype not in _SOURCES:
-            return f"{self.name} runs fp16 and bf16 on tensor cores, not {short_name(problem.dtype)}"
         needed = pinned_capability(ARCHITECTURE)
         if problem.compute_capability != needed:
             return (f"{self.name} needs compute capability {needed // 10}.{needed % 10} exactly (wgmma, "
