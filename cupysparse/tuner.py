@@ -14,7 +14,9 @@ compiled side by side (`compile.prepare`), not one after the other at each candi
 Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
 `explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU: the
-checked run is the warm-up, then the median of several runs) and stored best-first under a key of
+checked run is the warm-up, then the median of several runs); the few within `CONTENDER_MARGIN` of the
+fastest are timed again in interleaved rounds, so that noise and drift do not rank them, each keeping the
+median of all its samples. The results are stored best-first under a key of
 the problem's shape, dtype (and TF32 use) and device architecture, so caches of different GPUs never
 match: each algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every
 candidate of the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
@@ -60,6 +62,12 @@ NAMESPACES = {
 REFERENCE = {CONV: "explicit_gemm", DEPTHWISE: "explicit"}
 WARMUP_RUNS = 1
 TIMED_RUNS = 3
+# Candidates within this fraction of the fastest first-pass time are too close for TIMED_RUNS samples to
+# rank (H100: 10-15% apart, misranked from run to run): the fastest MAX_CONTENDERS of them are timed
+# again, CONTENDER_ROUNDS samples each, taken round-robin so that a clock or thermal drift hits all alike.
+CONTENDER_MARGIN = 0.15
+MAX_CONTENDERS = 4
+CONTENDER_ROUNDS = 5
 # Largest |candidate - reference| accepted, relative to max |reference|: far above rounding
 # (fp32 accumulation, one rounding to the output dtype), far below a wrong pair or layout.
 AGREEMENT = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "tf32": 1e-2}
@@ -126,6 +134,11 @@ def _synchronize(result) -> None:
 
 def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> float:
     """Median of `repeats` timed calls of `run` after `warmup` untimed ones."""
+    return statistics.median(sample_times_ms(run, on_gpu, warmup, repeats))
+
+
+def sample_times_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> list[float]:
+    """The times of `repeats` timed calls of `run` after `warmup` untimed ones, in milliseconds."""
     for _ in range(warmup):
         run()
     samples = []
@@ -144,7 +157,7 @@ def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = 
             begin = time.perf_counter()
             _synchronize(run())
             samples.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(samples)
+    return samples
 
 
 def _as_tuple(result) -> tuple:
@@ -538,8 +551,9 @@ def _error_summary(error: Exception) -> str:
 
 def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
     """Time every (algorithm, params) of `pool` through `run` after checking its first run against
-    the reference algorithm; a failing or disagreeing candidate is logged and skipped. If the
-    reference itself runs out of memory or gives inf or NaN, nothing is checked or timed."""
+    the reference algorithm, then the close contenders again (`retime_contenders`); a failing or
+    disagreeing candidate is logged and skipped. If the reference itself runs out of memory or gives
+    inf or NaN, nothing is checked or timed."""
     reference_algorithm = get_algorithm(REFERENCE[kind], kind)
     measurement = Measurement()
     try:
@@ -554,6 +568,7 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
     if measurement.unchecked is not None:
         return measurement
     on_gpu = problem.device == "cuda"
+    timed: dict[tuple, tuple[Algorithm, dict, list[float]]] = {}  # by candidate: its samples
     for algorithm, params in pool:
         candidate = (algorithm.name, _params_key(params))
         try:
@@ -562,19 +577,46 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
                       else disagreement(first, reference, problem.dtype, problem.tf32))
             if reason is None:
                 # The checked first run warmed this candidate up; time it straight away.
-                time_ms = median_time_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
-                measurement.results.append((algorithm.name, params, time_ms))
+                samples = sample_times_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
+                timed[candidate] = (algorithm, params, samples)
             else:
                 log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
+                measurement.skipped[candidate] = reason
         except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
-            reason = f"{type(error).__name__}: {error}"
-            measurement.raised[candidate] = _error_summary(error)
-            measurement.short_of_memory |= is_out_of_memory(error)
-            log.info("tuner: skipping %s %s: %s", algorithm.name, params, reason)
-        if reason is not None:
-            measurement.skipped[candidate] = reason
-    measurement.results.sort(key=lambda result: result[2])
+            _skip_raised(measurement, candidate, params, error)
+    retime_contenders(timed, run, on_gpu, measurement)
+    measurement.results = sorted(((algorithm.name, params, statistics.median(samples))
+                                  for algorithm, params, samples in timed.values()), key=lambda result: result[2])
     return measurement
+
+
+def retime_contenders(timed: dict, run, on_gpu: bool, measurement: Measurement) -> None:
+    """Add samples to the candidates of `timed` within `CONTENDER_MARGIN` of the fastest (the fastest
+    `MAX_CONTENDERS` of them): `CONTENDER_ROUNDS` rounds of one sample each, round-robin. A contender that
+    raises is skipped as in the first pass and leaves `timed`. One contender alone is not run again."""
+    first_pass = {candidate: statistics.median(samples) for candidate, (_, _, samples) in timed.items()}
+    fastest = min(first_pass.values(), default=0.0)
+    contenders = sorted((c for c in first_pass if first_pass[c] <= fastest * (1 + CONTENDER_MARGIN)),
+                        key=first_pass.get)[:MAX_CONTENDERS]
+    if len(contenders) < 2:
+        return
+    for _ in range(CONTENDER_ROUNDS):
+        for candidate in list(contenders):
+            algorithm, params, samples = timed[candidate]
+            try:
+                samples.extend(sample_times_ms(lambda: run(algorithm, params), on_gpu, warmup=0, repeats=1))
+            except Exception as error:  # as in the first pass: a failing candidate must not fail the call
+                contenders.remove(candidate)
+                del timed[candidate]
+                _skip_raised(measurement, candidate, params, error)
+
+
+def _skip_raised(measurement: Measurement, candidate: tuple, params: dict, error: Exception) -> None:
+    """Record and log a candidate whose run raised (a compile error, out of memory) as skipped."""
+    measurement.raised[candidate] = _error_summary(error)
+    measurement.skipped[candidate] = f"{type(error).__name__}: {error}"
+    measurement.short_of_memory |= is_out_of_memory(error)
+    log.info("tuner: skipping %s %s: %s", candidate[0], params, measurement.skipped[candidate])
 
 
 _default_tuner = Tuner()

@@ -59,12 +59,12 @@ def timings(monkeypatch):
              ("slow", 1): 5.0, ("slow", 2): 1.0, ("broken", 1): 0.1, ("wrong", 1): 0.2}
     timed = []
 
-    def fake_median(run, on_gpu, warmup=1, repeats=3):
+    def fake_samples(run, on_gpu, warmup=1, repeats=3):
         name, size = run()
         timed.append((name, size))
-        return table[(name, size)]
+        return [table[(name, size)]] * repeats
 
-    monkeypatch.setattr(tuner_module, "median_time_ms", fake_median)
+    monkeypatch.setattr(tuner_module, "sample_times_ms", fake_samples)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return table, timed
 
@@ -89,6 +89,27 @@ def runner(algorithms):
 
 def space(mode, *names):
     return AlgorithmFilter(CONV, "forward", mode, names)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Injected samples: each timing of (name, size) takes the next `repeats` values of its script (an
+    exception among them is raised, as by a run that fails); `order` records the timings as (name, size,
+    repeats)."""
+    scripts, order = {}, []
+
+    def fake_samples(run, on_gpu, warmup=1, repeats=3):
+        name, size = run()
+        order.append((name, size, repeats))
+        taken = [scripts[(name, size)].pop(0) for _ in range(repeats)]
+        for value in taken:
+            if isinstance(value, Exception):
+                raise value
+        return taken
+
+    monkeypatch.setattr(tuner_module, "sample_times_ms", fake_samples)
+    monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
+    return scripts, order
 
 
 def test_key_holds_the_problem_shape_dtype_and_device():
@@ -141,6 +162,84 @@ def test_on_a_gpu_the_modules_of_every_measured_candidate_are_prepared_before_th
     tuner.forget_choices()
     tuner.select(space("names", "slow", "fast"), gpu_problem, run)
     assert len(prepared) == 1  # answered from the cache: nothing to compile
+
+
+FIRST_PASS_RUNS = tuner_module.TIMED_RUNS
+ROUNDS = tuner_module.CONTENDER_ROUNDS
+
+
+def measure_fast(algorithms):
+    """`measure` of fast's three sizes, in the order 1, 2, 3."""
+    pool = candidates(space("names", "fast"), PROBLEM)
+    return tuner_module.measure(pool, runner(algorithms)[0], PROBLEM, CONV)
+
+
+def test_close_contenders_are_timed_again_and_the_faster_over_all_samples_wins(algorithms, scripted, tmp_path):
+    scripts, _ = scripted
+    # size 1 is ahead in the first pass, size 2 over the re-timing rounds; size 3 is out of the running.
+    scripts.update({("fast", 1): [1.0] * FIRST_PASS_RUNS + [1.3] * ROUNDS,
+                    ("fast", 2): [1.1] * FIRST_PASS_RUNS + [1.0] * ROUNDS,
+                    ("fast", 3): [3.0] * FIRST_PASS_RUNS})
+    cache = cache_file(tmp_path / "c.msgpack")
+    chosen = Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2})
+    ranked = [(params["size"], ms) for _, params, ms in cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results]
+    assert ranked == [(2, 1.0), (1, 1.3), (3, 3.0)]  # medians of all 3 + 5 samples; size 3 keeps its first pass
+
+
+def test_only_the_fastest_candidates_within_the_margin_are_timed_again(algorithms, scripted, monkeypatch):
+    scripts, order = scripted
+    monkeypatch.setattr(tuner_module, "MAX_CONTENDERS", 3)
+    margin = 1 + tuner_module.CONTENDER_MARGIN
+    # fast 1-3 and slow 2 within the margin, slow 1 just outside; the cap leaves out fast 3, the slowest of them.
+    first_pass = {("fast", 1): 1.0, ("fast", 2): 1.02, ("fast", 3): 1.04, ("slow", 2): 1.01,
+                  ("slow", 1): margin + 0.01}
+    for candidate, time_ms in first_pass.items():
+        scripts[candidate] = [time_ms] * (FIRST_PASS_RUNS + ROUNDS)
+    pool = candidates(space("names", "slow", "fast"), PROBLEM)
+    measurement = tuner_module.measure(pool, runner(algorithms)[0], PROBLEM, CONV)
+    runs = {candidate: sum(1 for name, size, _ in order if (name, size) == candidate) for candidate in first_pass}
+    assert runs == {("fast", 1): 1 + ROUNDS, ("slow", 2): 1 + ROUNDS, ("fast", 2): 1 + ROUNDS,
+                    ("fast", 3): 1, ("slow", 1): 1}
+    assert [(name, params["size"]) for name, params, _ in measurement.results] == [
+        ("fast", 1), ("slow", 2), ("fast", 2), ("fast", 3), ("slow", 1)]
+
+
+def test_contenders_are_timed_again_round_robin_fastest_first(algorithms, scripted):
+    scripts, order = scripted
+    scripts.update({("fast", 1): [1.1] * FIRST_PASS_RUNS + [1.1] * ROUNDS,
+                    ("fast", 2): [1.0] * FIRST_PASS_RUNS + [1.0] * ROUNDS,
+                    ("fast", 3): [1.05] * FIRST_PASS_RUNS + [1.05] * ROUNDS})
+    measure_fast(algorithms)
+    first_pass = [("fast", size, FIRST_PASS_RUNS) for size in (1, 2, 3)]
+    one_round = [("fast", size, 1) for size in (2, 3, 1)]
+    assert order == first_pass + one_round * ROUNDS
+
+
+def test_a_single_contender_is_not_timed_again(algorithms, scripted):
+    scripts, order = scripted
+    scripts.update({("fast", 1): [2.0] * FIRST_PASS_RUNS, ("fast", 2): [1.0] * FIRST_PASS_RUNS,
+                    ("fast", 3): [3.0] * FIRST_PASS_RUNS})
+    measurement = measure_fast(algorithms)
+    assert order == [("fast", size, FIRST_PASS_RUNS) for size in (1, 2, 3)]
+    assert [(params["size"], ms) for _, params, ms in measurement.results] == [(2, 1.0), (1, 2.0), (3, 3.0)]
+
+
+def test_a_contender_that_raises_while_timed_again_is_skipped_and_a_choice_is_made(algorithms, scripted,
+                                                                                    tmp_path, caplog):
+    scripts, order = scripted
+    scripts.update({("fast", 1): [1.1] * FIRST_PASS_RUNS + [1.1] * ROUNDS,
+                    ("fast", 2): [1.0] * FIRST_PASS_RUNS + [1.0, RuntimeError("launch failed")],
+                    ("fast", 3): [1.05] * FIRST_PASS_RUNS + [1.05] * ROUNDS})
+    cache = cache_file(tmp_path / "c.msgpack")
+    with caplog.at_level("INFO", logger="cupysparse.tuner"):
+        chosen = Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
+    assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 3})
+    assert "skipping fast {'size': 2}: RuntimeError: launch failed" in caplog.text
+    assert [(size, repeats) for _, size, repeats in order if size == 2] == [(2, FIRST_PASS_RUNS), (2, 1), (2, 1)]
+    assert sum(1 for _, size, _ in order if size != 2) == 2 * (1 + ROUNDS)  # the others go on
+    ranked = [(params["size"], ms) for _, params, ms in cache.get("sparse_conv_forward", tuning_key(PROBLEM)).results]
+    assert ranked == [(3, 1.05), (1, 1.1)]  # its result dropped, as for a candidate that raised at first
 
 
 def test_a_cached_choice_is_reused_without_measuring(algorithms, timings, tmp_path):
