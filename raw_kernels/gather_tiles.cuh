@@ -32,18 +32,6 @@ __device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool v
 #endif
 }
 
-// copy_16_bytes for one 4-byte element (cp.async.ca: the 4-byte size has no L2-only form); both addresses
-// 4-byte aligned.
-__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-  const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
-#else
-  *reinterpret_cast<unsigned*>(dst) = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
-#endif
-}
-
 __device__ __forceinline__ void commit_async_copies() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -26,8 +26,8 @@
 //   bytes) in, still atom-aligned.
 //   dgrad reads the weight transposed (WEIGHT_TRANSPOSED): B[k][n] = W[n][k] has its rows of k in
 //   memory, so it is staged K-major like A, one 128-byte swizzled row per output channel of the call.
-//   TF32 operands must be K-major: the fp32 forward transposes the weight slice while staging it (4-byte
-//   copies) into the same K-major layout.
+//   TF32 operands must be K-major: the fp32 forward takes its weight transposed by the host
+//   ([kernel_volume, out_channels_padded, in_channels_padded]) and stages it the same way.
 // Feature rows are copied in 16-byte vectors when `vector_rows` (rows a multiple of 16 bytes, base
 // 16-byte aligned), else element by element; the weight, zero-padded to multiples of 16 channels on both
 // sides, always in vectors. Past the channel counts the tiles hold zeros.
@@ -282,38 +282,13 @@ __device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num
   }
 }
 
-// Copies rows row0 .. row0 + 31 (zeros at or past `num_rows`) and columns col0 .. col0 + BLOCK_N - 1 (zeros
-// at or past `num_cols`) of a row-major fp32 matrix transposed into BLOCK_N swizzled 128-byte rows, row n
-// holding column col0 + n: the K-major B operand TF32 needs, from the weight as it lies in memory. One
-// 4-byte copy per element. A warp copies 8 columns x 4 rows at a time, so that it reads 4 runs of 32 bytes
-// and writes 32 different banks (the 8 rows of a swizzle atom put a 16-byte chunk in 8 places); each
-// thread keeps its column and steps down the rows, which keeps its addresses a stride apart.
-template <int BLOCK_N, int THREADS>
-__device__ __forceinline__ void stage_transposed(const float* __restrict__ src, int num_rows, int num_cols, int row0,
-                                                 int col0, unsigned char* dst) {
-  constexpr int ROWS = STAGE_CHANNELS<float>, CHUNK_ELEMENTS = VECTOR_ELEMENTS<float>;
-  constexpr int COLUMN_GROUPS = BLOCK_N / 8, WARPS = THREADS / WARP_SIZE;
-  static_assert(COLUMN_GROUPS % WARPS == 0, "whole column groups per warp");
-  const int lane = threadIdx.x % WARP_SIZE, row_in_chunk = lane / 8;
-#pragma unroll
-  for (int group = threadIdx.x / WARP_SIZE; group < COLUMN_GROUPS; group += WARPS) {
-    const int n = group * 8 + lane % 8, col = col0 + n;
-    const float* column = src + (long long)(row0 + row_in_chunk) * num_cols + col;
-    unsigned char* n_row = dst + n * SWIZZLE_ROW_BYTES + row_in_chunk * (int)sizeof(float);
-#pragma unroll
-    for (int chunk = 0; chunk < ROWS / CHUNK_ELEMENTS; ++chunk) {
-      const bool valid = row0 + chunk * CHUNK_ELEMENTS + row_in_chunk < num_rows && col < num_cols;
-      copy_4_bytes(n_row + ((chunk ^ n % 8) << 4), valid ? column + chunk * CHUNK_ELEMENTS * num_cols : src, valid);
-    }
-  }
-}
-
 #endif  // sm_90a
 
 // out[i] = sum_k W_k^T x[pair_table[k, i]] for the BLOCK_M rows and BLOCK_N channels of one tile, as
 // mma_conv_forward, T __half, __nv_bfloat16 or float (TF32). x [num_in, in_channels]; weight
-// [kernel_volume, in_channels_padded, out_channels_padded], or with WEIGHT_TRANSPOSED the layer's weight read transposed (dgrad: stored
-// [kernel_volume, out_channels_padded, in_channels_padded], a K-major B); out [num_out, out_channels];
+// [kernel_volume, in_channels_padded, out_channels_padded], or with WEIGHT_TRANSPOSED (dgrad, and the TF32
+// forward) stored transposed, [kernel_volume, out_channels_padded, in_channels_padded]: a K-major B; out
+// [num_out, out_channels];
 // `row_order` (or null: rows in order) the mask-sorted output rows. With `reverse_weight_offsets` offset k
 // takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands).
 template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED>
@@ -359,7 +334,7 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 
   // Issues this warpgroup's 64 rows times the stage's weight tile: 4 wgmma (of 32 bytes of channels each),
   // one commit group. K-major operands step 32 bytes along their swizzled rows, N-major B 16 of its rows.
-  constexpr bool K_MAJOR_B = WEIGHT_TRANSPOSED || sizeof(T) == 4;  // TF32 operands are K-major only
+  static_assert(sizeof(T) == 2 || WEIGHT_TRANSPOSED, "TF32 operands are K-major only: pass the weight transposed");
   constexpr int CHANNELS = STAGE_CHANNELS<T>, K_STEP = WGMMA_K_BYTES / (int)sizeof(T);
   const auto multiply_stage = [&](int buffer) {
     const unsigned a = shared_address + buffer * Layout::STAGE_BYTES + warpgroup * WGMMA_M * SWIZZLE_ROW_BYTES;
@@ -369,7 +344,7 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 #pragma unroll
     for (int k = 0; k < SWIZZLE_ROW_BYTES / WGMMA_K_BYTES; ++k) {
       const unsigned long long a_descriptor = matrix_descriptor(a + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES);
-      if constexpr (K_MAJOR_B) {
+      if constexpr (WEIGHT_TRANSPOSED) {
         wgmma_async<0>(acc, a_descriptor, matrix_descriptor(b + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
       } else {
         const unsigned long long b_descriptor =
@@ -411,9 +386,6 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         };
         stage_swizzled_rows<BLOCK_N, THREADS, true>(weight_k, in_channels_padded, c0, weight_row,
                                                     a_tile + Layout::A_BYTES);
-      } else if constexpr (K_MAJOR_B) {
-        stage_transposed<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
-                                           a_tile + Layout::A_BYTES);
       } else {
         stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
                                         a_tile + Layout::A_BYTES);

@@ -100,7 +100,7 @@ def test_the_wgmma_kernels_compile_for_sm_90a_and_only_there(ptx_per_file):
     for instruction in (b"wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", b"wgmma.fence.sync.aligned",
                         b"wgmma.commit_group.sync.aligned", b"wgmma.wait_group.sync.aligned",
                         b"wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", b"fence.proxy.async.shared::cta",
-                        b"cp.async.cg.shared.global", b"cp.async.ca.shared.global"):
+                        b"cp.async.cg.shared.global"):
         assert instruction in ptx, instruction
 
 

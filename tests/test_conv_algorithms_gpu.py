@@ -170,7 +170,8 @@ def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
         view[...] = cupy.asarray(array)
         return view
 
-    def padded(weight, shape):
+    def padded(weight, shape, transposed=False):
+        weight = weight.transpose(0, 2, 1) if transposed else weight
         out = cupy.zeros(shape, dtype=weight.dtype)
         out[:, : weight.shape[1], : weight.shape[2]] = cupy.asarray(weight)
         return out
@@ -179,7 +180,8 @@ def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
     # Buffers live in variables until the results are read: a launch may derive the map's formats
     # first, allocating from the pool a freed buffer would return to.
     x_gpu, dy_gpu = buffer(x), buffer(dy)
-    forward_weight, backward_weight = padded(w, forward.weight_shape), padded(w, backward.weight_shape)
+    forward_weight = padded(w, forward.weight_shape, forward.weight_transposed)
+    backward_weight = padded(w, backward.weight_shape)
     out = filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
     forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream)
     grad_input = filled_with_nan(x.shape, x.dtype)

@@ -360,3 +360,19 @@ def test_an_inference_weight_is_padded_once_and_again_after_each_update():
     assert torch.equal(ops._kept_padded(weight, shape), expected())
     unpadded = torch.randn(27, 16, 32)
     assert ops._kept_padded(unpadded, shape) is unpadded  # already the kernels' layout
+
+
+def test_a_transposed_plan_weight_is_each_offsets_matrix_transposed_then_padded():
+    """A forward plan with `weight_transposed` (wgmma's TF32) reads `[K, C_out_pad, C_in_pad]`; kept
+    apart from the untransposed copy of the same weight."""
+    weight = torch.nn.Parameter(torch.randn(27, 16, 20, dtype=torch.float64))
+    expected = torch.zeros(27, 32, 16, dtype=torch.float64)
+    expected[:, :20, :] = weight.detach().transpose(1, 2)
+    for padded in (ops._padded(weight, (27, 32, 16), transposed=True),
+                   ops._kept_padded(weight, (27, 32, 16), transposed=True)):
+        assert padded.is_contiguous() and torch.equal(padded, expected)
+    square = torch.randn(27, 16, 16, dtype=torch.float64)
+    kept = ops._kept_padded(square, (27, 16, 16), transposed=True)
+    assert kept.is_contiguous() and torch.equal(kept, square.transpose(1, 2))
+    assert ops._kept_padded(square, (27, 16, 16), transposed=True) is kept
+    assert ops._kept_padded(square, (27, 16, 16)) is square

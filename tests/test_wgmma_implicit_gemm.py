@@ -3,6 +3,8 @@ that `auto` measures it beside the other tensor-core algorithms on compute capab
 tiles in every phase, its shared-memory sizes against the kernel's limits, and its sources pinned to
 sm_90a."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -99,13 +101,39 @@ def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms()
 def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
     for dtype in (FLOAT16, BFLOAT16, FLOAT32):
         family = wgmma_module._SOURCES[dtype]
-        # Forward at every depth, dgrad at one.
-        assert len(family.sources) == len(wgmma_module.TILES) * (len(wgmma_module.STAGES) + 1)
+        # Forward at every depth, dgrad at one; TF32's forward reads the weight transposed, as dgrad, so
+        # at dgrad's depth it is dgrad's kernel.
+        modules_per_tile = len(wgmma_module.STAGES) + (dtype != FLOAT32)
+        assert len(family.sources) == len(wgmma_module.TILES) * modules_per_tile
         assert all(len(source.name_expressions) == 1 and source.architecture == "sm_90a" for source in family.sources)
         assert set(family.sources) <= set(kernel_compile.registered_sources())
     assert (wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3, False)
             == "wgmma_conv_forward<__half, 128, 256, 3, false>")
     assert (wgmma_module._kernel_name(np.dtype(BFLOAT16), (64, 64), 4, True)
             == "wgmma_conv_forward<__nv_bfloat16, 64, 64, 4, true>")
-    assert (wgmma_module._kernel_name(np.dtype(FLOAT32), (128, 128), 4, False)
-            == "wgmma_conv_forward<float, 128, 128, 4, false>")
+    assert (wgmma_module._kernel_name(np.dtype(FLOAT32), (128, 128), 3, True)
+            == "wgmma_conv_forward<float, 128, 128, 3, true>")
+
+
+def test_the_tf32_forward_reads_the_weight_transposed_and_its_plan_asks_for_it(monkeypatch):
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
+    algorithm = get_algorithm(NAME)
+    assert algorithm.forward_weight_transposed(np.dtype(FLOAT32))
+    assert not any(algorithm.forward_weight_transposed(np.dtype(dtype)) for dtype in (FLOAT16, BFLOAT16))
+    assert not get_algorithm("mma_implicit_gemm").forward_weight_transposed(np.dtype(FLOAT32))
+    problem = _problem(FLOAT32, in_channels=3, out_channels=40, tf32=True)
+    for params in algorithm.auto_param_grid("forward", problem):
+        (source,) = algorithm.kernel_modules("forward", problem, params)
+        assert source.name_expressions[0].endswith(", true>")
+    planned = []  # the weight layouts of the kernel plans asked for: each must match its plan's
+
+    def gemm_plan(self, *signature):
+        planned.append(signature[-1])
+        return SimpleNamespace(launch=None)
+
+    monkeypatch.setattr(type(algorithm), "gemm_plan", gemm_plan)
+    plan = algorithm.forward_plan(problem, {})
+    assert plan.weight_transposed and plan.weight_shape == (27, 48, 16)
+    fp16_plan = algorithm.forward_plan(_problem(FLOAT16, in_channels=3, out_channels=40), {})
+    assert not fp16_plan.weight_transposed and fp16_plan.weight_shape == (27, 16, 48)
+    assert planned == [True, False]

@@ -132,33 +132,37 @@ def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
         return plan
 
 
-def _padded(weight: torch.Tensor, shape) -> torch.Tensor:
-    """`weight` `[K, A, B]` zero-padded at the end of its last two dimensions to `shape`, contiguous:
-    the layout a plan's kernels read (tensor-core kernels take channels in whole fragments, e.g. a
-    3-channel input layer's weight as 16)."""
+def _padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:
+    """`weight` `[K, A, B]` (`[K, B, A]` when `transposed`: a forward plan's `weight_transposed`)
+    zero-padded at the end of its last two dimensions to `shape`, contiguous: the layout a plan's
+    kernels read (tensor-core kernels take channels in whole fragments, e.g. a 3-channel input layer's
+    weight as 16)."""
+    if transposed:
+        weight = weight.transpose(1, 2)
     if weight.shape == shape:
         return weight.contiguous()
-    return torch.nn.functional.pad(weight.detach(), (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1]))
+    padding = (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1])
+    return torch.nn.functional.pad(weight.detach(), padding).contiguous()
 
 
 # Inference's padded weights, by weight: ((its version, address, padded shape), the padded copy).
 _padded_weights = WeakIdKeyDictionary()
 
 
-def _kept_padded(weight: torch.Tensor, shape) -> torch.Tensor:
+def _kept_padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:
     """`_padded`, kept from call to call while `weight` is unchanged: an in-place update (an
     optimiser's step, `load_state_dict`, anything under `torch.no_grad()`) bumps its `_version`, a
     reassigned `.data` changes its address, so either pads again. Writes through `weight.data` are
     not seen (they bump no version): such a weight must be updated in place on the tensor itself.
     While a CUDA graph is captured it pads anew, so that every replay reads the weight as it is then."""
-    if weight.shape == shape:
+    if weight.shape == shape and not transposed:
         return weight.contiguous()
     if weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return _padded(weight, shape)  # an inference tensor has no version to key on
-    key = (weight._version, weight.data_ptr(), shape)
+        return _padded(weight, shape, transposed)  # an inference tensor has no version to key on
+    key = (weight._version, weight.data_ptr(), shape, transposed)
     kept = _padded_weights.get(weight)
     if kept is None or kept[0] != key:
-        kept = _padded_weights[weight] = (key, _padded(weight, shape))
+        kept = _padded_weights[weight] = (key, _padded(weight, shape, transposed))
     return kept[1]
 
 
@@ -197,7 +201,7 @@ def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str, inferen
     if plan is not None:
         with naming_sizes("forward", features, weight, kernel_map):
             out = features.new_empty((kernel_map.num_out, weight.shape[2]))
-            padded = (_kept_padded if inference else _padded)(weight, plan.weight_shape)
+            padded = (_kept_padded if inference else _padded)(weight, plan.weight_shape, plan.weight_transposed)
             plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(),
                         stream_handle(features.device))
         return out

@@ -87,12 +87,15 @@ class ForwardPlan:
     """The forward of one layer signature on device addresses, over any kernel map of it (the
     problem's kernel volume, channel counts, dtype and device): `launch(kernel_map, features, weight,
     out, stream)` with features `[kernel_map.num_in, C_in]` and out `[kernel_map.num_out, C_out]`,
-    row-major, and the weight in `weight_shape` (`[K, C_in, C_out]` zero-padded at the end of both
-    channel dimensions); `stream` is a raw CUDA stream handle. The kernels are those of the device the
-    plan was made on; the map's derived formats are computed on first use and kept with the map."""
+    row-major, and the weight in `weight_shape`: `[K, C_in, C_out]` zero-padded at the end of both
+    channel dimensions, or with `weight_transposed` each offset's matrix transposed, `[K, C_out, C_in]`
+    padded likewise (a kernel that must read it K-major); `stream` is a raw CUDA stream handle. The
+    kernels are those of the device the plan was made on; the map's derived formats are computed on
+    first use and kept with the map."""
 
     weight_shape: tuple[int, int, int]
     launch: Callable[..., None]
+    weight_transposed: bool = False
 
 
 @dataclass(frozen=True)

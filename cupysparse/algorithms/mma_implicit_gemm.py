@@ -251,8 +251,10 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
         if stages not in self.forward_params["stages"]:
             raise ValueError(f"{self.name} stages must be one of {self.forward_params['stages']}, got {stages!r}")
-        return self._run(features, kernel_map, sort_rows, weight.padded, weight.in_channels, weight.out_channels,
-                         tile, stages, False)
+        transposed = self.forward_weight_transposed(weight.dtype)
+        padded = cupy_module().ascontiguousarray(weight.padded.transpose(0, 2, 1)) if transposed else weight.padded
+        return self._run(features, kernel_map, sort_rows, padded, weight.in_channels, weight.out_channels, tile,
+                         stages, transposed)
 
     def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
         weight = self.prepare_weight(weight)

@@ -10,8 +10,8 @@ allow them, element copies elsewhere) with one or two warpgroups per block, each
 the block's 64, 128 or 256 output channels straight from shared memory, whose operand tiles a 3- or
 4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout. dgrad is the same
 kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); TF32, which takes
-K-major operands only, has its forward transpose the weight slice as it is staged. wgrad is
-mma_implicit_gemm's.
+K-major operands only, runs its forward on the weight transposed too (`forward_weight_transposed`: a
+copy per call, or the layout a launch plan asks its caller for). wgrad is mma_implicit_gemm's.
 
 On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
 `auto` measures it beside them; everywhere else it is unsupported, and its kernels are never loaded.
@@ -48,11 +48,19 @@ def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
     return f"wgmma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {stages}, {str(weight_transposed).lower()}>"
 
 
+def _forward_weight_transposed(dtype) -> bool:
+    """TF32 takes K-major operands only: its forward reads the weight transposed, as dgrad does."""
+    return dtype == FLOAT32
+
+
 def _kernel_family(dtype) -> KernelFamily:
-    # One module per kernel, as mma_implicit_gemm's; every one compiled for sm_90a only.
-    forward = (_kernel_name(dtype, tile, stages, False) for tile in TILES for stages in STAGES)
+    # One module per kernel, as mma_implicit_gemm's; every one compiled for sm_90a only. TF32's forward
+    # at dgrad's depth is dgrad's kernel.
+    transposed = _forward_weight_transposed(dtype)
+    forward = (_kernel_name(dtype, tile, stages, transposed) for tile in TILES for stages in STAGES)
     dgrad = (_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
-    return KernelFamily("wgmma_implicit_gemm.cu", ((name,) for name in (*forward, *dgrad)), ARCHITECTURE)
+    names = dict.fromkeys((*forward, *dgrad))
+    return KernelFamily("wgmma_implicit_gemm.cu", ((name,) for name in names), ARCHITECTURE)
 
 
 _SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
@@ -137,6 +145,9 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
 
     def checked_tile(self, tile, phase: str) -> tuple:
         return _check_tile(tile, phase)
+
+    def forward_weight_transposed(self, dtype) -> bool:
+        return _forward_weight_transposed(dtype)
 
     def forward_sources(self, dtype, in_channels: int, tile, stages: int,
                         weight_transposed: bool) -> tuple[KernelSource, ...]:

@@ -548,6 +548,11 @@ class WmmaImplicitGemm(Algorithm):
     # modules, and the pipeline depth dgrad runs it at.
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
 
+    def forward_weight_transposed(self, dtype) -> bool:
+        """Whether the forward kernel reads the weight transposed, `[K, C_out_pad, C_in_pad]` (as dgrad
+        does), for features of `dtype`: a tensor-core operand that must be K-major. Default: no."""
+        return False
+
     def forward_sources(self, dtype, in_channels: int, tile, stages: int,
                         weight_transposed: bool) -> tuple[KernelSource, ...]:
         """The module a forward plan of this signature launches from, its features' base address
@@ -565,7 +570,8 @@ class WmmaImplicitGemm(Algorithm):
         tile = self.checked_tile(params["tile"], "forward" if phase == "forward" else "dgrad")
         dtype = np.dtype(problem.dtype)
         if phase == "forward":
-            return self.forward_sources(dtype, problem.in_channels, tile, params["stages"], False)
+            return self.forward_sources(dtype, problem.in_channels, tile, params["stages"],
+                                        self.forward_weight_transposed(dtype))
         return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages, True),
                 *self.wgrad_plan_class.sources(dtype, problem.in_channels, problem.out_channels))
 
@@ -583,9 +589,10 @@ class WmmaImplicitGemm(Algorithm):
             return None
         params = {**self.default_params("forward"), **params}
         tile = self.checked_tile(params["tile"], "forward")
+        transposed = self.forward_weight_transposed(problem.dtype)
         plan = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels, tile,
-                              params["stages"], params["sort_rows"], False)
-        return ForwardPlan(padded_weight_shape(problem), plan.launch)
+                              params["stages"], params["sort_rows"], transposed)
+        return ForwardPlan(padded_weight_shape(problem, transposed), plan.launch, transposed)
 
     def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
@@ -599,8 +606,10 @@ class WmmaImplicitGemm(Algorithm):
         return backward_plan(problem, dgrad, wgrad)
 
 
-def padded_weight_shape(problem: ConvProblem) -> tuple[int, int, int]:
-    return problem.kernel_volume, padded_channels(problem.in_channels), padded_channels(problem.out_channels)
+def padded_weight_shape(problem: ConvProblem, transposed: bool = False) -> tuple[int, int, int]:
+    """`[K, C_in_pad, C_out_pad]`, or `[K, C_out_pad, C_in_pad]` when `transposed`."""
+    channels = padded_channels(problem.in_channels), padded_channels(problem.out_channels)
+    return (problem.kernel_volume, *(channels[::-1] if transposed else channels))
 
 
 def backward_plan(problem: ConvProblem, dgrad, wgrad: WgradPlan) -> BackwardPlan:
