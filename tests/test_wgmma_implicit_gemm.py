@@ -52,15 +52,31 @@ def test_auto_measures_it_beside_mma_implicit_gemm_on_compute_capability_9_0_onl
 
 def test_auto_grid_keeps_sorted_rows_and_tiles_no_wider_than_the_channels_need():
     algorithm = get_algorithm(NAME)
-    narrow = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=32))
+    narrow = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=64))
     assert {params["tile"] for params in narrow} == {(128, 64), (64, 64)}
     assert all(params["sort_rows"] for params in narrow)
+    between = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=100))
+    assert {params["tile"] for params in between} == {(128, 64), (64, 64)}
     wide = algorithm.auto_param_grid("forward", _problem(in_channels=32, out_channels=256))
     assert {params["tile"] for params in wide} == set(wgmma_module.TILES)
     # dgrad's output channels are the layer's inputs.
     dgrad = algorithm.auto_param_grid("backward", _problem(in_channels=64, out_channels=256))
     assert {params["tile"] for params in dgrad} == {(128, 64), (64, 64)}
     assert {params["wgrad_warps_per_sm"] for params in dgrad} == {32, 64}
+
+
+def test_auto_leaves_it_out_below_64_channels(monkeypatch):
+    """Its narrowest tile is 64 channels wide: below that `auto` measures the other tensor-core
+    algorithms only (in dgrad, the layer's input channels decide)."""
+    monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
+    algorithm = get_algorithm(NAME)
+    for phase, problem in (("forward", _problem(in_channels=256, out_channels=32)),
+                           ("forward", _problem(in_channels=256, out_channels=48)),
+                           ("backward", _problem(in_channels=32, out_channels=256))):
+        assert algorithm.auto_param_grid(phase, problem) == []
+        pool = candidates(AlgorithmFilter(CONV, phase, "auto", ()), problem)
+        assert "mma_implicit_gemm" in {a.name for a, _ in pool} and NAME not in {a.name for a, _ in pool}
+    assert algorithm.param_grid("forward")  # still there by name, every tile
 
 
 def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
