@@ -15,3 +15,19 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16_rn(value); }
+
+// Two adjacent values of a feature type, stored at once (the kernels' paired output stores).
+template <typename T>
+struct PairOf;
+template <>
+struct PairOf<__half> {
+  using type = __half2;
+};
+template <>
+struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct PairOf<float> {
+  using type = float2;
+};

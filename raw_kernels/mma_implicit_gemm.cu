@@ -31,21 +31,6 @@ constexpr int MMA_K<float> = 8;
 // then fall in 32 different banks.
 constexpr int K_MAJOR_ROW_PAD = 8;
 
-template <typename T>
-struct PairOf;
-template <>
-struct PairOf<__half> {
-  using type = __half2;
-};
-template <>
-struct PairOf<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-};
-template <>
-struct PairOf<float> {
-  using type = float2;
-};
-
 // d += a * b for one 16 x 8 x MMA_K<T> tile (fragments in the PTX ISA's layouts for .row.col).
 __device__ __forceinline__ void mma_tile(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], __half) {
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -66,22 +66,6 @@ struct WgmmaSharedLayout {
                 "operand tiles start on swizzle atoms");
 };
 
-// Two adjacent output elements, stored at once.
-template <typename T>
-struct PairOf;
-template <>
-struct PairOf<__half> {
-  using type = __half2;
-};
-template <>
-struct PairOf<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-};
-template <>
-struct PairOf<float> {
-  using type = float2;
-};
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // The byte offset of 16-byte chunk `chunk` of row `row` in a region of 128-byte swizzled rows.

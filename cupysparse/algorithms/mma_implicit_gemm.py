@@ -218,13 +218,17 @@ class MmaImplicitGemm(WmmaImplicitGemm):
         return 2
 
     def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
-        """Sorted rows, and tiles no wider than the padded output channels need (dgrad's are the
-        layer's inputs); wgrad's occupancy targets the two that won on an H200."""
-        channels = padded_channels(problem.out_channels if phase == "forward" else problem.in_channels)
-        tiles = [tile for tile in TILES if tile[1] <= max(32, channels)]
+        """Sorted rows, every depth, and the tiles `auto_tiles` keeps for the padded output channels
+        (dgrad's are the layer's inputs); wgrad's occupancy targets the two that won on an H200."""
+        tiles = self.auto_tiles(padded_channels(problem.out_channels if phase == "forward" else problem.in_channels))
         if phase == "forward":
-            return [{"tile": tile, "sort_rows": True, "stages": stages} for tile in tiles for stages in STAGES]
+            stages = self.forward_params["stages"]
+            return [{"tile": tile, "sort_rows": True, "stages": depth} for tile in tiles for depth in stages]
         return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
+
+    def auto_tiles(self, channels: int) -> list[tuple]:
+        """The tiles `auto` tries for `channels` padded output channels: none wider than they need."""
+        return [tile for tile in TILES if tile[1] <= max(32, channels)]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)

@@ -27,7 +27,7 @@ from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, p
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
 from .base import ConvProblem, gpu_only_reason, register
 from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, forward_arguments
-from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device, padded_channels
+from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
@@ -39,7 +39,6 @@ MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
 TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
 STAGES = (4, 3)
 DGRAD_STAGES = STAGES[0]
-B_REGION_COLUMNS = 64  # output channels of one 128-byte swizzled row of the N-major weight tile
 FEATURE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
 
 
@@ -112,17 +111,12 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
 
-    def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
-        """Sorted rows, and tiles no wider than the padded output channels (dgrad's are the layer's
-        inputs); none below 64 of them, where its narrowest tile would multiply padding half the time:
-        there mma_implicit_gemm's and wmma_implicit_gemm's 32-column tiles ran 17-27% faster in the
-        benchmark grid (H100, 100K voxels x 32 channels, bf16) while the tuner's single-call timings
-        sometimes ranked wgmma first. wgrad's occupancy targets are mma_implicit_gemm's."""
-        channels = padded_channels(problem.out_channels if phase == "forward" else problem.in_channels)
-        tiles = [tile for tile in TILES if tile[1] <= channels]
-        if phase == "forward":
-            return [{"tile": tile, "sort_rows": True, "stages": stages} for tile in tiles for stages in STAGES]
-        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
+    def auto_tiles(self, channels: int) -> list[tuple]:
+        """Tiles no wider than the padded output channels, so none below 64 of them, where its narrowest
+        tile would multiply padding half the time: there mma_implicit_gemm's and wmma_implicit_gemm's
+        32-column tiles ran 17-27% faster in the benchmark grid (H100, 100K voxels x 32 channels, bf16)
+        while the tuner's single-call timings sometimes ranked wgmma first."""
+        return [tile for tile in TILES if tile[1] <= channels]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)
