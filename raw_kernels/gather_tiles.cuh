@@ -79,6 +79,22 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_co
   }
 }
 
+// Share `share` of `split_k` of offset k's pairs in the wgrad kernels' compact pair lists (CSR offsets
+// `pair_offsets`): the pairs [first, last), the list cut into split_k shares of whole STEP_PAIRS-pair steps (the
+// last ones shorter or empty), and its steps.
+template <int STEP_PAIRS>
+struct PairShare {
+  long long first, last;
+  int steps;
+  __device__ __forceinline__ PairShare(const long long* __restrict__ pair_offsets, int k, int share, int split_k) {
+    const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
+    const long long share_pairs = ((end - begin + split_k - 1) / split_k + STEP_PAIRS - 1) / STEP_PAIRS * STEP_PAIRS;
+    first = begin + share * share_pairs;
+    last = min(end, first + share_pairs);
+    steps = first < last ? (int)((last - first + STEP_PAIRS - 1) / STEP_PAIRS) : 0;
+  }
+};
+
 // Runs `steps` steps through a STAGES-deep cp.async pipeline: stage(step, buffer) issues the copies of
 // `step` into buffer step % STAGES, multiply(buffer) consumes a staged buffer. One commit group per step
 // (empty past the last), so step s is group s and each wait leaves in flight only the STAGES - 2 steps

@@ -327,11 +327,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
 
-  const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
-  const long long share_pairs = ((end - begin + split_k - 1) / split_k + PAIRS - 1) / PAIRS * PAIRS;
-  const long long first = begin + share * share_pairs;
-  const long long last = min(end, first + share_pairs);
-  const int steps = first < last ? (int)((last - first + PAIRS - 1) / PAIRS) : 0;
+  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
+  const long long first = pairs.first, last = pairs.last;
+  const int steps = pairs.steps;
 
   float acc[TILES_M][TILES_N][4];
 #pragma unroll

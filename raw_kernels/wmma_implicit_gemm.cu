@@ -241,11 +241,9 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   const int active_row_fragments = fragments_inside(in_channels_padded, row_base + warp_row);
   const int active_col_fragments = fragments_inside(out_channels_padded, col_base + warp_col);
 
-  const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
-  const long long share_pairs = ((end - begin + split_k - 1) / split_k + ROWS - 1) / ROWS * ROWS;
-  const long long first = begin + share * share_pairs;
-  const long long last = min(end, first + share_pairs);
-  const int steps = first < last ? (int)((last - first + ROWS - 1) / ROWS) : 0;
+  const PairShare<ROWS> pairs(pair_offsets, k, share, split_k);
+  const long long first = pairs.first, last = pairs.last;
+  const int steps = pairs.steps;
 
   Fragment acc[WARP_FRAGMENTS][WARP_FRAGMENTS];
 #pragma unroll
