@@ -48,7 +48,6 @@ constexpr int SWIZZLE_ATOM_BYTES = 8 * SWIZZLE_ROW_BYTES;
 template <typename T>
 constexpr int STAGE_CHANNELS = SWIZZLE_ROW_BYTES / (int)sizeof(T);  // input channels per pipeline stage
 constexpr int N_MAJOR_ROWS = SWIZZLE_ROW_BYTES / 2;  // k rows of an N-major B (16-bit values only)
-constexpr int B_REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;  // output channels of one N-major B region
 
 // Per stage: A [BLOCK_M rows of 128 bytes], then B: N-major [BLOCK_N / 64 regions][64 rows of 128 bytes], or
 // K-major [BLOCK_N rows of 128 bytes], the same size; after the stages, the pair-table entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M], one mask word per warp.
@@ -64,6 +63,17 @@ struct WgmmaSharedLayout {
   static constexpr int ALLOCATED = BYTES + SWIZZLE_ATOM_BYTES;
   static_assert(A_BYTES % SWIZZLE_ATOM_BYTES == 0 && STAGE_BYTES % SWIZZLE_ATOM_BYTES == 0,
                 "operand tiles start on swizzle atoms");
+};
+
+// wgrad's, 16-bit operands only: per stage, 64 pairs of both operands MN-major (a region of 64 swizzled
+// 128-byte pair rows per 64 channels: TILE_M / 64 regions of x, then TILE_N / 64 of dy).
+template <int TILE_M, int TILE_N, int STAGES>
+struct WgmmaWgradLayout {
+  static constexpr int PAIRS = SWIZZLE_ROW_BYTES / 2;
+  static constexpr int REGION_BYTES = PAIRS * SWIZZLE_ROW_BYTES;
+  static constexpr int X_BYTES = TILE_M / 64 * REGION_BYTES;
+  static constexpr int STAGE_BYTES = X_BYTES + TILE_N / 64 * REGION_BYTES;
+  static constexpr int ALLOCATED = STAGES * STAGE_BYTES + SWIZZLE_ATOM_BYTES;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -116,20 +126,20 @@ __device__ __forceinline__ void pin_registers(float (&d)[N]) {
 #define WITH_TRANSPOSES(immediates) immediates
 #define WITHOUT_TRANSPOSES(immediates)
 #define WGMMA_ASYNC_M64N64(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                   \
-  template <int TRANSPOSE_B>                                                                                      \
+  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                     \
   __device__ __forceinline__ void wgmma_async(float(&d)[32], unsigned long long a, unsigned long long b, TYPE) {  \
-    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                       \
+    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");         \
     asm volatile(                                                                                                 \
         "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"                                            \
         "wgmma.mma_async.sync.aligned.m64n64" SHAPE_K_AND_TYPES " {"                                              \
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
-        "}, %32, %33, accumulate, 1, 1" TRANSPOSES(", 0, %35") ";\n}\n"                                           \
+        "}, %32, %33, accumulate, 1, 1" TRANSPOSES(", %35, %36") ";\n}\n"                                         \
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                              \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                            \
   }
 
 WGMMA_ASYNC_M64N64(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
@@ -138,9 +148,9 @@ WGMMA_ASYNC_M64N64(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
 #undef WGMMA_ASYNC_M64N64
 
 #define WGMMA_ASYNC_M64N128(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                  \
-  template <int TRANSPOSE_B>                                                                                      \
+  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                     \
   __device__ __forceinline__ void wgmma_async(float(&d)[64], unsigned long long a, unsigned long long b, TYPE) {  \
-    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                       \
+    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");         \
     asm volatile(                                                                                                 \
         "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                            \
         "wgmma.mma_async.sync.aligned.m64n128" SHAPE_K_AND_TYPES " {"                                             \
@@ -148,7 +158,7 @@ WGMMA_ASYNC_M64N64(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
-        "}, %64, %65, accumulate, 1, 1" TRANSPOSES(", 0, %67") ";\n}\n"                                           \
+        "}, %64, %65, accumulate, 1, 1" TRANSPOSES(", %67, %68") ";\n}\n"                                         \
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
@@ -157,7 +167,7 @@ WGMMA_ASYNC_M64N64(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                              \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                            \
   }
 
 WGMMA_ASYNC_M64N128(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
@@ -166,9 +176,9 @@ WGMMA_ASYNC_M64N128(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
 #undef WGMMA_ASYNC_M64N128
 
 #define WGMMA_ASYNC_M64N256(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                          \
-  template <int TRANSPOSE_B>                                                                                              \
+  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                             \
   __device__ __forceinline__ void wgmma_async(float(&d)[128], unsigned long long a, unsigned long long b, TYPE) {         \
-    static_assert(TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                               \
+    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                 \
     asm volatile(                                                                                                         \
         "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"                                                   \
         "wgmma.mma_async.sync.aligned.m64n256" SHAPE_K_AND_TYPES " {"                                                     \
@@ -180,7 +190,7 @@ WGMMA_ASYNC_M64N128(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
-        "}, %128, %129, accumulate, 1, 1" TRANSPOSES(", 0, %131") ";\n}\n"                                                \
+        "}, %128, %129, accumulate, 1, 1" TRANSPOSES(", %131, %132") ";\n}\n"                                             \
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
@@ -197,7 +207,7 @@ WGMMA_ASYNC_M64N128(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_B));                                                                      \
+        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                                    \
   }
 
 WGMMA_ASYNC_M64N256(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
@@ -244,26 +254,81 @@ __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, i
   }
 }
 
-// Copies rows row0 .. row0 + 63 (zeros at or past `num_rows`) and columns col0 .. col0 + BLOCK_N - 1 (zeros
-// at or past `num_cols`, a multiple of 8) of a row-major matrix into BLOCK_N / 64 regions of 64 swizzled
-// 128-byte rows, region j holding columns col0 + 64 j .. col0 + 64 j + 63: the N-major B operand.
-template <int BLOCK_N, int THREADS, typename T>
-__device__ __forceinline__ void stage_n_major(const T* __restrict__ src, int num_rows, int num_cols, int row0,
-                                              int col0, unsigned char* dst) {
-  static_assert(sizeof(T) == 2, "N-major operands are 16-bit");
-  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, ROW_VECTORS = BLOCK_N / VECTOR;
-  constexpr int VECTORS = N_MAJOR_ROWS * ROW_VECTORS;
-  static_assert(VECTORS % THREADS == 0, "whole copies per thread");
+// Copies ROWS gathered rows (row r is matrix row `row_of(r)`: zeros if negative or at or past `num_rows`) of
+// columns col0 .. col0 + COLS - 1 (zeros at or past `num_cols`) of a row-major matrix of 16-bit values into
+// COLS / 64 regions of ROWS swizzled 128-byte rows, region j holding columns col0 + 64 j .. col0 + 64 j + 63:
+// an MN-major operand, its rows along k (the forward's N-major B: weight rows; both wgrad operands: pair
+// rows). VECTOR_COPIES as in stage_swizzled_rows.
+template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
+__device__ __forceinline__ void stage_mn_major(const T* __restrict__ src, long long num_rows, int num_cols, int col0,
+                                               RowOf row_of, unsigned char* dst) {
+  static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
+  constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;
+  constexpr int REGION_BYTES = ROWS * SWIZZLE_ROW_BYTES;
+  if constexpr (VECTOR_COPIES) {
+    constexpr int ROW_VECTORS = COLS / VECTOR, VECTORS = ROWS * ROW_VECTORS;
+    static_assert(VECTORS % THREADS == 0, "whole copies per thread");
 #pragma unroll
-  for (int i = 0; i < VECTORS / THREADS; ++i) {
-    const int v = threadIdx.x + i * THREADS;  // consecutive threads read consecutive 16 bytes of a row
-    const int k = v / ROW_VECTORS, n_vector = v % ROW_VECTORS;
-    const int row = row0 + k, col = col0 + n_vector * VECTOR;
-    const bool valid = row < num_rows && col < num_cols;
-    unsigned char* region = dst + n_vector / CHUNKS * N_MAJOR_ROWS * SWIZZLE_ROW_BYTES;
-    copy_16_bytes(region + swizzled(k, n_vector % CHUNKS), valid ? src + (long long)row * num_cols + col : src,
-                  valid);
+    for (int i = 0; i < VECTORS / THREADS; ++i) {
+      const int v = threadIdx.x + i * THREADS;  // consecutive threads read consecutive 16 bytes of a row
+      const int r = v / ROW_VECTORS, n_vector = v % ROW_VECTORS;
+      const long long row = row_of(r);
+      const int col = col0 + n_vector * VECTOR;
+      const bool valid = row >= 0 && row < num_rows && col < num_cols;
+      unsigned char* region = dst + n_vector / CHUNKS * REGION_BYTES;
+      copy_16_bytes(region + swizzled(r, n_vector % CHUNKS), valid ? src + row * num_cols + col : src, valid);
+    }
+  } else {
+    const T zero = from_float<T>(0.0f);
+    for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
+      const int r = e / COLS, n = e % COLS;
+      const long long row = row_of(r);
+      const int col = col0 + n, in_region = n % REGION_COLUMNS;
+      *reinterpret_cast<T*>(dst + n / REGION_COLUMNS * REGION_BYTES + swizzled(r, in_region / VECTOR) +
+                            in_region % VECTOR * (int)sizeof(T)) =
+          row >= 0 && row < num_rows && col < num_cols ? src[row * num_cols + col] : zero;
+    }
   }
+}
+
+// This block's dynamic shared memory from its first 1024-byte boundary, where the operand tiles start on
+// swizzle atoms; traps when the block was launched with less than ALLOCATED bytes (a wrong size: refuse,
+// loudly).
+template <int ALLOCATED>
+__device__ __forceinline__ unsigned char* atom_aligned(unsigned char* allocation) {
+  if (dynamic_shared_bytes() < ALLOCATED) __trap();
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(allocation));
+  return allocation + (SWIZZLE_ATOM_BYTES - address % SWIZZLE_ATOM_BYTES) % SWIZZLE_ATOM_BYTES;
+}
+
+// Runs `steps` steps through a STAGES-deep cp.async pipeline feeding wgmma: stage(step, buffer) issues the
+// copies of `step` (in order) into buffer step % STAGES, multiply(buffer) issues one wgmma commit group over
+// a staged buffer. One cp.async commit group per step, STAGES - 2 steps ahead. At step s: s's copies land
+// (each thread waits for its own, fences them for the async proxy, and the barrier publishes everyone's);
+// the barrier also follows every warpgroup's wait for step s - 2's wgmma, so s + STAGES - 2 may refill its
+// buffer; then s's wgmma are issued, and the wait for s - 1's leaves only s's in flight: two stages are
+// being multiplied, the rest copied. Nothing is left in flight on return.
+template <int STAGES, typename Stage, typename Multiply>
+__device__ __forceinline__ void run_wgmma_pipeline(int steps, Stage stage, Multiply multiply) {
+  static_assert(STAGES >= 3, "a stage in flight, one issued, at least one being copied");
+  constexpr int AHEAD = STAGES - 2;
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    if (s < steps) stage(s, s);
+    commit_async_copies();
+  }
+  for (int step = 0; step < steps; ++step) {
+    wait_async_copies<AHEAD - 1>();
+    fence_shared_for_async_proxy();
+    __syncthreads();
+    const int next = step + AHEAD;
+    if (next < steps) stage(next, next % STAGES);
+    commit_async_copies();
+    multiply(step % STAGES);
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  wait_async_copies<0>();
 }
 
 #endif  // sm_90a
@@ -283,19 +348,12 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
                        int vector_rows, int reverse_weight_offsets) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = BLOCK_M / WGMMA_M * WARPGROUP_THREADS, WARPS = THREADS / WARP_SIZE;
-  static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % B_REGION_COLUMNS == 0 && BLOCK_N <= 256, "wgmma tile shapes");
-  // Two stages are being multiplied (one wgmma group in flight while the next is issued), the rest are
-  // being copied: STAGES - 2 steps ahead.
-  static_assert(STAGES >= 3, "a stage in flight, one issued, at least one being copied");
-  constexpr int AHEAD = STAGES - 2;
+  static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256, "wgmma tile shapes");
   constexpr int OFFSET_BATCH = smaller(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT / (BLOCK_M * (int)sizeof(int)));
   using Layout = WgmmaSharedLayout<BLOCK_M, BLOCK_N, STAGES, OFFSET_BATCH, WARPS>;
 
   extern __shared__ __align__(128) unsigned char shared_allocation[];
-  if (dynamic_shared_bytes() < Layout::ALLOCATED) __trap();  // launched with the wrong size: refuse, loudly
-  const unsigned allocation_address = static_cast<unsigned>(__cvta_generic_to_shared(shared_allocation));
-  unsigned char* shared = shared_allocation + (SWIZZLE_ATOM_BYTES - allocation_address % SWIZZLE_ATOM_BYTES) %
-                                                  SWIZZLE_ATOM_BYTES;
+  unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
   const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   int* in_rows = reinterpret_cast<int*>(shared + Layout::IN_ROWS);
   int* out_rows = reinterpret_cast<int*>(shared + Layout::OUT_ROWS);
@@ -329,11 +387,11 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     for (int k = 0; k < SWIZZLE_ROW_BYTES / WGMMA_K_BYTES; ++k) {
       const unsigned long long a_descriptor = matrix_descriptor(a + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES);
       if constexpr (WEIGHT_TRANSPOSED) {
-        wgmma_async<0>(acc, a_descriptor, matrix_descriptor(b + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
+        wgmma_async<0, 0>(acc, a_descriptor, matrix_descriptor(b + k * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES), T());
       } else {
         const unsigned long long b_descriptor =
             matrix_descriptor(b + k * K_STEP * SWIZZLE_ROW_BYTES, Layout::B_REGION_BYTES, SWIZZLE_ATOM_BYTES);
-        wgmma_async<1>(acc, a_descriptor, b_descriptor, T());
+        wgmma_async<0, 1>(acc, a_descriptor, b_descriptor, T());
       }
     }
     wgmma_commit();
@@ -371,33 +429,14 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         stage_swizzled_rows<BLOCK_N, THREADS, true>(weight_k, in_channels_padded, c0, weight_row,
                                                     a_tile + Layout::A_BYTES);
       } else {
-        stage_n_major<BLOCK_N, THREADS>(weight_k, in_channels_padded, out_channels_padded, c0, col_base,
-                                        a_tile + Layout::A_BYTES);
+        const auto weight_row = [&](int k) -> long long { return c0 + k; };
+        stage_mn_major<N_MAJOR_ROWS, BLOCK_N, THREADS, true>(weight_k, in_channels_padded, out_channels_padded,
+                                                             col_base, weight_row, a_tile + Layout::A_BYTES);
       }
       c0 += CHANNELS;
     };
 
-    // One cp.async commit group per step, AHEAD steps ahead. At step s: s's copies land (each thread
-    // waits for its own, fences them for the async proxy, and the barrier publishes everyone's); the
-    // barrier also follows every warpgroup's wait for step s - 2's wgmma, so s + AHEAD may refill its
-    // buffer; then s's wgmma are issued, and the wait for s - 1's leaves only s's in flight.
-#pragma unroll
-    for (int s = 0; s < AHEAD; ++s) {
-      if (s < steps) stage_next_step(s);
-      commit_async_copies();
-    }
-    for (int step = 0; step < steps; ++step) {
-      wait_async_copies<AHEAD - 1>();
-      fence_shared_for_async_proxy();
-      __syncthreads();
-      const int next = step + AHEAD;
-      if (next < steps) stage_next_step(next % STAGES);
-      commit_async_copies();
-      multiply_stage(step % STAGES);
-      wgmma_wait<1>();
-    }
-    wgmma_wait<0>();  // the next batch's barrier then frees every buffer
-    wait_async_copies<0>();
+    run_wgmma_pipeline<STAGES>(steps, [&](int, int buffer) { stage_next_step(buffer); }, multiply_stage);
     pin_registers(acc);
   }
 
@@ -425,6 +464,100 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         if (col < out_channels) out_line[col] = from_float<T>(first);
         if (col + 1 < out_channels) out_line[col + 1] = from_float<T>(second);
       }
+    }
+  }
+#endif
+}
+
+// Weight gradient of 16-bit operands, split-K over compact pair lists as mma_conv_wgrad (the same arguments,
+// shares and fp32 workspace): block (x, y, z) writes share z % split_k of offset k = z / split_k's partial
+// dW_k[row_base .., col_base ..] = sum over the share's pairs (i, o) of x[i]^T dy[o], TILE_M input channels
+// (warpgroup g the 64 from row_base + 64 g) by TILE_N output channels, 64 pairs a step. Both operands are
+// staged as their gathered rows lie in memory, pair-major, which the instruction reads through its
+// transpose flags (MN-major: stage_mn_major), in the forward's cp.async pipeline. (TF32 operands must be
+// K-major: TF32 keeps mma_conv_wgrad.)
+template <typename T, int TILE_M, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
+    wgmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
+                     const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
+                     int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
+                     float* __restrict__ workspace, int vector_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int THREADS = TILE_M / WGMMA_M * WARPGROUP_THREADS;
+  static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
+  static_assert(TILE_M % WGMMA_M == 0 && TILE_N % 64 == 0 && TILE_N <= 256, "wgmma tile shapes");
+  using Layout = WgmmaWgradLayout<TILE_M, TILE_N, STAGES>;
+  constexpr int PAIRS = Layout::PAIRS;
+  constexpr long long NO_ROW_LIMIT = 0x7fffffffffffffffll;  // the gathered rows end at their -1 entries
+
+  extern __shared__ __align__(128) unsigned char shared_allocation[];
+  unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
+  const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+
+  const int k = blockIdx.z / split_k;
+  const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+  const PairShare<PAIRS> pairs(pair_offsets, k, blockIdx.z % split_k, split_k);
+
+  float acc[TILE_N / 2];
+#pragma unroll
+  for (int i = 0; i < TILE_N / 2; ++i) acc[i] = 0.0f;
+  // Each accumulator in its own register from here: a share without pairs would otherwise join the loop's
+  // exit with copies of one zero register, which ptxas counts against the wgmma pipeline and serialises.
+  pin_registers(acc);
+
+  // The step's gathered rows: x's channels row_base.. and dy's col_base.. of its pairs (-1 past the share).
+  const auto stage_step = [&](int step, int buffer) {
+    const long long pair0 = pairs.first + (long long)step * PAIRS;
+    const auto x_row = [&](int r) -> long long { return pair0 + r < pairs.last ? in_idx[pair0 + r] : -1; };
+    const auto dy_row = [&](int r) -> long long { return pair0 + r < pairs.last ? out_idx[pair0 + r] : -1; };
+    unsigned char* x_tile = shared + buffer * Layout::STAGE_BYTES;
+    unsigned char* dy_tile = x_tile + Layout::X_BYTES;
+    if (vector_rows) {
+      stage_mn_major<PAIRS, TILE_M, THREADS, true>(x, NO_ROW_LIMIT, in_channels, row_base, x_row, x_tile);
+      stage_mn_major<PAIRS, TILE_N, THREADS, true>(dy, NO_ROW_LIMIT, out_channels, col_base, dy_row, dy_tile);
+    } else {
+      stage_mn_major<PAIRS, TILE_M, THREADS, false>(x, NO_ROW_LIMIT, in_channels, row_base, x_row, x_tile);
+      stage_mn_major<PAIRS, TILE_N, THREADS, false>(dy, NO_ROW_LIMIT, out_channels, col_base, dy_row, dy_tile);
+    }
+  };
+
+  // Issues this warpgroup's 64 input channels (its region of x) times the stage's output channels: 4 wgmma
+  // of K_ROWS pair rows each, one commit group.
+  constexpr int K_ROWS = WGMMA_K_BYTES / (int)sizeof(T);
+  const auto multiply_stage = [&](int buffer) {
+    const unsigned x_tile = shared_address + buffer * Layout::STAGE_BYTES;
+    pin_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < PAIRS / K_ROWS; ++step) {
+      const unsigned a = x_tile + warpgroup * Layout::REGION_BYTES + step * K_ROWS * SWIZZLE_ROW_BYTES;
+      const unsigned b = x_tile + Layout::X_BYTES + step * K_ROWS * SWIZZLE_ROW_BYTES;
+      wgmma_async<1, 1>(acc, matrix_descriptor(a, Layout::REGION_BYTES, SWIZZLE_ATOM_BYTES),
+                        matrix_descriptor(b, Layout::REGION_BYTES, SWIZZLE_ATOM_BYTES), T());
+    }
+    wgmma_commit();
+  };
+
+  run_wgmma_pipeline<STAGES>(pairs.steps, stage_step, multiply_stage);
+  pin_registers(acc);
+
+  // Accumulator element 4 j + 2 h + e of a thread: input channel 16 (warp % 4) + lane / 4 + 8 h of its
+  // warpgroup's 64, output channel 8 j + 2 (lane % 4) + e; rows and columns past the padded extents belong
+  // to no tile of dW_k.
+  float* partial = workspace + ((long long)blockIdx.z % split_k * kernel_volume + k) * in_channels_padded *
+                                   out_channels_padded;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + warpgroup * WGMMA_M + (warp % 4) * 16 + lane / 4 + h * 8;
+    if (row >= in_channels_padded) continue;
+#pragma unroll
+    for (int j = 0; j < TILE_N / 8; ++j) {
+      const int col = col_base + j * 8 + (lane % 4) * 2;
+      if (col < out_channels_padded)
+        *reinterpret_cast<float2*>(partial + (long long)row * out_channels_padded + col) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
   }
 #endif

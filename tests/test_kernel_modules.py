@@ -90,9 +90,10 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
     module = {"mma_implicit_gemm": mma_module, "wmma_implicit_gemm": wmma_module,
               "wgmma_implicit_gemm": wgmma_module}[name]
     own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in module._SOURCES[dtype].sources}
-    if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's
-        own |= {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
-                if source.name_expressions[0].startswith("mma_conv_wgrad")}
+    borrowed = set()
+    if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's on TF32 and up to 64 channels
+        borrowed = {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
+                    if source.name_expressions[0].startswith("mma_conv_wgrad")}
     sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
     reached = set()
     for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):
@@ -105,7 +106,8 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
                                                                              phase, params)
                 assert all(expression in source.name_expressions for source, expression in launched)
                 reached.update(declared)
-    assert reached == own | sums  # every instantiation is launched by some layer: none compiled for nothing
+    # Every instantiation is launched by some layer: none compiled for nothing.
+    assert own | sums <= reached <= own | sums | borrowed
     assert all(len(source.name_expressions) == 1 for source in reached)  # one kernel per module
 
 

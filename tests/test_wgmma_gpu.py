@@ -1,20 +1,22 @@
-"""wgmma_implicit_gemm's forward and dgrad on an H100 (sm_90a) against the fp64 CPU reference
+"""wgmma_implicit_gemm's three phases on an H100 (sm_90a) against the fp64 CPU reference
 (`pytest -m gpu`).
 
 test_conv_algorithms_gpu.py picks the algorithm up wherever it is supported (every phase, map kind,
-parameter combination and the launch plans); this file adds what only the wgmma kernel has: both of
-its weight layouts (the forward's N-major B, dgrad's K-major one) at every tile and pipeline depth on
-channel counts reaching several 64-channel stages and 64-column weight regions, offset batches (a 5^3
-kernel: 125 offsets, four batches), unsorted rows, dgrad over mirror-symmetric maps (offsets in reverse)
-and reversed ones, and bitwise repeatability. Everywhere but on compute capability 9.0 it skips, saying
-why: the sm_90a kernels must not be launched.
+parameter combination and the launch plans); this file adds what only the wgmma kernels have: both of
+the forward's weight layouts (the forward's N-major B, dgrad's K-major one) at every tile and pipeline
+depth on channel counts reaching several 64-channel stages and 64-column weight regions, offset batches
+(a 5^3 kernel: 125 offsets, four batches), unsorted rows, dgrad over mirror-symmetric maps (offsets in
+reverse) and reversed ones, its wgrad's MN-major operands at both tiles over several row and column
+blocks (the CHANNELS below past 64 run it too, the rest mma_implicit_gemm's wgrad), and bitwise
+repeatability. Everywhere but on compute capability 9.0 it skips, saying why: the sm_90a kernels must
+not be launched.
 """
 
 import numpy as np
 import pytest
 
 from cupysparse.algorithms import ConvProblem, get_algorithm
-from cupysparse.algorithms.wgmma_implicit_gemm import STAGES, TILES
+from cupysparse.algorithms.wgmma_implicit_gemm import STAGES, TILES, WGRAD_TILES
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.dtypes import BFLOAT16, FLOAT16
 from cupysparse.sparse_tensor import SparseTensor
@@ -39,7 +41,7 @@ DTYPES = (FLOAT16, BFLOAT16)
 # Aligned (whole 16-byte rows) and unaligned input channels; outputs below, at and past a tile's width.
 CHANNELS = ((64, 64), (128, 256), (96, 200), (3, 17), (33, 70), (17, 130), (256, 128))
 MAP_KINDS = ("submanifold", "strided", "transposed")
-PHASES = ("forward", "dgrad")
+PHASES = ("forward", "dgrad", "wgrad")
 
 
 def _check(kernel_map, channels, dtype, params, phase="forward", seed=0):
@@ -72,6 +74,22 @@ def test_every_forward_tile_and_depth_matches_fp64_reference(tile, stages, sort_
 def test_every_dgrad_tile_matches_fp64_reference(tile, map_kind):
     for channels in ((256, 128), (24, 40), (200, 96)):
         _check(gpu_map(map_kind), channels, BFLOAT16, {"tile": tile}, "dgrad")
+
+
+# Channel counts per wgrad tile (the tile follows the padded channels, past 64 on both sides): one block
+# of it, and several row and column blocks with partial ones, aligned or not.
+WGRAD_CHANNELS = {(128, 128): ((128, 128), (72, 100), (250, 80)), (128, 256): ((128, 256), (264, 520), (65, 129))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("map_kind", ("submanifold", "strided"))
+@pytest.mark.parametrize("tile", WGRAD_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_every_wgrad_tile_matches_fp64_reference(tile, map_kind, dtype):
+    algorithm = get_algorithm(NAME)
+    for channels in WGRAD_CHANNELS[tile]:
+        assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels).tile_for(
+            np.dtype(dtype), *(-(-c // 16) * 16 for c in channels)) == tile
+        _check(gpu_map(map_kind), channels, dtype, {"wgrad_warps_per_sm": 64}, "wgrad")
 
 
 @pytest.mark.parametrize("phase", PHASES)

@@ -1,7 +1,7 @@
 """wgmma_implicit_gemm without a GPU: registration, its dtypes (fp32 only as TF32), where it is refused,
 that `auto` measures it beside the other tensor-core algorithms on compute capability 9.0 only, its
-tiles in every phase, its shared-memory sizes against the kernel's limits, and its sources pinned to
-sm_90a."""
+tiles in every phase (wgrad's chosen by the channels, and where wgrad is its own), its shared-memory
+sizes against the kernel's limits, and its sources pinned to sm_90a."""
 
 from types import SimpleNamespace
 
@@ -79,7 +79,7 @@ def test_auto_leaves_it_out_below_64_channels(monkeypatch):
     assert algorithm.param_grid("forward")  # still there by name, every tile
 
 
-def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
+def test_forward_and_dgrad_have_its_own_tiles_and_namespaces():
     algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
     forward = algorithm.param_grid("forward")
     assert len(forward) == len(wgmma_module.TILES) * 2 * len(wgmma_module.STAGES)
@@ -89,7 +89,6 @@ def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
         assert algorithm.checked_tile((128, 256), phase) == (128, 256)
         with pytest.raises(ValueError, match=f"wgmma_implicit_gemm {phase} tile"):
             algorithm.checked_tile((128, 32, 4, 1), phase)
-    assert algorithm.wgrad_plan_class is mma.wgrad_plan_class
     assert algorithm.tuning_namespace("forward") != mma.tuning_namespace("forward")
     assert algorithm.tuning_namespace("backward") != mma.tuning_namespace("backward")
 
@@ -102,6 +101,30 @@ def test_forward_and_dgrad_have_its_own_tiles_and_wgrad_is_mma_implicit_gemms():
 ])
 def test_shared_memory_follows_the_kernel_layout(tile, stages, expected):
     assert wgmma_module.shared_bytes(tile, stages) == expected
+
+
+def test_its_wgrad_runs_on_16_bit_layers_past_64_channels_and_mma_implicit_gemms_elsewhere():
+    algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
+    own, borrowed = wgmma_module._WgmmaWgradPlan, mma.wgrad_plan_class_for(np.dtype(FLOAT16), 64, 64)
+    assert issubclass(own, borrowed) and own is not borrowed
+    for dtype in (FLOAT16, BFLOAT16):
+        for channels in ((65, 65), (128, 128), (96, 300), (256, 80)):
+            assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels) is own, (dtype, channels)
+        for channels in ((64, 64), (64, 256), (256, 64), (3, 17), (49, 300)):
+            assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels) is borrowed, (dtype, channels)
+    assert algorithm.wgrad_plan_class_for(np.dtype(FLOAT32), 256, 256) is borrowed  # TF32
+
+
+@pytest.mark.parametrize(("padded", "tile"), [((80, 80), (128, 128)), ((256, 128), (128, 128)),
+                                              ((128, 144), (128, 256)), ((512, 512), (128, 256))])
+def test_wgrad_tile_is_the_narrowest_covering_the_output_channels_or_the_widest(padded, tile):
+    assert wgmma_module.wgrad_tile(*padded) == tile
+
+
+def test_wgrad_shared_memory_follows_the_kernel_layout_and_fits_the_h100():
+    # 4 stages x 64 pair rows of 128 B per 64 channels of x and of dy, + 1 KB
+    assert wgmma_module._wgrad_shared_bytes((128, 256)) == 4 * (2 + 4) * 64 * 128 + 1024
+    assert all(wgmma_module._wgrad_shared_bytes(tile) <= H100_SHARED_LIMIT for tile in wgmma_module.WGRAD_TILES)
 
 
 def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms():
@@ -118,9 +141,10 @@ def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
     for dtype in (FLOAT16, BFLOAT16, FLOAT32):
         family = wgmma_module._SOURCES[dtype]
         # Forward at every depth, dgrad at one; TF32's forward reads the weight transposed, as dgrad, so
-        # at dgrad's depth it is dgrad's kernel.
+        # at dgrad's depth it is dgrad's kernel. Then wgrad's tiles.
         modules_per_tile = len(wgmma_module.STAGES) + (dtype != FLOAT32)
-        assert len(family.sources) == len(wgmma_module.TILES) * modules_per_tile
+        wgrad = len(wgmma_module.WGRAD_TILES) if dtype != FLOAT32 else 0
+        assert len(family.sources) == len(wgmma_module.TILES) * modules_per_tile + wgrad
         assert all(len(source.name_expressions) == 1 and source.architecture == "sm_90a" for source in family.sources)
         assert set(family.sources) <= set(kernel_compile.registered_sources())
     assert (wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3, False)
@@ -129,6 +153,8 @@ def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
             == "wgmma_conv_forward<__nv_bfloat16, 64, 64, 4, true>")
     assert (wgmma_module._kernel_name(np.dtype(FLOAT32), (128, 128), 3, True)
             == "wgmma_conv_forward<float, 128, 128, 3, true>")
+    assert (wgmma_module._wgrad_kernel_name(np.dtype(BFLOAT16), (128, 256))
+            == "wgmma_conv_wgrad<__nv_bfloat16, 128, 256, 4>")
 
 
 def test_the_tf32_forward_reads_the_weight_transposed_and_its_plan_asks_for_it(monkeypatch):

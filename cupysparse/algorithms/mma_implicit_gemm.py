@@ -117,25 +117,39 @@ def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
     return tile
 
 
-class _MmaWgradPlan(WgradPlan):
-    """wmma_implicit_gemm's wgrad plan (shares, workspace, sum) with `mma_conv_wgrad` as the GEMM."""
+class MmaWgradPlan(WgradPlan):
+    """wmma_implicit_gemm's wgrad plan (shares, workspace, sum) with `mma_conv_wgrad` as the GEMM: one
+    kernel per tile for any rows (16-byte copies or not is an argument). A subclass swaps the kernel
+    (`tile_for`, `threads`, `kernel_name`, `kernel_family`, `gemm_shared_bytes`)."""
 
     @staticmethod
-    def tile_for(in_padded: int, out_padded: int) -> tuple:
+    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
+
+    @staticmethod
+    def kernel_name(dtype, tile) -> str:
+        return _wgrad_kernel_name(dtype, tile)
+
+    @staticmethod
+    def kernel_family(dtype) -> KernelFamily:
+        return _SOURCES[dtype]
+
+    @staticmethod
+    def gemm_shared_bytes(dtype, tile) -> int:
+        rows, cols = tile[:2]
+        return WGRAD_STAGES * _wgrad_pairs(dtype.itemsize) * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize
 
     @classmethod
     def gemm_sources(cls, dtype, tile, vectors: bool) -> tuple[KernelSource, ...]:
-        return (_SOURCES[dtype].source_of(_wgrad_kernel_name(dtype, tile)),)  # one kernel for any rows
+        return (cls.kernel_family(dtype).source_of(cls.kernel_name(dtype, tile)),)
 
     def threads(self, tile) -> int:
         return tile[2] * tile[3] * WARP_SIZE
 
     def prepare_gemm(self, dtype, tile, arguments) -> None:
-        rows, cols = tile[:2]
-        shared = WGRAD_STAGES * _wgrad_pairs(dtype.itemsize) * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize
-        kernel = _SOURCES[dtype].get(_wgrad_kernel_name(dtype, tile))
-        self.gemm = PreparedLaunch(kernel, (1,), (self.threads(tile),), (*arguments, None), shared)
+        kernel = self.kernel_family(dtype).get(self.kernel_name(dtype, tile))
+        self.gemm = PreparedLaunch(kernel, (1,), (self.threads(tile),), (*arguments, None),
+                                   self.gemm_shared_bytes(dtype, tile))
 
     def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
         self.gemm.launch(stream, *values, int(vectors), grid=grid)
@@ -207,9 +221,11 @@ class MmaImplicitGemm(WmmaImplicitGemm):
     forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
     # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad.
     backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
-    wgrad_plan_class: ClassVar[type[WgradPlan]] = _MmaWgradPlan
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
+
+    def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
+        return MmaWgradPlan
 
     def auto_priority(self, problem: ConvProblem) -> int:
         """wmma_implicit_gemm's tier, so `auto` measures both: on an H200 this one is ahead from 64

@@ -11,7 +11,11 @@ the block's 64, 128 or 256 output channels straight from shared memory, whose op
 4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout. dgrad is the same
 kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); TF32, which takes
 K-major operands only, runs its forward on the weight transposed too (`forward_weight_transposed`: a
-copy per call, or the layout a launch plan asks its caller for). wgrad is mma_implicit_gemm's.
+copy per call, or the layout a launch plan asks its caller for). wgrad is mma_implicit_gemm's split-K
+dataflow (shares of each offset's pair list, fp32 partials, their ordered sum) with its own GEMM,
+`wgmma_conv_wgrad`, for 16-bit operands on layers wider than 64 channels (`wgrad_plan_class_for`): the
+gathered rows are staged as they lie, pair-major, and the instruction reads them MN-major through its
+transpose flags. Elsewhere, TF32 included, wgrad is mma_implicit_gemm's.
 
 On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
 `auto` measures it beside them; everywhere else it is unsupported, and its kernels are never loaded.
@@ -26,8 +30,8 @@ from typing import ClassVar
 from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
 from .base import ConvProblem, gpu_only_reason, register
-from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, forward_arguments
-from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, current_device
+from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, MmaWgradPlan, forward_arguments
+from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, WgradPlan, current_device, padded_channels
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
@@ -40,11 +44,35 @@ TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
 STAGES = (4, 3)
 DGRAD_STAGES = STAGES[0]
 FEATURE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
+# (input channels, output channels) of a wgrad block's dW_k tile, 16-bit only: 128 input channels (two
+# warpgroups) by the narrowest covering the padded output channels, or the widest.
+WGRAD_TILES = ((128, 128), (128, 256))
+WGRAD_STAGES = 4
+WGRAD_DTYPES = (FLOAT16, BFLOAT16)
+# wgmma's wgrad runs where both padded channel counts pass this; mma_implicit_gemm's elsewhere (see
+# WgmmaImplicitGemm.wgrad_plan_class_for).
+WGRAD_MIN_CHANNELS = 65
 
 
 def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
     rows, cols = tile
     return f"wgmma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {stages}, {str(weight_transposed).lower()}>"
+
+
+def _wgrad_kernel_name(dtype, tile) -> str:
+    return f"wgmma_conv_wgrad<{cuda_type_name(dtype)}, {tile[0]}, {tile[1]}, {WGRAD_STAGES}>"
+
+
+def wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
+    rows = WGRAD_TILES[0][0]
+    return rows, next((cols for _, cols in WGRAD_TILES if cols >= out_padded), WGRAD_TILES[-1][1])
+
+
+def _wgrad_shared_bytes(tile) -> int:
+    """`WgmmaWgradLayout::ALLOCATED` in the kernel source: the stages of 64 pair rows of 128 bytes per 64
+    channels of either operand, plus 1024 bytes to align them to swizzle atoms."""
+    rows, cols = tile
+    return WGRAD_STAGES * (rows + cols) * SWIZZLE_ROW_BYTES + SWIZZLE_ATOM_BYTES
 
 
 def _forward_weight_transposed(dtype) -> bool:
@@ -58,7 +86,8 @@ def _kernel_family(dtype) -> KernelFamily:
     transposed = _forward_weight_transposed(dtype)
     forward = (_kernel_name(dtype, tile, stages, transposed) for tile in TILES for stages in STAGES)
     dgrad = (_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
-    names = dict.fromkeys((*forward, *dgrad))
+    wgrad = (_wgrad_kernel_name(dtype, tile) for tile in WGRAD_TILES if dtype in WGRAD_DTYPES)
+    names = dict.fromkeys((*forward, *dgrad, *wgrad))
     return KernelFamily("wgmma_implicit_gemm.cu", ((name,) for name in names), ARCHITECTURE)
 
 
@@ -86,6 +115,29 @@ def _check_tile(tile, phase: str) -> tuple[int, int]:
     return tile
 
 
+class _WgmmaWgradPlan(MmaWgradPlan):
+    """mma_implicit_gemm's wgrad plan with `wgmma_conv_wgrad` as the GEMM."""
+
+    @staticmethod
+    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
+        return wgrad_tile(in_padded, out_padded)
+
+    @staticmethod
+    def kernel_name(dtype, tile) -> str:
+        return _wgrad_kernel_name(dtype, tile)
+
+    @staticmethod
+    def kernel_family(dtype) -> KernelFamily:
+        return _SOURCES[dtype]
+
+    @staticmethod
+    def gemm_shared_bytes(dtype, tile) -> int:
+        return _wgrad_shared_bytes(tile)
+
+    def threads(self, tile) -> int:
+        return threads(tile)
+
+
 @functools.cache
 def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
           sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
@@ -106,7 +158,7 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         "backward": "wgmma_implicit_gemm_backward_sm90a",
     }
     forward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "sort_rows": (True, False), "stages": STAGES}
-    # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad (mma_implicit_gemm's).
+    # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad.
     backward_params: ClassVar[dict[str, tuple]] = {"tile": TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
@@ -117,6 +169,18 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         32-column tiles ran 17-27% faster in the benchmark grid (H100, 100K voxels x 32 channels, bf16)
         while the tuner's single-call timings sometimes ranked wgmma first."""
         return [tile for tile in TILES if tile[1] <= channels]
+
+    def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
+        """Its own wgrad for 16-bit operands past 64 padded channels on both sides, where it ran faster
+        than mma_implicit_gemm's (H100, fp16, 1M voxels x 256: 5.30 ms against 7.29; 500K x 256: 2.57
+        against 3.42); mma_implicit_gemm's elsewhere: at 64 channels its wider tile ran slower (1M voxels:
+        1.18 ms against 1.04), and wgmma reads TF32 operands K-major only, which the pair-major rows are
+        not (transposing them in shared memory ran slower than mma.sync: 16.0 ms against 13.9 at 1M x
+        256)."""
+        if dtype in WGRAD_DTYPES and min(padded_channels(in_channels), padded_channels(out_channels)) >= \
+                WGRAD_MIN_CHANNELS:
+            return _WgmmaWgradPlan
+        return MmaWgradPlan
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)

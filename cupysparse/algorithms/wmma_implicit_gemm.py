@@ -329,7 +329,7 @@ class WgradPlan:
 
     def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        tile = self.tile_for(in_padded, out_padded)
+        tile = self.tile_for(dtype, in_padded, out_padded)
         self.kernel_volume = kernel_volume
         self.dtype = dtype
         self.padded_sizes = (in_padded, out_padded)
@@ -367,7 +367,7 @@ class WgradPlan:
         return (self.shares(kernel_map.num_in, kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
 
     @staticmethod
-    def tile_for(in_padded: int, out_padded: int) -> tuple:
+    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
 
     def threads(self, tile) -> int:
@@ -384,7 +384,7 @@ class WgradPlan:
     def sources(cls, dtype, in_channels: int, out_channels: int) -> tuple[KernelSource, ...]:
         """The modules a plan of this signature launches from, its features' and gradients' base
         addresses aligned to 16 bytes: the GEMM and the sum."""
-        tile = cls.tile_for(padded_channels(in_channels), padded_channels(out_channels))
+        tile = cls.tile_for(dtype, padded_channels(in_channels), padded_channels(out_channels))
         vectors = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and out_channels * dtype.itemsize % VECTOR_BYTES == 0
         return (*cls.gemm_sources(dtype, tile, vectors), _sum_source(dtype))
 
@@ -441,7 +441,6 @@ class WmmaImplicitGemm(Algorithm):
     }
     # `tile` tunes dgrad, `wgrad_warps_per_sm` wgrad (one parameter space serves both backward phases).
     backward_params: ClassVar[dict[str, tuple]] = {"tile": FORWARD_TILES, "wgrad_warps_per_sm": WGRAD_WARPS_PER_SM}
-    wgrad_plan_class: ClassVar[type[WgradPlan]] = WgradPlan
 
     def auto_priority(self, problem: ConvProblem) -> int:
         return 2  # tensor cores first
@@ -540,13 +539,18 @@ class WmmaImplicitGemm(Algorithm):
             features = cupy_module().ascontiguousarray(features)
         if not grad_output.flags.c_contiguous:
             grad_output = cupy_module().ascontiguousarray(grad_output)
-        plan = wgrad_plan(current_device(), np.dtype(features.dtype), kernel_map.kernel_volume, in_channels,
-                          out_channels, wgrad_warps_per_sm, self.wgrad_plan_class)
+        dtype = np.dtype(features.dtype)
+        plan = wgrad_plan(current_device(), dtype, kernel_map.kernel_volume, in_channels, out_channels,
+                          wgrad_warps_per_sm, self.wgrad_plan_class_for(dtype, in_channels, out_channels))
         return plan(kernel_map, features, grad_output)
 
     # What a subclass with its own forward kernel swaps: the tile check, the plan of that kernel and its
-    # modules, and the pipeline depth dgrad runs it at.
+    # modules, and the pipeline depth dgrad runs it at; and its wgrad plan.
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
+
+    def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
+        """The wgrad plan (its GEMM kernel) for this dtype and these channel counts."""
+        return WgradPlan
 
     def forward_weight_transposed(self, dtype) -> bool:
         """Whether the forward kernel reads the weight transposed, `[K, C_out_pad, C_in_pad]` (as dgrad
@@ -573,7 +577,8 @@ class WmmaImplicitGemm(Algorithm):
             return self.forward_sources(dtype, problem.in_channels, tile, params["stages"],
                                         self.forward_weight_transposed(dtype))
         return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages, True),
-                *self.wgrad_plan_class.sources(dtype, problem.in_channels, problem.out_channels))
+                *self.wgrad_plan_class_for(dtype, problem.in_channels, problem.out_channels).sources(
+                    dtype, problem.in_channels, problem.out_channels))
 
     def checked_tile(self, tile, phase: str) -> tuple:
         return _check_tile(tile, phase)
@@ -602,7 +607,8 @@ class WmmaImplicitGemm(Algorithm):
         dgrad = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
                                self.dgrad_stages, True, True)
         wgrad = wgrad_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
-                           problem.out_channels, params["wgrad_warps_per_sm"], self.wgrad_plan_class)
+                           problem.out_channels, params["wgrad_warps_per_sm"],
+                           self.wgrad_plan_class_for(problem.dtype, problem.in_channels, problem.out_channels))
         return backward_plan(problem, dgrad, wgrad)
 
 
