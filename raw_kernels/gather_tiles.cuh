@@ -32,6 +32,17 @@ __device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool v
 #endif
 }
 
+// copy_16_bytes for 4 bytes (cp.async.ca: L1 too), both addresses 4-byte aligned.
+__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
+#else
+  *reinterpret_cast<unsigned*>(dst) = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
+#endif
+}
+
 __device__ __forceinline__ void commit_async_copies() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -92,6 +103,46 @@ struct PairShare {
     first = begin + share * share_pairs;
     last = min(end, first + share_pairs);
     steps = first < last ? (int)((last - first + STEP_PAIRS - 1) / STEP_PAIRS) : 0;
+  }
+};
+
+// The pair indices (input and output rows) of a wgrad share's steps, copied into shared memory AHEAD steps
+// before the rows they name are staged, so that no thread waits on a dependent global load before its row
+// copies. A pipeline staging step s's rows AHEAD steps before s is multiplied calls `copy(s + AHEAD)` in
+// the same commit group; the first AHEAD steps' come from `copy_first`. Slot s % SLOTS holds step s's, and
+// is refilled only after the barriers that follow every thread's staging of s (SLOTS = 2 AHEAD: the
+// pipelines stage their first AHEAD steps back to back). `BYTES` of shared memory at `slots`.
+template <int PAIRS, int AHEAD, int THREADS>
+struct StagedPairIndices {
+  static constexpr int SLOTS = 2 * AHEAD;
+  static constexpr int BYTES = SLOTS * 2 * PAIRS * (int)sizeof(int);
+  int* slots;
+  const int* in_idx;
+  const int* out_idx;
+  PairShare<PAIRS> share;
+
+  __device__ __forceinline__ void copy(int step) const {
+    int* slot = slots + step % SLOTS * 2 * PAIRS;
+    const long long pair0 = share.first + (long long)step * PAIRS;
+    for (int e = threadIdx.x; e < 2 * PAIRS; e += THREADS) {
+      const long long pair = pair0 + e % PAIRS;
+      const bool valid = pair < share.last;
+      copy_4_bytes(slot + e, (e < PAIRS ? in_idx : out_idx) + (valid ? pair : 0), valid);
+    }
+  }
+
+  // Copies the first AHEAD steps' and waits for them: a barrier, before the pipeline's first staging.
+  __device__ __forceinline__ void copy_first() const {
+    for (int step = 0; step < AHEAD && step < share.steps; ++step) copy(step);
+    commit_async_copies();
+    wait_async_copies<0>();
+    __syncthreads();
+  }
+
+  // Step `step`'s input (0) or output (1) rows of pair r, -1 past the share.
+  __device__ __forceinline__ long long row(int step, int list, int r) const {
+    return share.first + (long long)step * PAIRS + r < share.last ? slots[step % SLOTS * 2 * PAIRS + list * PAIRS + r]
+                                                                    : -1;
   }
 };
 

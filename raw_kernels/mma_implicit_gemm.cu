@@ -301,7 +301,8 @@ struct WgradSharedLayout {
   static constexpr int LDX = TILE_M + K_MAJOR_ROW_PAD, LDY = TILE_N + K_MAJOR_ROW_PAD;
   static constexpr int X_BYTES = PAIRS * LDX * (int)sizeof(T);
   static constexpr int STAGE_BYTES = X_BYTES + PAIRS * LDY * (int)sizeof(T);
-  static constexpr int BYTES = STAGES * STAGE_BYTES;
+  static constexpr int INDICES = STAGES * STAGE_BYTES;
+  static constexpr int BYTES = INDICES + StagedPairIndices<PAIRS, STAGES - 1, 1>::BYTES;
   static_assert(X_BYTES % 128 == 0 && STAGE_BYTES % 128 == 0, "operand tiles start 128-byte aligned");
 };
 
@@ -327,9 +328,11 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
 
-  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
-  const long long first = pairs.first, last = pairs.last;
-  const int steps = pairs.steps;
+  // run_pipeline stages a step's rows STAGES - 1 steps before multiplying it: its indices come STAGES - 1
+  // steps before that.
+  const StagedPairIndices<PAIRS, STAGES - 1, THREADS> indices{reinterpret_cast<int*>(shared + Layout::INDICES), in_idx,
+                                                              out_idx, PairShare<PAIRS>(pair_offsets, k, share, split_k)};
+  indices.copy_first();
 
   float acc[TILES_M][TILES_N][4];
 #pragma unroll
@@ -342,9 +345,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   const auto stage_step = [&](int step, int buffer) {
     T* x_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES);
     T* dy_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES + Layout::X_BYTES);
-    const long long pair0 = first + (long long)step * PAIRS;
-    const auto x_row = [&](int r) -> long long { return pair0 + r < last ? in_idx[pair0 + r] : -1; };
-    const auto dy_row = [&](int r) -> long long { return pair0 + r < last ? out_idx[pair0 + r] : -1; };
+    if (step + STAGES - 1 < indices.share.steps) indices.copy(step + STAGES - 1);
+    const auto x_row = [&](int r) { return indices.row(step, 0, r); };
+    const auto dy_row = [&](int r) { return indices.row(step, 1, r); };
     if (vector_rows) {
       stage_tile<PAIRS, TILE_M, THREADS, true>(x, in_channels, row_base, x_row, x_tile, LDX);
       stage_tile<PAIRS, TILE_N, THREADS, true>(dy, out_channels, col_base, dy_row, dy_tile, LDY);
@@ -386,7 +389,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     }
   };
 
-  run_pipeline<STAGES>(steps, stage_step, multiply_stage);
+  run_pipeline<STAGES>(indices.share.steps, stage_step, multiply_stage);
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2;
   // rows and columns past the padded extents belong to no tile of dW_k.

@@ -66,14 +66,16 @@ struct WgmmaSharedLayout {
 };
 
 // wgrad's, 16-bit operands only: per stage, 64 pairs of both operands MN-major (a region of 64 swizzled
-// 128-byte pair rows per 64 channels: TILE_M / 64 regions of x, then TILE_N / 64 of dy).
+// 128-byte pair rows per 64 channels: TILE_M / 64 regions of x, then TILE_N / 64 of dy); after the stages,
+// the StagedPairIndices of STAGES - 2 steps ahead.
 template <int TILE_M, int TILE_N, int STAGES>
 struct WgmmaWgradLayout {
   static constexpr int PAIRS = SWIZZLE_ROW_BYTES / 2;
   static constexpr int REGION_BYTES = PAIRS * SWIZZLE_ROW_BYTES;
   static constexpr int X_BYTES = TILE_M / 64 * REGION_BYTES;
   static constexpr int STAGE_BYTES = X_BYTES + TILE_N / 64 * REGION_BYTES;
-  static constexpr int ALLOCATED = STAGES * STAGE_BYTES + SWIZZLE_ATOM_BYTES;
+  static constexpr int INDICES = STAGES * STAGE_BYTES;
+  static constexpr int ALLOCATED = INDICES + StagedPairIndices<PAIRS, STAGES - 2, 1>::BYTES + SWIZZLE_ATOM_BYTES;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -507,11 +509,15 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   // exit with copies of one zero register, which ptxas counts against the wgmma pipeline and serialises.
   pin_registers(acc);
 
+  const StagedPairIndices<PAIRS, STAGES - 2, THREADS> indices{reinterpret_cast<int*>(shared + Layout::INDICES), in_idx,
+                                                              out_idx, pairs};
+  indices.copy_first();
+
   // The step's gathered rows: x's channels row_base.. and dy's col_base.. of its pairs (-1 past the share).
   const auto stage_step = [&](int step, int buffer) {
-    const long long pair0 = pairs.first + (long long)step * PAIRS;
-    const auto x_row = [&](int r) -> long long { return pair0 + r < pairs.last ? in_idx[pair0 + r] : -1; };
-    const auto dy_row = [&](int r) -> long long { return pair0 + r < pairs.last ? out_idx[pair0 + r] : -1; };
+    if (step + STAGES - 2 < pairs.steps) indices.copy(step + STAGES - 2);
+    const auto x_row = [&](int r) { return indices.row(step, 0, r); };
+    const auto dy_row = [&](int r) { return indices.row(step, 1, r); };
     unsigned char* x_tile = shared + buffer * Layout::STAGE_BYTES;
     unsigned char* dy_tile = x_tile + Layout::X_BYTES;
     if (vector_rows) {

@@ -122,8 +122,8 @@ def test_wgrad_tile_is_the_narrowest_covering_the_output_channels_or_the_widest(
 
 
 def test_wgrad_shared_memory_follows_the_kernel_layout_and_fits_the_h100():
-    # 4 stages x 64 pair rows of 128 B per 64 channels of x and of dy, + 1 KB
-    assert wgmma_module._wgrad_shared_bytes((128, 256)) == 4 * (2 + 4) * 64 * 128 + 1024
+    # 4 stages x 64 pair rows of 128 B per 64 channels of x and of dy, 4 steps' indices (2 x 64 ints), + 1 KB
+    assert wgmma_module._wgrad_shared_bytes((128, 256)) == 4 * (2 + 4) * 64 * 128 + 4 * 2 * 64 * 4 + 1024
     assert all(wgmma_module._wgrad_shared_bytes(tile) <= H100_SHARED_LIMIT for tile in wgmma_module.WGRAD_TILES)
 
 

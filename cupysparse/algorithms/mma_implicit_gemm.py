@@ -136,8 +136,12 @@ class MmaWgradPlan(WgradPlan):
 
     @staticmethod
     def gemm_shared_bytes(dtype, tile) -> int:
+        """`WgradSharedLayout::BYTES` in the kernel source: the stages, then the pair indices (both lists)
+        of 2 (stages - 1) steps."""
         rows, cols = tile[:2]
-        return WGRAD_STAGES * _wgrad_pairs(dtype.itemsize) * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize
+        pairs = _wgrad_pairs(dtype.itemsize)
+        indices = 2 * (WGRAD_STAGES - 1) * 2 * pairs * 4
+        return WGRAD_STAGES * pairs * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize + indices
 
     @classmethod
     def gemm_sources(cls, dtype, tile, vectors: bool) -> tuple[KernelSource, ...]:

@@ -48,6 +48,7 @@ FEATURE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
 # warpgroups) by the narrowest covering the padded output channels, or the widest.
 WGRAD_TILES = ((128, 128), (128, 256))
 WGRAD_STAGES = 4
+WGRAD_PAIRS = SWIZZLE_ROW_BYTES // 2  # pairs per stage: one 128-byte row of 16-bit channels
 WGRAD_DTYPES = (FLOAT16, BFLOAT16)
 # wgmma's wgrad runs where both padded channel counts pass this; mma_implicit_gemm's elsewhere (see
 # WgmmaImplicitGemm.wgrad_plan_class_for).
@@ -70,9 +71,11 @@ def wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
 
 def _wgrad_shared_bytes(tile) -> int:
     """`WgmmaWgradLayout::ALLOCATED` in the kernel source: the stages of 64 pair rows of 128 bytes per 64
-    channels of either operand, plus 1024 bytes to align them to swizzle atoms."""
+    channels of either operand, the pair indices (both lists) of 2 (stages - 2) steps, plus 1024 bytes to
+    align the stages to swizzle atoms."""
     rows, cols = tile
-    return WGRAD_STAGES * (rows + cols) * SWIZZLE_ROW_BYTES + SWIZZLE_ATOM_BYTES
+    indices = 2 * (WGRAD_STAGES - 2) * 2 * WGRAD_PAIRS * 4
+    return WGRAD_STAGES * (rows + cols) * SWIZZLE_ROW_BYTES + indices + SWIZZLE_ATOM_BYTES
 
 
 def _forward_weight_transposed(dtype) -> bool:
