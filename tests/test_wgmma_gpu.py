@@ -87,8 +87,8 @@ WGRAD_CHANNELS = {(128, 128): ((128, 128), (72, 100), (250, 80)), (128, 256): ((
 def test_every_wgrad_tile_matches_fp64_reference(tile, map_kind, dtype):
     algorithm = get_algorithm(NAME)
     for channels in WGRAD_CHANNELS[tile]:
-        assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels).tile_for(
-            np.dtype(dtype), *(-(-c // 16) * 16 for c in channels)) == tile
+        plan_class = algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels)
+        assert plan_class.tile_for(*(-(-c // 16) * 16 for c in channels)) == tile
         _check(gpu_map(map_kind), channels, dtype, {"wgrad_warps_per_sm": 64}, "wgrad")
 
 

@@ -123,7 +123,7 @@ class MmaWgradPlan(WgradPlan):
     (`tile_for`, `threads`, `kernel_name`, `kernel_family`, `gemm_shared_bytes`)."""
 
     @staticmethod
-    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
+    def tile_for(in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
 
     @staticmethod

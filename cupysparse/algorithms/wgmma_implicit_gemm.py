@@ -122,7 +122,7 @@ class _WgmmaWgradPlan(MmaWgradPlan):
     """mma_implicit_gemm's wgrad plan with `wgmma_conv_wgrad` as the GEMM."""
 
     @staticmethod
-    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
+    def tile_for(in_padded: int, out_padded: int) -> tuple:
         return wgrad_tile(in_padded, out_padded)
 
     @staticmethod
@@ -175,11 +175,11 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         """Its own wgrad for 16-bit operands past 64 padded channels on both sides, where it ran faster
-        than mma_implicit_gemm's (H100, fp16, 1M voxels x 256: 5.30 ms against 7.29; 500K x 256: 2.57
-        against 3.42); mma_implicit_gemm's elsewhere: at 64 channels its wider tile ran slower (1M voxels:
-        1.18 ms against 1.04), and wgmma reads TF32 operands K-major only, which the pair-major rows are
-        not (transposing them in shared memory ran slower than mma.sync: 16.0 ms against 13.9 at 1M x
-        256)."""
+        than mma_implicit_gemm's (H100, fp16, side by side: 1M voxels x 256 4.35 ms against 7.48, x 128
+        1.75 against 2.05, x 80 1.64 against 1.66); mma_implicit_gemm's elsewhere: at 64 channels a 64 x 64
+        wgmma tile ran slower (1M voxels: 1.18 ms against 1.04), and wgmma reads TF32 operands K-major
+        only, which the pair-major rows are not (transposing them in shared memory ran slower than
+        mma.sync: 16.0 ms against 13.9 at 1M x 256)."""
         if dtype in WGRAD_DTYPES and min(padded_channels(in_channels), padded_channels(out_channels)) >= \
                 WGRAD_MIN_CHANNELS:
             return _WgmmaWgradPlan

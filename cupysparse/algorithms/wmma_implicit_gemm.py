@@ -329,7 +329,7 @@ class WgradPlan:
 
     def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
-        tile = self.tile_for(dtype, in_padded, out_padded)
+        tile = self.tile_for(in_padded, out_padded)
         self.kernel_volume = kernel_volume
         self.dtype = dtype
         self.padded_sizes = (in_padded, out_padded)
@@ -367,7 +367,7 @@ class WgradPlan:
         return (self.shares(kernel_map.num_in, kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
 
     @staticmethod
-    def tile_for(dtype, in_padded: int, out_padded: int) -> tuple:
+    def tile_for(in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
 
     def threads(self, tile) -> int:
@@ -384,7 +384,7 @@ class WgradPlan:
     def sources(cls, dtype, in_channels: int, out_channels: int) -> tuple[KernelSource, ...]:
         """The modules a plan of this signature launches from, its features' and gradients' base
         addresses aligned to 16 bytes: the GEMM and the sum."""
-        tile = cls.tile_for(dtype, padded_channels(in_channels), padded_channels(out_channels))
+        tile = cls.tile_for(padded_channels(in_channels), padded_channels(out_channels))
         vectors = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and out_channels * dtype.itemsize % VECTOR_BYTES == 0
         return (*cls.gemm_sources(dtype, tile, vectors), _sum_source(dtype))
 
