@@ -330,9 +330,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
 
   // run_pipeline stages a step's rows STAGES - 1 steps before multiplying it: its indices come STAGES - 1
   // steps before that.
-  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
   const StagedPairIndices<PAIRS, STAGES - 1, THREADS> indices{reinterpret_cast<int*>(shared + Layout::INDICES), in_idx,
-                                                              out_idx, pairs};
+                                                              out_idx, PairShare<PAIRS>(pair_offsets, k, share, split_k)};
   indices.copy_first();
 
   float acc[TILES_M][TILES_N][4];
@@ -346,7 +345,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   const auto stage_step = [&](int step, int buffer) {
     T* x_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES);
     T* dy_tile = reinterpret_cast<T*>(shared + buffer * Layout::STAGE_BYTES + Layout::X_BYTES);
-    if (step + STAGES - 1 < pairs.steps) indices.copy(step + STAGES - 1);
+    if (step + STAGES - 1 < indices.share.steps) indices.copy(step + STAGES - 1);
     const auto x_row = [&](int r) { return indices.row(step, 0, r); };
     const auto dy_row = [&](int r) { return indices.row(step, 1, r); };
     if (vector_rows) {
@@ -390,7 +389,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     }
   };
 
-  run_pipeline<STAGES>(pairs.steps, stage_step, multiply_stage);
+  run_pipeline<STAGES>(indices.share.steps, stage_step, multiply_stage);
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2;
   // rows and columns past the padded extents belong to no tile of dW_k.

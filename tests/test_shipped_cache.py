@@ -11,9 +11,12 @@ from cupysparse import shipped_cache
 from cupysparse import tuner as tuner_module
 from cupysparse.algorithm_modes import AlgorithmFilter
 from cupysparse.algorithms import CONV, ConvProblem
-from cupysparse.benchmark_cache import BenchmarkCache, default_cache
+from cupysparse.benchmark_cache import BenchmarkCache, default_cache, open_for_reading
 from cupysparse.compile import source_digest
 from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
+
+# The folder the wheel ships (the tests below point shipped_cache at folders of their own).
+PACKAGED_SHIPPED_CACHES = shipped_cache.SHIPPED_CACHE_DIR
 
 PROBLEM = ConvProblem(200_000, 200_000, 32, 64, 27, np.dtype(np.float16), "cuda", 90, (1, 1, 1))
 SEARCH_SPACE = AlgorithmFilter(CONV, "forward", "auto")
@@ -175,3 +178,17 @@ def test_the_tuning_cache_records_what_the_tuner_asked_for():
     key = tuning_key(PROBLEM)
     assert {(algorithm.tuning_namespace("forward"), key) for algorithm in results} <= set(asked)
     assert (NAMESPACES[(CONV, "forward")], key) in asked
+
+
+def test_the_shipped_files_were_measured_with_these_kernel_sources():
+    """Every entry of every file the wheel ships names the digests of today's kernel sources. An edit
+    to a kernel source (or a header it includes), even one that leaves its code unchanged, makes the
+    entries that measured it stale: ignored, so that a fresh process tunes again. The file must then be
+    re-populated on a GPU of its architecture (cupysparse-populate-shipped-cache)."""
+    paths = sorted(PACKAGED_SHIPPED_CACHES.glob("*.msgpack"))
+    assert paths
+    for path in paths:
+        stale = {name for entry in open_for_reading(path).entries() for name, digest in entry.kernel_sources
+                 if digest != source_digest(name)}
+        assert not stale, (f"{path.name} was measured with other versions of {sorted(stale)}: re-populate it "
+                           "with cupysparse-populate-shipped-cache on a GPU of its architecture")
