@@ -13,8 +13,9 @@ On a GPU, the kernel modules of every candidate to measure (`Algorithm.kernel_mo
 compiled side by side (`compile.prepare`), not one after the other at each candidate's first launch.
 Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
 runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
-`explicit_gemm` runs. The rest are timed (CUDA events on the GPU, the host clock on the CPU: the
-checked run is the warm-up, then the median of several runs); the few within `CONTENDER_MARGIN` of the
+`explicit_gemm` runs. The rest are timed (on the GPU each call's device time alone, behind a wait that
+lets the host queue it: `device_timing`; the host clock on the CPU: the checked run is the warm-up, then
+the median of several runs); the few within `CONTENDER_MARGIN` of the
 fastest are timed again in interleaved rounds, so that noise and drift do not rank them, each keeping the
 median of all its samples. The results are stored best-first under a key of
 the problem's shape, dtype (and TF32 use) and device architecture, so caches of different GPUs never
@@ -45,6 +46,7 @@ from .algorithm_modes import ALL, AUTO, AlgorithmFilter
 from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
 from .backend import array_module, cupy_module, is_cupy_array
 from .compile import prepare, source_digest
+from .device_timing import WAIT_KERNELS, QueuedTimer
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
 from .out_of_memory import is_out_of_memory
 from .precision import TF32, get_fp32_precision
@@ -124,12 +126,21 @@ def prepare_kernels(pool, phase: str, problem: ConvProblem) -> None:
     """Load the kernel modules the candidates of `pool` launch from, those not loaded yet compiled
     side by side (`compile.prepare`): measured one after the other, each candidate's first launch
     would compile its module alone."""
-    prepare(source for algorithm, params in pool for source in algorithm.kernel_modules(phase, problem, params))
+    sources = [source for algorithm, params in pool for source in algorithm.kernel_modules(phase, problem, params)]
+    prepare([*sources, WAIT_KERNELS])
 
 
 def _synchronize(result) -> None:
     if is_cupy_array(result) or (isinstance(result, tuple) and any(is_cupy_array(r) for r in result)):
         cupy_module().cuda.get_current_stream().synchronize()
+
+
+def candidate_times_ms(run, timer: QueuedTimer | None, repeats: int = TIMED_RUNS) -> list[float]:
+    """The tuner's samples of one candidate, already warmed up: with `timer` (on the GPU) each call's
+    device time alone, else the host clock."""
+    if timer is None:
+        return sample_times_ms(run, on_gpu=False, warmup=0, repeats=repeats)
+    return [timer.time_ms(run) for _ in range(repeats)]
 
 
 def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> float:
@@ -567,7 +578,7 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
     measurement.unchecked = non_finite_reference(reference, problem.dtype)
     if measurement.unchecked is not None:
         return measurement
-    on_gpu = problem.device == "cuda"
+    timer = QueuedTimer() if problem.device == "cuda" else None
     timed: dict[tuple, tuple[Algorithm, dict, list[float]]] = {}  # by candidate: its samples
     for algorithm, params in pool:
         candidate = (algorithm.name, _params_key(params))
@@ -577,20 +588,20 @@ def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
                       else disagreement(first, reference, problem.dtype, problem.tf32))
             if reason is None:
                 # The checked first run warmed this candidate up; time it straight away.
-                samples = sample_times_ms(lambda: run(algorithm, params), on_gpu, warmup=0)
+                samples = candidate_times_ms(lambda: run(algorithm, params), timer)
                 timed[candidate] = (algorithm, params, samples)
             else:
                 log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
                 measurement.skipped[candidate] = reason
         except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
             _skip_raised(measurement, candidate, params, error)
-    retime_contenders(timed, run, on_gpu, measurement)
+    retime_contenders(timed, run, timer, measurement)
     measurement.results = sorted(((algorithm.name, params, statistics.median(samples))
                                   for algorithm, params, samples in timed.values()), key=lambda result: result[2])
     return measurement
 
 
-def retime_contenders(timed: dict, run, on_gpu: bool, measurement: Measurement) -> None:
+def retime_contenders(timed: dict, run, timer: QueuedTimer | None, measurement: Measurement) -> None:
     """Add samples to the candidates of `timed` within `CONTENDER_MARGIN` of the fastest (the fastest
     `MAX_CONTENDERS` of them): `CONTENDER_ROUNDS` rounds of one sample each, round-robin. A contender that
     raises is skipped as in the first pass and leaves `timed`. One contender alone is not run again."""
@@ -604,7 +615,7 @@ def retime_contenders(timed: dict, run, on_gpu: bool, measurement: Measurement) 
         for candidate in list(contenders):
             algorithm, params, samples = timed[candidate]
             try:
-                samples.extend(sample_times_ms(lambda: run(algorithm, params), on_gpu, warmup=0, repeats=1))
+                samples.extend(candidate_times_ms(lambda: run(algorithm, params), timer, repeats=1))
             except Exception as error:  # as in the first pass: a failing candidate must not fail the call
                 contenders.remove(candidate)
                 del timed[candidate]

@@ -12,6 +12,7 @@ from cupysparse.algorithm_modes import AlgorithmFilter
 from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, registered
 from cupysparse.benchmark_cache import BenchmarkCache
 from cupysparse.compile import nvrtc_knows
+from cupysparse.device_timing import WAIT_KERNELS
 from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
 
 PROBLEM = ConvProblem(3000, 1500, 16, 32, 27, np.dtype(np.float16), "cpu", None, (2, 2, 2))
@@ -59,12 +60,12 @@ def timings(monkeypatch):
              ("slow", 1): 5.0, ("slow", 2): 1.0, ("broken", 1): 0.1, ("wrong", 1): 0.2}
     timed = []
 
-    def fake_samples(run, on_gpu, warmup=1, repeats=3):
+    def fake_samples(run, timer, repeats=3):
         name, size = run()
         timed.append((name, size))
         return [table[(name, size)]] * repeats
 
-    monkeypatch.setattr(tuner_module, "sample_times_ms", fake_samples)
+    monkeypatch.setattr(tuner_module, "candidate_times_ms", fake_samples)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return table, timed
 
@@ -98,7 +99,7 @@ def scripted(monkeypatch):
     repeats)."""
     scripts, order = {}, []
 
-    def fake_samples(run, on_gpu, warmup=1, repeats=3):
+    def fake_samples(run, timer, repeats=3):
         name, size = run()
         order.append((name, size, repeats))
         taken = [scripts[(name, size)].pop(0) for _ in range(repeats)]
@@ -107,7 +108,7 @@ def scripted(monkeypatch):
                 raise value
         return taken
 
-    monkeypatch.setattr(tuner_module, "sample_times_ms", fake_samples)
+    monkeypatch.setattr(tuner_module, "candidate_times_ms", fake_samples)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return scripts, order
 
@@ -158,7 +159,7 @@ def test_on_a_gpu_the_modules_of_every_measured_candidate_are_prepared_before_th
     tuner = Tuner(cache_file(tmp_path / "cache.msgpack"))
     assert tuner.select(space("names", "slow", "fast"), gpu_problem, run).algorithm.name == "slow"
     assert prepared == [(["slow.cu forward 1", "slow.cu forward 2", "fast.cu forward 1", "fast.cu forward 2",
-                          "fast.cu forward 3"], [])]  # once, before anything ran
+                          "fast.cu forward 3", WAIT_KERNELS], [])]  # once, before anything ran: the timer's too
     tuner.forget_choices()
     tuner.select(space("names", "slow", "fast"), gpu_problem, run)
     assert len(prepared) == 1  # answered from the cache: nothing to compile
