@@ -1,6 +1,6 @@
 // Holds the GPU for a given time. Queued ahead of a timed call, it keeps the GPU waiting while the
 // host queues the call's launches, so the events around the call time the GPU's work alone.
-// %globaltimer counts nanoseconds on every architecture since sm_30 (in steps of up to a microsecond).
+// %globaltimer is the GPU's clock in nanoseconds.
 __device__ __forceinline__ unsigned long long global_nanoseconds() {
   unsigned long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
