@@ -32,14 +32,14 @@ __device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool v
 #endif
 }
 
-// copy_16_bytes for 4 bytes (cp.async.ca: L1 too), both addresses 4-byte aligned.
-__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src, bool valid) {
+// Copies 4 bytes from global `src` to shared `dst` as copy_16_bytes does (cp.async.ca: L1 too), both
+// addresses 4-byte aligned.
+__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src) {
 #if __CUDA_ARCH__ >= 800
   const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 4 : 0)
-               : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_dst), "l"(src) : "memory");
 #else
-  *reinterpret_cast<unsigned*>(dst) = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
+  *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
 #endif
 }
 
@@ -57,6 +57,18 @@ __device__ __forceinline__ void wait_async_copies() {
 #endif
 }
 
+// `column` moved down `row` (>= 0) rows of `num_cols` elements: one wide multiply-add, which the compiler
+// would otherwise widen into a 64-bit product of the element index.
+template <typename T>
+__device__ __forceinline__ const T* row_element(const T* column, int row, int num_cols) {
+  const unsigned row_bytes = static_cast<unsigned>(num_cols) * sizeof(T);
+  unsigned long long address;
+  asm("mad.wide.u32 %0, %1, %2, %3;\n"
+      : "=l"(address)
+      : "r"(static_cast<unsigned>(row)), "r"(row_bytes), "l"(reinterpret_cast<unsigned long long>(column)));
+  return reinterpret_cast<const T*>(address);
+}
+
 // Copies the tile [ROWS x COLS] of a row-major matrix with `num_cols` columns into shared memory
 // (row stride `ld`): tile row r is matrix row `row_of(r)` (-1: zeros), tile column c is matrix column
 // `col0 + c` (zero at or past `num_cols`). VECTOR_COPIES moves 16 bytes at once through copy_16_bytes
@@ -68,24 +80,27 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_co
     constexpr int ELEMENTS = VECTOR_ELEMENTS<T>;
     static_assert(COLS % ELEMENTS == 0, "tile columns must be whole vectors");
     constexpr int VECTORS_PER_ROW = COLS / ELEMENTS;
-    constexpr int VECTORS = ROWS * VECTORS_PER_ROW;
+    static_assert(THREADS % VECTORS_PER_ROW == 0, "every thread copies one column's vectors");
+    constexpr int ROWS_PER_PASS = THREADS / VECTORS_PER_ROW;
+    // The thread's column, the same in every row: its address and check come before the rows'.
+    const int c = threadIdx.x % VECTORS_PER_ROW * ELEMENTS;
+    const bool column_valid = col0 + c < num_cols;
+    const T* column = src + (column_valid ? col0 + c : 0);
 #pragma unroll
-    for (int i = 0; i < (VECTORS + THREADS - 1) / THREADS; ++i) {
-      const int v = threadIdx.x + i * THREADS;
-      if (VECTORS % THREADS != 0 && v >= VECTORS) break;
-      const int r = v / VECTORS_PER_ROW, c = (v % VECTORS_PER_ROW) * ELEMENTS;
-      const long long row = row_of(r);
-      const int col = col0 + c;
-      const bool valid = row >= 0 && col < num_cols;
-      copy_16_bytes(dst + r * ld + c, valid ? src + row * num_cols + col : src, valid);
+    for (int i = 0; i < (ROWS + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++i) {
+      const int r = threadIdx.x / VECTORS_PER_ROW + i * ROWS_PER_PASS;
+      if (ROWS % ROWS_PER_PASS != 0 && r >= ROWS) break;
+      const int row = row_of(r);
+      const bool valid = column_valid && row >= 0;
+      copy_16_bytes(dst + r * ld + c, row_element(column, valid ? row : 0, num_cols), valid);
     }
   } else {
     const T zero = from_float<T>(0.0f);
     for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
       const int r = e / COLS, c = e % COLS;
-      const long long row = row_of(r);
+      const int row = row_of(r);
       const int col = col0 + c;
-      dst[r * ld + c] = (row >= 0 && col < num_cols) ? src[row * num_cols + col] : zero;
+      dst[r * ld + c] = (row >= 0 && col < num_cols) ? *row_element(src + col, row, num_cols) : zero;
     }
   }
 }
@@ -111,7 +126,8 @@ struct PairShare {
 // copies. A pipeline staging step s's rows AHEAD steps before s is multiplied calls `copy(s + AHEAD)` in
 // the same commit group; the first AHEAD steps' come from `copy_first`. Slot s % SLOTS holds step s's, and
 // is refilled only after the barriers that follow every thread's staging of s (SLOTS = 2 AHEAD: the
-// pipelines stage their first AHEAD steps back to back). `BYTES` of shared memory at `slots`.
+// pipelines stage their first AHEAD steps back to back); a pair past the share is stored as -1, so
+// a row needs no range check. `BYTES` of shared memory at `slots`.
 template <int PAIRS, int AHEAD, int THREADS>
 struct StagedPairIndices {
   static constexpr int SLOTS = 2 * AHEAD;
@@ -126,8 +142,10 @@ struct StagedPairIndices {
     const long long pair0 = share.first + (long long)step * PAIRS;
     for (int e = threadIdx.x; e < 2 * PAIRS; e += THREADS) {
       const long long pair = pair0 + e % PAIRS;
-      const bool valid = pair < share.last;
-      copy_4_bytes(slot + e, (e < PAIRS ? in_idx : out_idx) + (valid ? pair : 0), valid);
+      if (pair < share.last)
+        copy_4_bytes(slot + e, (e < PAIRS ? in_idx : out_idx) + pair);
+      else
+        slot[e] = -1;
     }
   }
 
@@ -139,10 +157,9 @@ struct StagedPairIndices {
     __syncthreads();
   }
 
-  // Step `step`'s input (0) or output (1) rows of pair r, -1 past the share.
-  __device__ __forceinline__ long long row(int step, int list, int r) const {
-    return share.first + (long long)step * PAIRS + r < share.last ? slots[step % SLOTS * 2 * PAIRS + list * PAIRS + r]
-                                                                    : -1;
+  // Step `step`'s input (0) or output (1) rows of pair r, -1 past the share (written so by `copy`).
+  __device__ __forceinline__ int row(int step, int list, int r) const {
+    return slots[step % SLOTS * 2 * PAIRS + list * PAIRS + r];
   }
 };
 

@@ -234,24 +234,26 @@ __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, i
                                                    unsigned char* dst) {
   constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, ELEMENTS = VECTOR_ELEMENTS<T>, ROW_ELEMENTS = STAGE_CHANNELS<T>;
   if constexpr (VECTOR_COPIES) {
-    static_assert(ROWS * CHUNKS % THREADS == 0, "whole copies per thread");
+    static_assert(ROWS * CHUNKS % THREADS == 0 && THREADS % CHUNKS == 0, "whole copies, one chunk per thread");
+    // The thread's chunk, the same in every row: its address and check come before the rows'.
+    const int chunk = threadIdx.x % CHUNKS;
+    const bool column_valid = col0 + chunk * ELEMENTS < num_cols;
+    const T* column = src + (column_valid ? col0 + chunk * ELEMENTS : 0);
 #pragma unroll
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-      const int v = threadIdx.x + i * THREADS;
-      const int r = v / CHUNKS, chunk = v % CHUNKS;
-      const long long row = row_of(r);
-      const int col = col0 + chunk * ELEMENTS;
-      const bool valid = row >= 0 && col < num_cols;
-      copy_16_bytes(dst + swizzled(r, chunk), valid ? src + row * num_cols + col : src, valid);
+      const int r = threadIdx.x / CHUNKS + i * (THREADS / CHUNKS);
+      const int row = row_of(r);
+      const bool valid = column_valid && row >= 0;
+      copy_16_bytes(dst + swizzled(r, chunk), row_element(column, valid ? row : 0, num_cols), valid);
     }
   } else {
     const T zero = from_float<T>(0.0f);
     for (int e = threadIdx.x; e < ROWS * ROW_ELEMENTS; e += THREADS) {
       const int r = e / ROW_ELEMENTS, c = e % ROW_ELEMENTS;
-      const long long row = row_of(r);
+      const int row = row_of(r);
       const int col = col0 + c;
       *reinterpret_cast<T*>(dst + swizzled(r, c / ELEMENTS) + (c % ELEMENTS) * (int)sizeof(T)) =
-          row >= 0 && col < num_cols ? src[row * num_cols + col] : zero;
+          row >= 0 && col < num_cols ? *row_element(src + col, row, num_cols) : zero;
     }
   }
 }
@@ -262,33 +264,36 @@ __device__ __forceinline__ void stage_swizzled_rows(const T* __restrict__ src, i
 // an MN-major operand, its rows along k (the forward's N-major B: weight rows; both wgrad operands: pair
 // rows). VECTOR_COPIES as in stage_swizzled_rows.
 template <int ROWS, int COLS, int THREADS, bool VECTOR_COPIES, typename T, typename RowOf>
-__device__ __forceinline__ void stage_mn_major(const T* __restrict__ src, long long num_rows, int num_cols, int col0,
+__device__ __forceinline__ void stage_mn_major(const T* __restrict__ src, int num_rows, int num_cols, int col0,
                                                RowOf row_of, unsigned char* dst) {
   static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
   constexpr int CHUNKS = SWIZZLE_ROW_BYTES / 16, REGION_COLUMNS = SWIZZLE_ROW_BYTES / 2;
   constexpr int REGION_BYTES = ROWS * SWIZZLE_ROW_BYTES;
   if constexpr (VECTOR_COPIES) {
     constexpr int ROW_VECTORS = COLS / VECTOR, VECTORS = ROWS * ROW_VECTORS;
-    static_assert(VECTORS % THREADS == 0, "whole copies per thread");
+    static_assert(VECTORS % THREADS == 0 && THREADS % ROW_VECTORS == 0, "whole copies, one vector column per thread");
+    // Consecutive threads read consecutive 16 bytes of a row; the thread's column, the same in every row,
+    // has its address and check before the rows'.
+    const int n_vector = threadIdx.x % ROW_VECTORS;
+    const bool column_valid = col0 + n_vector * VECTOR < num_cols;
+    const T* column = src + (column_valid ? col0 + n_vector * VECTOR : 0);
+    unsigned char* region = dst + n_vector / CHUNKS * REGION_BYTES;
 #pragma unroll
     for (int i = 0; i < VECTORS / THREADS; ++i) {
-      const int v = threadIdx.x + i * THREADS;  // consecutive threads read consecutive 16 bytes of a row
-      const int r = v / ROW_VECTORS, n_vector = v % ROW_VECTORS;
-      const long long row = row_of(r);
-      const int col = col0 + n_vector * VECTOR;
-      const bool valid = row >= 0 && row < num_rows && col < num_cols;
-      unsigned char* region = dst + n_vector / CHUNKS * REGION_BYTES;
-      copy_16_bytes(region + swizzled(r, n_vector % CHUNKS), valid ? src + row * num_cols + col : src, valid);
+      const int r = threadIdx.x / ROW_VECTORS + i * (THREADS / ROW_VECTORS);
+      const int row = row_of(r);
+      const bool valid = column_valid && row >= 0 && row < num_rows;
+      copy_16_bytes(region + swizzled(r, n_vector % CHUNKS), row_element(column, valid ? row : 0, num_cols), valid);
     }
   } else {
     const T zero = from_float<T>(0.0f);
     for (int e = threadIdx.x; e < ROWS * COLS; e += THREADS) {
       const int r = e / COLS, n = e % COLS;
-      const long long row = row_of(r);
+      const int row = row_of(r);
       const int col = col0 + n, in_region = n % REGION_COLUMNS;
       *reinterpret_cast<T*>(dst + n / REGION_COLUMNS * REGION_BYTES + swizzled(r, in_region / VECTOR) +
                             in_region % VECTOR * (int)sizeof(T)) =
-          row >= 0 && row < num_rows && col < num_cols ? src[row * num_cols + col] : zero;
+          row >= 0 && row < num_rows && col < num_cols ? *row_element(src + col, row, num_cols) : zero;
     }
   }
 }
@@ -490,7 +495,7 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   static_assert(TILE_M % WGMMA_M == 0 && TILE_N % 64 == 0 && TILE_N <= 256, "wgmma tile shapes");
   using Layout = WgmmaWgradLayout<TILE_M, TILE_N, STAGES>;
   constexpr int PAIRS = Layout::PAIRS;
-  constexpr long long NO_ROW_LIMIT = 0x7fffffffffffffffll;  // the gathered rows end at their -1 entries
+  constexpr int NO_ROW_LIMIT = 0x7fffffff;  // the gathered rows end at their -1 entries
 
   extern __shared__ __align__(128) unsigned char shared_allocation[];
   unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
