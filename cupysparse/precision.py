@@ -1,10 +1,10 @@
 """How fp32 convolutions multiply: exactly in fp32 ("ieee", the default) or on tensor cores with
 the operands rounded to TF32 ("tf32": 10 mantissa bits, fp32 accumulation, the range of fp32).
 
-TF32 runs the fp32 layers of a network through `mma_implicit_gemm` (sm_80+, operands rounded to
-nearest) or, on an H100, `wgmma_implicit_gemm` (operands truncated: the tensor cores ignore the low
-13 mantissa bits), several times faster than fp32 arithmetic, at the cost of about three decimal
-digits per product; the sums stay fp32. Like
+TF32 runs the fp32 layers of a network through `mma_implicit_gemm` (sm_80+) or, on an H100,
+`wgmma_implicit_gemm`, several times faster than fp32 arithmetic: both hand the tensor cores the fp32
+operands as they are, and the tensor cores ignore their 13 low mantissa bits (truncation toward
+zero), which costs about three decimal digits per product; the sums stay fp32. Like
 PyTorch (whose own flags this library does not read), the choice is global: `set_fp32_precision`,
 the `fp32_precision` context manager, or the environment variable CUPYSPARSE_FP32_PRECISION. fp16,
 bf16 and fp64 convolutions are not affected. The tuner keeps the measurements of TF32 problems apart

@@ -1,7 +1,9 @@
 // Implicit GEMM on tensor cores through mma.sync (sm_80+): fp16 or bf16 inputs (m16n8k16), or fp32
-// inputs rounded to TF32 (m16n8k8), fp32 accumulation in registers, operands moved into shared memory by
-// a STAGES-deep cp.async pipeline and into registers by ldmatrix (or, for TF32 operands stored k-major,
-// element by element: ldmatrix transposes 16-bit elements only).
+// inputs as TF32 (m16n8k8: operands go in as loaded, and the tensor cores ignore their 13 low mantissa
+// bits, a truncation, as in wgmma_implicit_gemm; rounding each to nearest first cost two instructions
+// per operand register, a fifth of the TF32 wgrad's), fp32 accumulation in registers, operands moved
+// into shared memory by a STAGES-deep cp.async pipeline and into registers by ldmatrix (or, for TF32
+// operands stored k-major, element by element: ldmatrix transposes 16-bit elements only).
 //
 // Forward (and dgrad: the forward over the reversed pair table, reading the weight transposed) is
 // output-stationary, as in wmma_implicit_gemm.cu: a block owns BLOCK_M output rows x BLOCK_N output
@@ -54,39 +56,23 @@ __device__ __forceinline__ void mma_tile(float (&d)[4], const unsigned (&a)[4], 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// An fp32 value rounded to TF32 (10 mantissa bits, to nearest, ties away from zero), as the mma reads it.
-__device__ __forceinline__ unsigned to_tf32(float value) {
-  unsigned rounded;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(rounded) : "f"(value));
-  return rounded;
-}
-
-// Rounds fp32 operands loaded by ldmatrix to TF32; 16-bit operands are used as loaded.
-template <typename T, int N>
-__device__ __forceinline__ void round_operands(unsigned (&r)[N]) {
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) r[i] = to_tf32(__uint_as_float(r[i]));
-  }
-}
-
 // TF32 fragments from fp32 tiles stored k-major ([k][m] or [k][n], row stride ld), element by element
 // (g = lane / 4, t = lane % 4): A 16 x 8 at (m0, k0) holds (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4);
 // B 8 x 8 at (k0, n0) holds (t, g), (t + 4, g).
 __device__ __forceinline__ void load_a_k_major(unsigned (&a)[4], const float* tile, int ld, int m0, int k0,
                                                int lane) {
   const float* base = tile + (k0 + lane % 4) * ld + m0 + lane / 4;
-  a[0] = to_tf32(base[0]);
-  a[1] = to_tf32(base[8]);
-  a[2] = to_tf32(base[4 * ld]);
-  a[3] = to_tf32(base[4 * ld + 8]);
+  a[0] = __float_as_uint(base[0]);
+  a[1] = __float_as_uint(base[8]);
+  a[2] = __float_as_uint(base[4 * ld]);
+  a[3] = __float_as_uint(base[4 * ld + 8]);
 }
 
 __device__ __forceinline__ void load_b_k_major(unsigned (&b)[2], const float* tile, int ld, int k0, int n0,
                                                int lane) {
   const float* base = tile + (k0 + lane % 4) * ld + n0 + lane / 4;
-  b[0] = to_tf32(base[0]);
-  b[1] = to_tf32(base[4 * ld]);
+  b[0] = __float_as_uint(base[0]);
+  b[1] = __float_as_uint(base[4 * ld]);
 }
 
 // Four 8 x 8 matrices of 16-bit values (8 rows of 16 bytes; of fp32 values, 8 x 4) from shared memory;
@@ -190,7 +176,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
 #pragma unroll
       for (int i = 0; i < TILES_M; ++i) {
         load_matrices<false>(a[i], a_tile + (warp_row + i * MMA_M + lane % 16) * LDA + kk + (lane / 16) * HALF_K);
-        round_operands<T>(a[i]);
       }
       // B STEP_K x 16 (two n8 tiles): matrices (first k half, n 0-7), (second, n 0-7), (first, n 8-15),
       // (second, n 8-15), as they are from [n][k] rows, or transposed on load from [k][n] rows (fp32
@@ -207,7 +192,6 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
             load_matrices<false>(r, b_tile + (n0 + lane % 8 + (lane / 16) * 8) * LDB + kk + (lane / 8) % 2 * HALF_K);
           else
             load_matrices<true>(r, b_tile + (kk + lane % 16) * LDB + n0 + (lane / 16) * 8);
-          round_operands<T>(r);
           b[j][0] = r[0], b[j][1] = r[1], b[j + 1][0] = r[2], b[j + 1][1] = r[3];
         }
       }

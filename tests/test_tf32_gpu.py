@@ -1,12 +1,12 @@
 """TF32 on the GPU (`pytest -m gpu`): fp32 features through mma_implicit_gemm's m16n8k8 kernels and,
 on an H100, wgmma_implicit_gemm's m64nNk8 ones.
 
-mma_implicit_gemm rounds every operand to TF32 (to nearest, ties away from zero) as it leaves shared
-memory; wgmma's tensor cores read the operands from shared memory as they are and ignore their 13 low
-mantissa bits (truncation toward zero). Both sum in fp32. So the reference is the fp64 convolution of
-the inputs rounded the algorithm's way in NumPy, and the result must match it within the fp32 bounds:
-what is left is fp32 accumulation. A kernel that read an operand unrounded, rounded it the other way,
-or took a wrong fragment element fails.
+Both hand the tensor cores the fp32 values as they are, and the tensor cores ignore their 13 low
+mantissa bits (truncation toward zero); the sums stay fp32. So the reference is the fp64 convolution of
+the inputs truncated in NumPy, and the result must match it within the fp32 bounds: what is left is fp32
+accumulation. A kernel that read an operand at full precision, rounded it to nearest, or took a wrong
+fragment element fails (rounding to nearest moves a product by up to 2^-10 of itself, far more than the
+bounds).
 """
 
 import numpy as np
@@ -47,57 +47,33 @@ def _runs_tf32(name: str = NAME) -> bool:
 needs_tf32 = pytest.mark.skipif(not _runs_tf32(), reason="TF32 tensor cores need sm_80 or newer")
 
 
-def round_to_tf32(values: np.ndarray) -> np.ndarray:
-    """fp32 values rounded to TF32's 10 mantissa bits, to nearest with ties away from zero (as
-    cvt.rna.tf32.f32): half a TF32 unit added to the magnitude, the 13 low bits cleared."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
-
-
 def truncate_to_tf32(values: np.ndarray) -> np.ndarray:
     """fp32 values with their 13 low mantissa bits cleared: TF32 truncated toward zero."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     return (bits & np.uint32(0xFFFFE000)).view(np.float32)
 
 
-# How each TF32 algorithm reads an fp32 operand, and the largest relative error that makes (unit roundoff).
-OPERAND_ROUNDING = {"mma_implicit_gemm": (round_to_tf32, 2.0**-11), "wgmma_implicit_gemm": (truncate_to_tf32, 2.0**-10)}
+TF32_UNIT_ROUNDOFF = 2.0**-10  # the largest relative error of a truncated operand
 TF32_ALGORITHMS = [pytest.param(name, marks=pytest.mark.skipif(not _runs_tf32(name), reason=f"{name} cannot run "
-                                                               "TF32 on this GPU")) for name in OPERAND_ROUNDING]
+                                                               "TF32 on this GPU"))
+                   for name in ("mma_implicit_gemm", "wgmma_implicit_gemm")]
 
 
-def tf32_reference(phase, kernel_map, x, w, dy, name=NAME):
-    rounded = OPERAND_ROUNDING[name][0]
-    return reference_phase(phase, kernel_map, rounded(x), rounded(w), rounded(dy))
+def tf32_reference(phase, kernel_map, x, w, dy):
+    return reference_phase(phase, kernel_map, truncate_to_tf32(x), truncate_to_tf32(w), truncate_to_tf32(dy))
 
 
-def tf32_algorithms_matching(actual, kernel_map, x, w, dy) -> list[str]:
-    """The TF32 algorithms whose forward reference (inputs rounded their way) `actual` matches within
-    the fp32 bounds: which one a tuned call ran. The two roundings differ by far more than the bounds
-    (truncation shrinks every product by about 2^-10)."""
-    matching = []
-    for name in OPERAND_ROUNDING:
-        expected, (terms, a, b) = tf32_reference("forward", kernel_map, x, w, dy, name)
-        try:
-            assert_close(actual, expected, FLOAT32, terms, a, b)
-            matching.append(name)
-        except AssertionError:
-            pass
-    return matching
+def assert_tf32_forward(actual, kernel_map, x, w, dy, message):
+    expected, (terms, a, b) = tf32_reference("forward", kernel_map, x, w, dy)
+    assert_close(actual, expected, FLOAT32, terms, a, b, message)
 
 
-def test_rounding_helpers_round_to_nearest_ties_away_and_toward_zero():
+def test_truncation_clears_the_low_mantissa_bits_toward_zero():
     one_ulp = 2.0**-10
-    values = np.array([1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp / 4, -(1.0 + one_ulp / 2), 1.0 + 3 * one_ulp / 4],
+    values = np.array([1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp, -(1.0 + 3 * one_ulp / 4), 1.0 + 7 * one_ulp / 4],
                       np.float32)
-    nearest = np.array([1.0, 1.0 + one_ulp, 1.0, -(1.0 + one_ulp), 1.0 + one_ulp], np.float32)
-    np.testing.assert_array_equal(round_to_tf32(values), nearest)
-    np.testing.assert_array_equal(truncate_to_tf32(values), np.array([1.0, 1.0, 1.0, -1.0, 1.0], np.float32))
-
-
-def _wgrad_reference_name(name: str, phase: str) -> str:
-    """Whose rounding `phase` of `name` follows: wgmma_implicit_gemm's wgrad is mma_implicit_gemm's."""
-    return NAME if phase == "wgrad" else name
+    np.testing.assert_array_equal(truncate_to_tf32(values),
+                                  np.array([1.0, 1.0, 1.0 + one_ulp, -1.0, 1.0 + one_ulp], np.float32))
 
 
 @pytest.mark.parametrize("name", TF32_ALGORITHMS)
@@ -110,7 +86,7 @@ def test_tf32_phases_match_the_reference_of_rounded_inputs(map_kind, channels, p
     x, w, dy = _inputs(kernel_map, *channels, FLOAT32, seed=sum(channels))
     params = algorithm.default_params("forward" if phase == "forward" else "backward")
     actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
-    expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy, _wgrad_reference_name(name, phase))
+    expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy)
     assert np.abs(expected).max() > 0
     assert_close(actual, expected, FLOAT32, terms, a, b, f"{name} tf32 {phase}")
 
@@ -125,7 +101,7 @@ def test_tf32_differs_from_exact_fp32_by_the_operand_rounding(name):
     actual = run_phase(algorithm, "forward", kernel_map, x, w, dy, algorithm.default_params("forward"))
     exact, _ = reference_phase("forward", kernel_map, x, w, dy)
     relative = np.abs(actual - exact).max() / np.abs(exact).max()
-    assert 1e-5 < relative < 4 * OPERAND_ROUNDING[name][1]
+    assert 1e-5 < relative < 4 * TF32_UNIT_ROUNDOFF
 
 
 @pytest.mark.parametrize("name", TF32_ALGORITHMS)
@@ -134,7 +110,7 @@ def test_every_tf32_parameter_combination_is_correct(phase, name):
     algorithm = get_algorithm(name)
     kernel_map = gpu_map("submanifold")
     x, w, dy = _inputs(kernel_map, 40, 24, FLOAT32, seed=5)
-    expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy, _wgrad_reference_name(name, phase))
+    expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy)
     for params in algorithm.param_grid("forward" if phase == "forward" else "backward"):
         actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
         assert_close(actual, expected, FLOAT32, terms, a, b, f"{name} tf32 {phase} {params}")
@@ -151,7 +127,7 @@ def test_every_tf32_tile_over_several_channel_stages_and_column_tiles(phase, nam
     grid = algorithm.param_grid("forward" if phase == "forward" else "backward")
     for channels in ((128, 256), (96, 200), (200, 96)):
         x, w, dy = _inputs(kernel_map, *channels, FLOAT32, seed=channels[1])
-        expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy, name)
+        expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy)
         for params in grid:
             if params.get("sort_rows", True) and params.get("wgrad_warps_per_sm", 32) == 32:
                 actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
@@ -176,7 +152,7 @@ def test_tf32_launch_plans_over_two_maps(channels, misaligned, name):
         x, w, dy = _inputs(kernel_map, *channels, FLOAT32, seed=11 + seed)
         results = _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned)
         for phase, actual in results.items():
-            expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy, _wgrad_reference_name(name, phase))
+            expected, (terms, a, b) = tf32_reference(phase, kernel_map, x, w, dy)
             assert_close(actual, expected, FLOAT32, terms, a, b,
                          f"{name} tf32 planned {phase} {channels} map {seed}")
 
@@ -215,7 +191,7 @@ def test_the_functional_api_runs_tf32_only_when_chosen(monkeypatch):
     exact_out = functional.spatially_sparse_conv(gpu_in, cupy.asarray(w), 3).features.get()
 
     dy = np.zeros((kernel_map.num_out, 32))
-    assert len(tf32_algorithms_matching(tf32_out, kernel_map, x, w, dy)) == 1  # one TF32 algorithm's result
+    assert_tf32_forward(tf32_out, kernel_map, x, w, dy, "tf32 through the functional API")
     exact, (terms, a, b) = reference_phase("forward", kernel_map, x, w, dy)
     assert_close(exact_out, exact, FLOAT32, terms, a, b, "exact fp32 through the functional API")
     assert np.abs(tf32_out - exact).max() > 1e-5 * np.abs(exact).max()  # exact fp32 is ~1e-7 off
@@ -242,5 +218,5 @@ def test_a_torch_layer_follows_the_precision_switch():
             tf32_out = conv(tensor).features.cpu().numpy()
         second_exact = conv(tensor).features.cpu().numpy()
     assert_close(first_exact, exact, FLOAT32, terms, a, b, "torch, exact fp32")
-    assert len(tf32_algorithms_matching(tf32_out, kernel_map, x, w, dy)) == 1, "torch, tf32"
+    assert_tf32_forward(tf32_out, kernel_map, x, w, dy, "torch, tf32")
     assert_close(second_exact, exact, FLOAT32, terms, a, b, "torch, exact fp32 again")

@@ -1,6 +1,6 @@
 """`mma_implicit_gemm`: implicit GEMM on tensor cores through `mma.sync` and `ldmatrix` (sm_80+,
-fp16 and bf16 features, and fp32 features rounded to TF32 when `cupysparse.precision` allows it; fp32
-accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
+fp16 and bf16 features, and fp32 features as TF32 when `cupysparse.precision` allows it: the tensor
+cores read them truncated to TF32; fp32 accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
 
 The dataflow is wmma_implicit_gemm's (output-stationary tiles over the mask-sorted rows, offsets a
 tile's rows lack skipped, each output written once, dgrad as the same kernel reading the weight

@@ -1,7 +1,7 @@
 """`wgmma_implicit_gemm`: implicit GEMM on Hopper's warpgroup tensor cores (`wgmma.mma_async`,
 sm_90a only: compute capability 9.0 exactly, with an NVRTC that knows sm_90a), fp16 and bf16 features,
 and fp32 ones as TF32 when `cupysparse.precision` allows it (the tensor cores read the 19 high bits of
-each fp32 operand: truncated, where mma_implicit_gemm rounds to nearest), fp32 accumulation; forward and
+each fp32 operand: truncated, as in mma_implicit_gemm), fp32 accumulation; forward and
 dgrad kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with -arch=sm_90a.
 
 The forward is mma_implicit_gemm's dataflow (output-stationary tiles over the mask-sorted rows, offsets
