@@ -28,6 +28,7 @@ from .backend import array_module, is_cupy_array
 from .compile import KernelSource, launch_config
 from .coordinate_index import Query, build_index, unique_coordinates, unique_coordinates_by
 from .coords import as_tuple, check_row_count, kernel_offsets, key_layout
+from .out_of_memory import MapSizes, naming_map_sizes
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
 # threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
@@ -625,7 +626,9 @@ class KernelMapCache:
             raise ValueError("generative=True needs transposed=True")
         key = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
         if key not in self._maps:
-            result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+            sizes = MapSizes(int(coords.shape[0]), *key)
+            with naming_map_sizes(sizes):
+                result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
             result.kernel_map.derive_in = self.derive_in
             self._maps[key] = result
         return self._maps[key]

@@ -1,11 +1,12 @@
 """Out-of-memory errors: recognising them whichever allocator raised them, and naming the sizes of
-the convolution that ran out in them.
+the convolution, or of the kernel map, that ran out in them.
 
-A convolution that does not fit raises the error of the allocator that failed, of its own type:
-`cupy.cuda.memory.OutOfMemoryError` from CuPy's pool, `torch.OutOfMemoryError` when the torch
-adapter routes CuPy's allocations to torch's caching allocator, `MemoryError` from NumPy. The
-message keeps the allocator's words (the bytes requested, what is in use) and gains the
-convolution's sizes, added by `naming_sizes` around the library's entry points, once per error.
+A convolution or a kernel map that does not fit raises the error of the allocator that failed, of
+its own type: `cupy.cuda.memory.OutOfMemoryError` from CuPy's pool, `torch.OutOfMemoryError` when
+the torch adapter routes CuPy's allocations to torch's caching allocator, `MemoryError` from NumPy.
+The message keeps the allocator's words (the bytes requested, what is in use) and gains the sizes,
+added by `naming_sizes` around the library's convolution entry points and `naming_map_sizes` around
+a kernel map's build, once per error.
 """
 
 from __future__ import annotations
@@ -70,6 +71,31 @@ class ConvSizes:
         )
 
 
+@dataclass(frozen=True)
+class MapSizes:
+    """The sizes of one kernel map's build, as an out-of-memory message names them."""
+
+    num_coordinates: int  # the input's
+    tensor_stride: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    generative: bool
+
+    def describe(self) -> str:
+        offsets = int(np.prod(self.kernel_size))
+        kind = ("generative transposed" if self.generative else "transposed" if self.transposed
+                else "strided" if any(s > 1 for s in self.stride) else "submanifold")
+        return (
+            f"cupysparse ran out of memory building the kernel map of a {kind} convolution: "
+            f"{self.num_coordinates:,} coordinates at tensor stride {self.tensor_stride}, kernel {self.kernel_size} "
+            f"({offsets} offsets), stride {self.stride}, dilation {self.dilation}; its pair table takes 4 bytes per "
+            f"output row and offset ({_bytes(4 * offsets * self.num_coordinates)} for "
+            f"{self.num_coordinates:,} output rows)"
+        )
+
+
 def _bytes(count: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:
@@ -98,10 +124,27 @@ def name_sizes(error: BaseException, description: str) -> None:
         error.add_note(description)
 
 
-class naming_sizes:  # lower case: used as a context manager, like contextlib's
+class _NamingOnOutOfMemory:
+    """A context manager whose out-of-memory errors gain `description()`, worked out only then (the
+    hot path pays nothing); other errors pass untouched."""
+
+    __slots__ = ()
+
+    def description(self) -> str:
+        raise NotImplementedError
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, Exception) and is_out_of_memory(error):
+            name_sizes(error, self.description())
+        return False
+
+
+class naming_sizes(_NamingOnOutOfMemory):  # lower case: used as a context manager, like contextlib's
     """`with naming_sizes(phase, features, weight, kernel_map, algorithm):` an out-of-memory error
-    raised inside names the convolution's sizes (`ConvSizes.of` the arguments, worked out only
-    then: the hot path pays nothing); other errors pass untouched."""
+    raised inside names the convolution's sizes (`ConvSizes.of` the arguments)."""
 
     __slots__ = ("_arguments", "_algorithm")
 
@@ -110,10 +153,18 @@ class naming_sizes:  # lower case: used as a context manager, like contextlib's
         self._arguments = (phase, features, weight, kernel_map, depthwise)
         self._algorithm = algorithm
 
-    def __enter__(self) -> None:
-        return None
+    def description(self) -> str:
+        return ConvSizes.of(*self._arguments).describe(self._algorithm)
 
-    def __exit__(self, kind, error, traceback) -> bool:
-        if isinstance(error, Exception) and is_out_of_memory(error):
-            name_sizes(error, ConvSizes.of(*self._arguments).describe(self._algorithm))
-        return False
+
+class naming_map_sizes(_NamingOnOutOfMemory):
+    """`with naming_map_sizes(MapSizes(...)):` an out-of-memory error raised inside names the kernel
+    map's sizes."""
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self, sizes: MapSizes):
+        self._sizes = sizes
+
+    def description(self) -> str:
+        return self._sizes.describe()

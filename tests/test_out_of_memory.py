@@ -147,6 +147,57 @@ def test_the_torch_adapter_raises_torch_out_of_memory_naming_the_sizes_in_both_p
     np.testing.assert_allclose(features.grad.numpy(), grid.read(dense, coordinates), rtol=1e-12, atol=1e-12)
 
 
+def expected_map_sizes(kind, num_coordinates, stride) -> str:
+    """The message of a map build over `num_coordinates` with a 3^3 kernel, worked out here."""
+    return (f"cupysparse ran out of memory building the kernel map of a {kind} convolution: {num_coordinates:,} "
+            f"coordinates at tensor stride (1, 1, 1), kernel (3, 3, 3) (27 offsets), stride {stride}, "
+            f"dilation (1, 1, 1); its pair table takes 4 bytes per output row and offset "
+            f"({4 * 27 * num_coordinates / 1024:.3g} KiB for {num_coordinates:,} output rows)")
+
+
+def test_a_kernel_map_that_runs_out_of_memory_names_its_sizes_and_is_built_on_the_next_call(monkeypatch):
+    from cupysparse import kernel_map
+
+    coordinates = scene()
+    rng = np.random.default_rng(3)
+    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
+    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    tensor = SparseTensor(coordinates, features)
+    allocator_says = "Unable to allocate 8.00 GiB for an array with shape (300, 27)"
+    calls = fail_once(monkeypatch, kernel_map, "submanifold_map", MemoryError(allocator_says))
+
+    with pytest.raises(MemoryError) as raised:
+        functional.spatially_sparse_conv(tensor, weight, 3)
+    assert str(raised.value) == f"{allocator_says} ({expected_map_sizes('submanifold', 300, '(1, 1, 1)')})"
+
+    out = functional.spatially_sparse_conv(tensor, weight, 3)  # the failed build left nothing in the map cache
+    assert len(calls) == 2
+    assert_close(out.features, dense_submanifold(coordinates, features, weight), np.float32, 27 * 4, features, weight)
+
+
+def test_a_strided_map_out_of_cupy_memory_keeps_the_error_type_and_names_the_map(monkeypatch):
+    cupy_error = pytest.importorskip("cupy.cuda.memory").OutOfMemoryError
+    from cupysparse import kernel_map
+
+    coordinates = scene()
+    rng = np.random.default_rng(4)
+    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
+    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    fail_once(monkeypatch, kernel_map, "strided_map", cupy_error(2**33, 2**30))
+    tensor = SparseTensor(coordinates, features)
+
+    with pytest.raises(cupy_error) as raised:
+        functional.spatially_sparse_conv(tensor, weight, 3, stride=2)
+    message = str(raised.value)
+    assert message.startswith("Out of memory allocating 8,589,934,592 bytes")
+    assert expected_map_sizes("strided", 300, "(2, 2, 2)") in message
+
+    retried = functional.spatially_sparse_conv(tensor, weight, 3, stride=2)
+    fresh = functional.spatially_sparse_conv(SparseTensor(coordinates, features), weight, 3, stride=2)
+    np.testing.assert_array_equal(retried.coordinates, fresh.coordinates)
+    np.testing.assert_array_equal(retried.features, fresh.features)
+
+
 REAL_NUMPY_OUT_OF_MEMORY = """
     import resource
     import numpy as np
