@@ -41,6 +41,15 @@ def scene(num_voxels=300, side=10, seed=0) -> np.ndarray:
     return np.concatenate([np.zeros((num_voxels, 1), np.int64), spatial], axis=1).astype(np.int32)
 
 
+def fp32_layer(seed):
+    """`scene()`'s coordinates, 4 fp32 features per row and a 3^3 weight to 8 channels."""
+    coordinates = scene()
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
+    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    return coordinates, features, weight
+
+
 def dense_submanifold(coordinates, features, weight) -> np.ndarray:
     grid = Grid.covering(1, coordinates, margin=1)
     dense = conv_gather(grid.scatter(coordinates, features.astype(np.float64)), grid, grid,
@@ -91,10 +100,7 @@ def expected_sizes(phase, num_rows, in_channels, out_channels, dtype) -> list[st
 
 def test_a_cupy_out_of_memory_error_keeps_its_type_gains_the_sizes_and_the_next_call_works(monkeypatch):
     cupy_error = pytest.importorskip("cupy.cuda.memory").OutOfMemoryError
-    coordinates = scene()
-    rng = np.random.default_rng(1)
-    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
-    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    coordinates, features, weight = fp32_layer(seed=1)
     tensor = SparseTensor(coordinates, features)
     fail_once(monkeypatch, explicit_gemm, "gather_gemm_scatter", cupy_error(2**30, 3 * 2**30))
 
@@ -158,10 +164,7 @@ def expected_map_sizes(kind, num_coordinates, stride) -> str:
 def test_a_kernel_map_that_runs_out_of_memory_names_its_sizes_and_is_built_on_the_next_call(monkeypatch):
     from cupysparse import kernel_map
 
-    coordinates = scene()
-    rng = np.random.default_rng(3)
-    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
-    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    coordinates, features, weight = fp32_layer(seed=3)
     tensor = SparseTensor(coordinates, features)
     allocator_says = "Unable to allocate 8.00 GiB for an array with shape (300, 27)"
     calls = fail_once(monkeypatch, kernel_map, "submanifold_map", MemoryError(allocator_says))
@@ -179,10 +182,7 @@ def test_a_strided_map_out_of_cupy_memory_keeps_the_error_type_and_names_the_map
     cupy_error = pytest.importorskip("cupy.cuda.memory").OutOfMemoryError
     from cupysparse import kernel_map
 
-    coordinates = scene()
-    rng = np.random.default_rng(4)
-    features = rng.standard_normal((len(coordinates), 4)).astype(np.float32)
-    weight = rng.standard_normal((27, 4, 8)).astype(np.float32)
+    coordinates, features, weight = fp32_layer(seed=4)
     fail_once(monkeypatch, kernel_map, "strided_map", cupy_error(2**33, 2**30))
     tensor = SparseTensor(coordinates, features)
 
