@@ -32,14 +32,15 @@ __device__ __forceinline__ void copy_16_bytes(void* dst, const void* src, bool v
 #endif
 }
 
-// Copies 4 bytes from global `src` to shared `dst` as copy_16_bytes does (cp.async.ca: L1 too), both
-// addresses 4-byte aligned.
-__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src) {
+// Copies 4 bytes from global `src` to shared `dst` as copy_16_bytes does (cp.async.ca: L1 too), or writes
+// zeros when !valid; both addresses 4-byte aligned.
+__device__ __forceinline__ void copy_4_bytes(void* dst, const void* src, bool valid = true) {
 #if __CUDA_ARCH__ >= 800
   const unsigned shared_dst = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_dst), "l"(src) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_dst), "l"(src), "r"(valid ? 4 : 0)
+               : "memory");
 #else
-  *reinterpret_cast<unsigned*>(dst) = *reinterpret_cast<const unsigned*>(src);
+  *reinterpret_cast<unsigned*>(dst) = valid ? *reinterpret_cast<const unsigned*>(src) : 0u;
 #endif
 }
 
@@ -120,6 +121,20 @@ struct PairShare {
     steps = first < last ? (int)((last - first + STEP_PAIRS - 1) / STEP_PAIRS) : 0;
   }
 };
+
+// The offset and share of this wgrad block, blockIdx.z of kernel_volume x split_k: share-major when
+// `share_major` (the share's blocks of every offset side by side), else offset-major. Each gathered row is
+// read once per offset that pairs it; the pair lists are sorted by output row, so share s of every offset
+// covers about the same rows, which share-major order reads while they are in L2 (the host's choice, see
+// WgradPlan.share_major).
+struct WgradBlock {
+  int k, share;
+};
+__device__ __forceinline__ WgradBlock wgrad_block(int kernel_volume, int split_k, int share_major) {
+  const int z = blockIdx.z;
+  if (share_major) return {z % kernel_volume, z / kernel_volume};
+  return {z / split_k, z % split_k};
+}
 
 // The pair indices (input and output rows) of a wgrad share's steps, copied into shared memory AHEAD steps
 // before the rows they name are staged, so that no thread waits on a dependent global load before its row

@@ -78,6 +78,20 @@ struct WgmmaWgradLayout {
   static constexpr int ALLOCATED = INDICES + StagedPairIndices<PAIRS, STAGES - 2, 1>::BYTES + SWIZZLE_ATOM_BYTES;
 };
 
+// TF32 wgrad's: per stage, dy's PAIRS pairs K-major (TILE_N swizzled 128-byte rows, one per output channel:
+// its values at the stage's 32 pairs), then x's pair rows as they lie (TILE_M channels, padded by 8 floats: the
+// A fragments' reads then meet 32 banks); after the stages, the StagedPairIndices of STAGES - 2 steps ahead.
+template <int TILE_M, int TILE_N, int STAGES>
+struct WgmmaTf32WgradLayout {
+  static constexpr int PAIRS = SWIZZLE_ROW_BYTES / 4;
+  static constexpr int X_LD = TILE_M + 8;
+  static constexpr int DY_BYTES = TILE_N * SWIZZLE_ROW_BYTES;
+  static constexpr int STAGE_BYTES = DY_BYTES + PAIRS * X_LD * 4;
+  static constexpr int INDICES = STAGES * STAGE_BYTES;
+  static constexpr int ALLOCATED = INDICES + StagedPairIndices<PAIRS, STAGES - 2, 1>::BYTES + SWIZZLE_ATOM_BYTES;
+  static_assert(STAGE_BYTES % SWIZZLE_ATOM_BYTES == 0, "dy's tiles start on swizzle atoms");
+};
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // The byte offset of 16-byte chunk `chunk` of row `row` in a region of 128-byte swizzled rows.
@@ -120,104 +134,93 @@ __device__ __forceinline__ void pin_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d (the m64nN accumulator fragment, N / 2 floats a thread) += A * B for the 64 x k A and k x N B the
-// descriptors describe (k: 32 bytes of values), issued asynchronously: A K-major; B K-major, or N-major
-// with TRANSPOSE_B = 1 (16-bit types only: TF32 has no transpose immediates, its operands are K-major).
-// One overload per N (the fragment's size) and type (the last argument, a tag), written out by a macro per
-// N for every type: the instruction lists every accumulator register.
+// The accumulator operands of a wgmma with REGISTERS of them (the m64nN fragment: N / 2 floats a thread), and
+// their names in the instruction: every one is listed.
+#define WGMMA_NAMES_32 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WGMMA_ACCUMULATORS_32 \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WGMMA_NAMES_64 WGMMA_NAMES_32 ", " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_ACCUMULATORS_64 WGMMA_ACCUMULATORS_32, \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define WGMMA_NAMES_128 WGMMA_NAMES_64 ", " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WGMMA_ACCUMULATORS_128 WGMMA_ACCUMULATORS_64, \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+  "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+  "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+
+// d (the accumulator fragment) += A * B, issued asynchronously, for the 64 x k A and k x N B the
+// descriptors describe (k: 32 bytes of values): A K-major; B K-major, or N-major with TRANSPOSE_B = 1
+// (16-bit types only: TF32 has no transpose immediates, its operands are K-major). One overload per N
+// (the fragment's size) and type (the last argument, a tag); A_, B_ and the rest name the operands that
+// follow the accumulators.
 #define WITH_TRANSPOSES(immediates) immediates
 #define WITHOUT_TRANSPOSES(immediates)
-#define WGMMA_ASYNC_M64N64(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                   \
-  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                     \
-  __device__ __forceinline__ void wgmma_async(float(&d)[32], unsigned long long a, unsigned long long b, TYPE) {  \
-    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");         \
-    asm volatile(                                                                                                 \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %34, 0;\n"                                            \
-        "wgmma.mma_async.sync.aligned.m64n64" SHAPE_K_AND_TYPES " {"                                              \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
-        "}, %32, %33, accumulate, 1, 1" TRANSPOSES(", %35, %36") ";\n}\n"                                         \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                            \
+#define WGMMA_ASYNC(REGISTERS, SHAPE, TYPE, SHAPE_K_AND_TYPES, TRANSPOSES, A_, B_, ACCUMULATE_, TRANSPOSE_A_,         \
+                    TRANSPOSE_B_)                                                                                   \
+  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                       \
+  __device__ __forceinline__ void wgmma_async(float(&d)[REGISTERS], unsigned long long a, unsigned long long b,     \
+                                              TYPE) {                                                               \
+    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");           \
+    asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " ACCUMULATE_ ", 0;\n"                        \
+                 "wgmma.mma_async.sync.aligned." SHAPE SHAPE_K_AND_TYPES " {" WGMMA_NAMES_##REGISTERS "}, " A_ ", " B_ \
+                 ", accumulate, 1, 1" TRANSPOSES(", " TRANSPOSE_A_ ", " TRANSPOSE_B_) ";\n}\n"                      \
+                 : WGMMA_ACCUMULATORS_##REGISTERS                                                                    \
+                 : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                      \
   }
-
-WGMMA_ASYNC_M64N64(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N64(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N64(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
-#undef WGMMA_ASYNC_M64N64
-
-#define WGMMA_ASYNC_M64N128(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                  \
-  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                     \
-  __device__ __forceinline__ void wgmma_async(float(&d)[64], unsigned long long a, unsigned long long b, TYPE) {  \
-    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");         \
-    asm volatile(                                                                                                 \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %66, 0;\n"                                            \
-        "wgmma.mma_async.sync.aligned.m64n128" SHAPE_K_AND_TYPES " {"                                             \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
-        "}, %64, %65, accumulate, 1, 1" TRANSPOSES(", %67, %68") ";\n}\n"                                         \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                            \
-  }
-
-WGMMA_ASYNC_M64N128(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N128(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N128(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
-#undef WGMMA_ASYNC_M64N128
-
-#define WGMMA_ASYNC_M64N256(TYPE, SHAPE_K_AND_TYPES, TRANSPOSES)                                                          \
-  template <int TRANSPOSE_A, int TRANSPOSE_B>                                                                             \
-  __device__ __forceinline__ void wgmma_async(float(&d)[128], unsigned long long a, unsigned long long b, TYPE) {         \
-    static_assert(TRANSPOSE_A + TRANSPOSE_B == 0 || sizeof(TYPE) == 2, "TF32 operands are K-major only");                 \
-    asm volatile(                                                                                                         \
-        "{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, %130, 0;\n"                                                   \
-        "wgmma.mma_async.sync.aligned.m64n256" SHAPE_K_AND_TYPES " {"                                                     \
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
-        "}, %128, %129, accumulate, 1, 1" TRANSPOSES(", %131, %132") ";\n}\n"                                             \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
-        : "l"(a), "l"(b), "r"(1), "n"(TRANSPOSE_A), "n"(TRANSPOSE_B));                                                    \
-  }
-
-WGMMA_ASYNC_M64N256(__half, "k16.f32.f16.f16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N256(__nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES)
-WGMMA_ASYNC_M64N256(float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES)
-#undef WGMMA_ASYNC_M64N256
+#define WGMMA_ASYNC_EVERY_TYPE(REGISTERS, SHAPE, A_, B_, ACCUMULATE_, TRANSPOSE_A_, TRANSPOSE_B_)                      \
+  WGMMA_ASYNC(REGISTERS, SHAPE, __half, "k16.f32.f16.f16", WITH_TRANSPOSES, A_, B_, ACCUMULATE_, TRANSPOSE_A_,      \
+              TRANSPOSE_B_)                                                                                         \
+  WGMMA_ASYNC(REGISTERS, SHAPE, __nv_bfloat16, "k16.f32.bf16.bf16", WITH_TRANSPOSES, A_, B_, ACCUMULATE_,          \
+              TRANSPOSE_A_, TRANSPOSE_B_)                                                                           \
+  WGMMA_ASYNC(REGISTERS, SHAPE, float, "k8.f32.tf32.tf32", WITHOUT_TRANSPOSES, A_, B_, ACCUMULATE_, TRANSPOSE_A_,   \
+              TRANSPOSE_B_)
+WGMMA_ASYNC_EVERY_TYPE(32, "m64n64", "%32", "%33", "%34", "%35", "%36")
+WGMMA_ASYNC_EVERY_TYPE(64, "m64n128", "%64", "%65", "%66", "%67", "%68")
+WGMMA_ASYNC_EVERY_TYPE(128, "m64n256", "%128", "%129", "%130", "%131", "%132")
+#undef WGMMA_ASYNC_EVERY_TYPE
+#undef WGMMA_ASYNC
 #undef WITH_TRANSPOSES
 #undef WITHOUT_TRANSPOSES
+
+// d += A * B as wgmma_async, TF32, with A in registers: `a` holds this thread's four values of the 64 x 8 A
+// (its warp's 16 rows: rows lane / 4 and lane / 4 + 8, columns lane % 4 and lane % 4 + 4, in the order
+// (r, c), (r + 8, c), (r, c + 4), (r + 8, c + 4)), read by the tensor cores until the wgmma completes.
+#define WGMMA_ASYNC_TF32_A_IN_REGISTERS(REGISTERS, SHAPE, A_, B_, ACCUMULATE_)                                      \
+  __device__ __forceinline__ void wgmma_async_tf32(float(&d)[REGISTERS], const unsigned (&a)[4],                   \
+                                                   unsigned long long b) {                                          \
+    asm volatile("{\n.reg .pred accumulate;\nsetp.ne.b32 accumulate, " ACCUMULATE_ ", 0;\n"                        \
+                 "wgmma.mma_async.sync.aligned." SHAPE "k8.f32.tf32.tf32 {" WGMMA_NAMES_##REGISTERS "}, {" A_ "}, " B_ \
+                 ", accumulate, 1, 1;\n}\n"                                                                          \
+                 : WGMMA_ACCUMULATORS_##REGISTERS                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                                      \
+  }
+WGMMA_ASYNC_TF32_A_IN_REGISTERS(64, "m64n128", "%64, %65, %66, %67", "%68", "%69")
+WGMMA_ASYNC_TF32_A_IN_REGISTERS(128, "m64n256", "%128, %129, %130, %131", "%132", "%133")
+#undef WGMMA_ASYNC_TF32_A_IN_REGISTERS
+#undef WGMMA_NAMES_32
+#undef WGMMA_NAMES_64
+#undef WGMMA_NAMES_128
+#undef WGMMA_ACCUMULATORS_32
+#undef WGMMA_ACCUMULATORS_64
+#undef WGMMA_ACCUMULATORS_128
 
 __device__ __forceinline__ unsigned dynamic_shared_bytes() {
   unsigned bytes;
@@ -298,6 +301,28 @@ __device__ __forceinline__ void stage_mn_major(const T* __restrict__ src, int nu
   }
 }
 
+// Copies the gathered rows of PAIRS (32) pairs (pair r is matrix row `row_of(r)`, -1: zeros) of fp32 columns
+// col0 .. col0 + COLS - 1 (zeros at or past `num_cols`) into COLS K-major 128-byte swizzled rows at `dst`, row n
+// holding column col0 + n of every pair: the operand transposed on its way in, 4 bytes a copy. A warp copies 8
+// columns of 4 pairs at a time: 32-byte runs of 4 rows read, each bank written once. Each thread keeps one pair
+// and one column of every 8, so its copies differ by constant offsets on both sides.
+template <int PAIRS, int COLS, int THREADS, typename RowOf>
+__device__ __forceinline__ void stage_k_major_transposed(const float* __restrict__ src, int num_cols, int col0,
+                                                         RowOf row_of, unsigned char* dst) {
+  constexpr int COLUMN_GROUP = 8;
+  static_assert(PAIRS * (int)sizeof(float) == SWIZZLE_ROW_BYTES && THREADS == COLUMN_GROUP * PAIRS,
+                "one 128-byte row of pairs, a thread per pair and column of a group");
+  const int pair = threadIdx.x / COLUMN_GROUP, column = threadIdx.x % COLUMN_GROUP;
+  const int row = row_of(pair);
+  const float* source = row_element(src + col0 + column, row >= 0 ? row : 0, num_cols);
+  unsigned char* target = dst + swizzled(column, pair / 4) + pair % 4 * (int)sizeof(float);
+#pragma unroll
+  for (int i = 0; i < COLS / COLUMN_GROUP; ++i) {
+    const bool valid = row >= 0 && col0 + column + i * COLUMN_GROUP < num_cols;
+    copy_4_bytes(target + i * COLUMN_GROUP * SWIZZLE_ROW_BYTES, source + i * COLUMN_GROUP, valid);
+  }
+}
+
 // This block's dynamic shared memory from its first 1024-byte boundary, where the operand tiles start on
 // swizzle atoms; traps when the block was launched with less than ALLOCATED bytes (a wrong size: refuse,
 // loudly).
@@ -336,6 +361,30 @@ __device__ __forceinline__ void run_wgmma_pipeline(int steps, Stage stage, Multi
   }
   wgmma_wait<0>();
   wait_async_copies<0>();
+}
+
+// Writes a wgrad block's accumulators to its share's partial dW_k tile in the fp32 workspace: element
+// 4 j + 2 h + e of a thread is input channel 16 (warp % 4) + lane / 4 + 8 h of its warpgroup's 64, output
+// channel 8 j + 2 (lane % 4) + e; rows and columns past the padded extents belong to no tile of dW_k.
+template <int TILE_N>
+__device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 2], float* __restrict__ workspace,
+                                                    int kernel_volume, int k, int share, int in_channels_padded,
+                                                    int out_channels_padded, int row_base, int col_base) {
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + warpgroup * WGMMA_M + (warp % 4) * 16 + lane / 4 + h * 8;
+    if (row >= in_channels_padded) continue;
+#pragma unroll
+    for (int j = 0; j < TILE_N / 8; ++j) {
+      const int col = col_base + j * 8 + (lane % 4) * 2;
+      if (col < out_channels_padded)
+        *reinterpret_cast<float2*>(partial + (long long)row * out_channels_padded + col) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+  }
 }
 
 #endif  // sm_90a
@@ -477,18 +526,18 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 }
 
 // Weight gradient of 16-bit operands, split-K over compact pair lists as mma_conv_wgrad (the same arguments,
-// shares and fp32 workspace): block (x, y, z) writes share z % split_k of offset k = z / split_k's partial
-// dW_k[row_base .., col_base ..] = sum over the share's pairs (i, o) of x[i]^T dy[o], TILE_M input channels
-// (warpgroup g the 64 from row_base + 64 g) by TILE_N output channels, 64 pairs a step. Both operands are
-// staged as their gathered rows lie in memory, pair-major, which the instruction reads through its
+// shares and fp32 workspace): block (x, y, z) writes share s of offset k's partial (z names both:
+// wgrad_block) dW_k[row_base .., col_base ..] = sum over the share's pairs (i, o) of x[i]^T dy[o], TILE_M
+// input channels (warpgroup g the 64 from row_base + 64 g) by TILE_N output channels, 64 pairs a step. Both
+// operands are staged as their gathered rows lie in memory, pair-major, which the instruction reads through its
 // transpose flags (MN-major: stage_mn_major), in the forward's cp.async pipeline. (TF32 operands must be
-// K-major: TF32 keeps mma_conv_wgrad.)
+// K-major: wgmma_conv_wgrad_tf32.)
 template <typename T, int TILE_M, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
                      const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
                      int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
-                     float* __restrict__ workspace, int vector_rows) {
+                     float* __restrict__ workspace, int share_major, int vector_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = TILE_M / WGMMA_M * WARPGROUP_THREADS;
   static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
@@ -501,11 +550,11 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
   const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
 
-  const int k = blockIdx.z / split_k;
+  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
+  const int k = block.k, share = block.share;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
-  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-  const PairShare<PAIRS> pairs(pair_offsets, k, blockIdx.z % split_k, split_k);
+  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
 
   float acc[TILE_N / 2];
 #pragma unroll
@@ -554,22 +603,107 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   run_wgmma_pipeline<STAGES>(pairs.steps, stage_step, multiply_stage);
   pin_registers(acc);
 
-  // Accumulator element 4 j + 2 h + e of a thread: input channel 16 (warp % 4) + lane / 4 + 8 h of its
-  // warpgroup's 64, output channel 8 j + 2 (lane % 4) + e; rows and columns past the padded extents belong
-  // to no tile of dW_k.
-  float* partial = workspace + ((long long)blockIdx.z % split_k * kernel_volume + k) * in_channels_padded *
-                                   out_channels_padded;
+  write_wgrad_partial<TILE_N>(acc, workspace, kernel_volume, k, share, in_channels_padded, out_channels_padded,
+                              row_base, col_base);
+#endif
+}
+
+// Weight gradient of fp32 operands as TF32, the same arguments, shares and dataflow as wgmma_conv_wgrad, 32
+// pairs a step (k8 wgmma: 4 a step). TF32 operands are K-major only, which pair rows are not: dy is
+// transposed on its way into shared memory (stage_k_major_transposed) and read by descriptor as B; x's pair
+// rows are staged as they lie and each thread reads its A fragments from them into registers. The fragments
+// of consecutive steps take two register sets in turn: a step's set stays untouched until two steps later,
+// when its wgmma has completed (STAGES even, so a buffer's parity is its step's).
+template <int TILE_M, int TILE_N, int STAGES>
+__global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
+    wgmma_conv_wgrad_tf32(const float* __restrict__ x, const float* __restrict__ dy, const int* __restrict__ in_idx,
+                          const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets,
+                          int kernel_volume, int in_channels, int in_channels_padded, int out_channels,
+                          int out_channels_padded, int split_k, float* __restrict__ workspace, int share_major,
+                          int vector_rows) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int THREADS = TILE_M / WGMMA_M * WARPGROUP_THREADS;
+  static_assert(TILE_M % WGMMA_M == 0 && (TILE_N == 128 || TILE_N == 256), "wgmma tile shapes");
+  static_assert(STAGES % 2 == 0, "a buffer's parity is its step's");
+  using Layout = WgmmaTf32WgradLayout<TILE_M, TILE_N, STAGES>;
+  constexpr int PAIRS = Layout::PAIRS, K_STEP = WGMMA_K_BYTES / (int)sizeof(float);
+
+  extern __shared__ __align__(128) unsigned char shared_allocation[];
+  unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
+  const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+
+  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
+  const int k = block.k, share = block.share;
+  const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
+  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
+
+  float acc[TILE_N / 2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_base + warpgroup * WGMMA_M + (warp % 4) * 16 + lane / 4 + h * 8;
-    if (row >= in_channels_padded) continue;
+  for (int i = 0; i < TILE_N / 2; ++i) acc[i] = 0.0f;
+  pin_registers(acc);  // as in wgmma_conv_wgrad: each accumulator in its own register
+
+  const StagedPairIndices<PAIRS, STAGES - 2, THREADS> indices{reinterpret_cast<int*>(shared + Layout::INDICES), in_idx,
+                                                              out_idx, pairs};
+  indices.copy_first();
+
+  const auto stage_step = [&](int step, int buffer) {
+    if (step + STAGES - 2 < pairs.steps) indices.copy(step + STAGES - 2);
+    const auto x_row = [&](int r) { return indices.row(step, 0, r); };
+    const auto dy_row = [&](int r) { return indices.row(step, 1, r); };
+    unsigned char* dy_tile = shared + buffer * Layout::STAGE_BYTES;
+    float* x_tile = reinterpret_cast<float*>(dy_tile + Layout::DY_BYTES);
+    stage_k_major_transposed<PAIRS, TILE_N, THREADS>(dy, out_channels, col_base, dy_row, dy_tile);
+    if (vector_rows)
+      stage_tile<PAIRS, TILE_M, THREADS, true>(x, in_channels, row_base, x_row, x_tile, Layout::X_LD);
+    else
+      stage_tile<PAIRS, TILE_M, THREADS, false>(x, in_channels, row_base, x_row, x_tile, Layout::X_LD);
+  };
+
+  // The thread's A fragment elements: input channels `channel` and channel + 8 (of the tile's x columns) at
+  // pairs `pair` and pair + 4 of each k8 step.
+  constexpr int FRAGMENT = 4;
+  const int channel = warpgroup * WGMMA_M + warp % 4 * 16 + lane / 4, pair = lane % 4;
+  unsigned a_even[PAIRS / K_STEP][FRAGMENT] = {}, a_odd[PAIRS / K_STEP][FRAGMENT] = {};
+  const auto multiply_stage = [&](int buffer) {
+    const unsigned dy_tile = shared_address + buffer * Layout::STAGE_BYTES;
+    const unsigned* x_tile =
+        reinterpret_cast<const unsigned*>(shared + buffer * Layout::STAGE_BYTES + Layout::DY_BYTES);
+    const auto issue = [&](unsigned (&a)[PAIRS / K_STEP][FRAGMENT]) {
+      // This set's last wgmma (two steps ago) has completed: its registers are free from here, not before.
 #pragma unroll
-    for (int j = 0; j < TILE_N / 8; ++j) {
-      const int col = col_base + j * 8 + (lane % 4) * 2;
-      if (col < out_channels_padded)
-        *reinterpret_cast<float2*>(partial + (long long)row * out_channels_padded + col) =
-            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-  }
+      for (int k8 = 0; k8 < PAIRS / K_STEP; ++k8)
+#pragma unroll
+        for (int e = 0; e < FRAGMENT; ++e) asm volatile("" : "+r"(a[k8][e])::"memory");
+#pragma unroll
+      for (int k8 = 0; k8 < PAIRS / K_STEP; ++k8) {
+        const unsigned* at = x_tile + (k8 * K_STEP + pair) * Layout::X_LD + channel;
+        a[k8][0] = at[0];
+        a[k8][1] = at[8];
+        a[k8][2] = at[4 * Layout::X_LD];
+        a[k8][3] = at[4 * Layout::X_LD + 8];
+      }
+      pin_registers(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k8 = 0; k8 < PAIRS / K_STEP; ++k8)
+        wgmma_async_tf32(acc, a[k8], matrix_descriptor(dy_tile + k8 * WGMMA_K_BYTES, 16, SWIZZLE_ATOM_BYTES));
+      wgmma_commit();
+    };
+    if (buffer % 2)
+      issue(a_odd);
+    else
+      issue(a_even);
+  };
+
+  run_wgmma_pipeline<STAGES>(pairs.steps, stage_step, multiply_stage);
+  pin_registers(acc);
+#pragma unroll
+  for (int k8 = 0; k8 < PAIRS / K_STEP; ++k8)
+#pragma unroll
+    for (int e = 0; e < FRAGMENT; ++e) asm volatile("" : "+r"(a_even[k8][e]), "+r"(a_odd[k8][e])::"memory");
+  write_wgrad_partial<TILE_N>(acc, workspace, kernel_volume, k, share, in_channels_padded, out_channels_padded,
+                              row_base, col_base);
 #endif
 }

@@ -204,8 +204,8 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
 
 // Weight gradient, split-K over compact pair lists: dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over the
 // pairs p in [pair_offsets[k], pair_offsets[k + 1]). Block (x, y, z) computes the TILE_M x TILE_N tile
-// (blockIdx.x, blockIdx.y) of dW_k, k = z / split_k, over share s = z % split_k of offset k's pairs
-// (split evenly, on the device, into shares of whole stages), and writes it unreduced to
+// (blockIdx.x, blockIdx.y) of dW_k over share s of offset k's pairs (z names both: wgrad_block; the pairs
+// split evenly, on the device, into shares of whole stages), and writes it unreduced to
 // workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded] (fp32). Every block writes
 // its whole tile (zeros where its share is empty), so the workspace needs no initialisation.
 // x [num_in, in_channels]; dy [num_out, out_channels].
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
     wmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
                     const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
                     int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
-                    float* __restrict__ workspace) {
+                    float* __restrict__ workspace, int share_major) {
   static_assert(TILE_M % WARP_TILE == 0 && TILE_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(STAGES >= 1, "at least one stage");
   constexpr bool PIPELINED = STAGES > 1;
@@ -233,7 +233,8 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   // Per stage: x rows [ROWS x TILE_M], read as the col-major x^T, then dy rows [ROWS x TILE_N].
   __shared__ __align__(128) unsigned char shared[STAGES * STAGE_BYTES];
 
-  const int k = blockIdx.z / split_k, share = blockIdx.z % split_k;
+  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
+  const int k = block.k, share = block.share;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_TILE;

@@ -54,6 +54,7 @@ def recorded(monkeypatch):
         monkeypatch.setattr(module, "current_device", lambda: 0)
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
     monkeypatch.setattr(wmma_module, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(wmma_module, "_l2_bytes", lambda device: 50 * 2**20)
     monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
     monkeypatch.setattr(_RecordedLaunch, "launched", [])
     caches = (wmma_module._gemm_plan, wmma_module.wgrad_plan, mma_module._plan, wgmma_module._plan)
@@ -91,7 +92,7 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
               "wgmma_implicit_gemm": wgmma_module}[name]
     own = {source for dtype in TENSOR_CORE_DTYPES[name] for source in module._SOURCES[dtype].sources}
     borrowed = set()
-    if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's on TF32 and up to 64 channels
+    if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's up to 64 channels
         borrowed = {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
                     if source.name_expressions[0].startswith("mma_conv_wgrad")}
     sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
@@ -136,3 +137,16 @@ def test_declared_modules_lie_within_the_algorithms_kernel_files_and_cpu_problem
     simt = get_algorithm("implicit_gemm").kernel_modules("forward", _problem(BFLOAT16, 32, 32), {})
     assert simt == (implicit_gemm_module._BF16_KERNELS,)
     assert get_algorithm("explicit_gemm").kernel_modules("forward", _problem(FLOAT16, 32, 32), {}) == ()
+
+
+def test_wgrad_blocks_go_share_major_where_one_block_covers_dw_and_the_operands_outgrow_twice_the_l2(recorded):
+    one_tile = wgmma_module._WgmmaWgradPlan(FLOAT32, 27, 128, 128, 32)
+    several_tiles = wgmma_module._WgmmaWgradPlan(FLOAT16, 27, 256, 256, 32)
+    assert one_tile.grid_xy == (1, 1) and several_tiles.grid_xy == (2, 1)
+    # The fixture's L2: 50 MiB. 128 fp32 channels of input and output rows take 1 KiB a voxel.
+    assert one_tile.share_major(120_000, 120_000)  # 117 MiB
+    assert not one_tile.share_major(80_000, 80_000)  # 78 MiB
+    assert one_tile.share_major(200_000, 20_000)  # 107 MiB: the rows of both sides count
+    assert not several_tiles.share_major(1_000_000, 1_000_000)
+    small = mma_module.MmaWgradPlan(FLOAT16, 27, 64, 64, 32)
+    assert small.grid_xy == (1, 1) and small.share_major(1_000_000, 1_000_000)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cupysparse.algorithms import ConvProblem, get_algorithm
+from cupysparse.algorithms.wgmma_implicit_gemm import WGRAD_TILES
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.dtypes import FLOAT32
 from cupysparse.precision import fp32_precision
@@ -28,6 +29,7 @@ from test_conv_algorithms_gpu import (
     reference_phase,
     run_phase,
 )
+from test_wgmma_gpu import WGRAD_CHANNELS
 from tolerances import assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
@@ -132,6 +134,25 @@ def test_every_tf32_tile_over_several_channel_stages_and_column_tiles(phase, nam
             if params.get("sort_rows", True) and params.get("wgrad_warps_per_sm", 32) == 32:
                 actual = run_phase(algorithm, phase, kernel_map, x, w, dy, params)
                 assert_close(actual, expected, FLOAT32, terms, a, b, f"{name} tf32 {phase} {channels} {params}")
+
+
+@pytest.mark.skipif(not _runs_tf32("wgmma_implicit_gemm"), reason="wgmma_implicit_gemm cannot run TF32 on this GPU")
+@pytest.mark.parametrize("map_kind", ("submanifold", "strided"))
+@pytest.mark.parametrize("tile", WGRAD_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_every_tf32_wgmma_wgrad_tile_over_several_row_and_column_blocks(tile, map_kind):
+    """wgmma_conv_wgrad_tf32 (dy transposed on its way into shared memory, x's A fragments read from its
+    pair rows) at both tiles: one block of it, and several row and column blocks with partial ones,
+    rows of whole 16-byte vectors or not."""
+    algorithm = get_algorithm("wgmma_implicit_gemm")
+    kernel_map = gpu_map(map_kind)
+    for channels in WGRAD_CHANNELS[tile]:
+        plan_class = algorithm.wgrad_plan_class_for(np.dtype(FLOAT32), *channels)
+        assert plan_class.kernel_name(FLOAT32, tile).startswith("wgmma_conv_wgrad_tf32")
+        assert plan_class.tile_for(*(-(-c // 16) * 16 for c in channels)) == tile
+        x, w, dy = _inputs(kernel_map, *channels, FLOAT32, seed=channels[0])
+        actual = run_phase(algorithm, "wgrad", kernel_map, x, w, dy, {"wgrad_warps_per_sm": 64})
+        expected, (terms, a, b) = tf32_reference("wgrad", kernel_map, x, w, dy)
+        assert_close(actual, expected, FLOAT32, terms, a, b, f"wgmma tf32 wgrad {tile} {channels}")
 
 
 @pytest.mark.parametrize("name", TF32_ALGORITHMS)

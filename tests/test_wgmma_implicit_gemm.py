@@ -103,16 +103,21 @@ def test_shared_memory_follows_the_kernel_layout(tile, stages, expected):
     assert wgmma_module.shared_bytes(tile, stages) == expected
 
 
-def test_its_wgrad_runs_on_16_bit_layers_past_64_channels_and_mma_implicit_gemms_elsewhere():
+def test_its_wgrad_runs_on_layers_past_64_channels_and_mma_implicit_gemms_elsewhere():
     algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
     own, borrowed = wgmma_module._WgmmaWgradPlan, mma.wgrad_plan_class_for(np.dtype(FLOAT16), 64, 64)
     assert issubclass(own, borrowed) and own is not borrowed
-    for dtype in (FLOAT16, BFLOAT16):
+    for dtype in (FLOAT16, BFLOAT16, FLOAT32):
         for channels in ((65, 65), (128, 128), (96, 300), (256, 80)):
             assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels) is own, (dtype, channels)
         for channels in ((64, 64), (64, 256), (256, 64), (3, 17), (49, 300)):
             assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels) is borrowed, (dtype, channels)
-    assert algorithm.wgrad_plan_class_for(np.dtype(FLOAT32), 256, 256) is borrowed  # TF32
+
+
+def test_the_wgrad_kernel_follows_the_dtype():
+    kernel_name = wgmma_module._WgmmaWgradPlan.kernel_name
+    assert kernel_name(FLOAT16, (128, 256)) == "wgmma_conv_wgrad<__half, 128, 256, 4>"
+    assert kernel_name(FLOAT32, (128, 128)) == "wgmma_conv_wgrad_tf32<128, 128, 4>"
 
 
 @pytest.mark.parametrize(("padded", "tile"), [((80, 80), (128, 128)), ((256, 128), (128, 128)),
@@ -122,9 +127,15 @@ def test_wgrad_tile_is_the_narrowest_covering_the_output_channels_or_the_widest(
 
 
 def test_wgrad_shared_memory_follows_the_kernel_layout_and_fits_the_h100():
-    # 4 stages x 64 pair rows of 128 B per 64 channels of x and of dy, 4 steps' indices (2 x 64 ints), + 1 KB
-    assert wgmma_module._wgrad_shared_bytes((128, 256)) == 4 * (2 + 4) * 64 * 128 + 4 * 2 * 64 * 4 + 1024
-    assert all(wgmma_module._wgrad_shared_bytes(tile) <= H100_SHARED_LIMIT for tile in wgmma_module.WGRAD_TILES)
+    # 16-bit: 4 stages x 64 pair rows of 128 B per 64 channels of x and of dy, 4 steps' indices (2 x 64 ints),
+    # + 1 KB
+    assert wgmma_module._wgrad_shared_bytes(FLOAT16, (128, 256)) == 4 * (2 + 4) * 64 * 128 + 4 * 2 * 64 * 4 + 1024
+    # TF32: 4 stages x (256 rows of 128 B of dy + 32 pair rows of 128 + 8 floats of x), 4 steps' indices
+    # (2 x 32 ints), + 1 KB
+    assert wgmma_module._wgrad_shared_bytes(FLOAT32, (128, 256)) == (4 * (256 * 128 + 32 * 136 * 4) + 4 * 2 * 32 * 4
+                                                                     + 1024)
+    assert all(wgmma_module._wgrad_shared_bytes(dtype, tile) <= H100_SHARED_LIMIT
+               for tile in wgmma_module.WGRAD_TILES for dtype in wgmma_module.WGRAD_DTYPES)
 
 
 def test_every_tile_fits_the_h100_and_keeps_the_operand_tiles_on_swizzle_atoms():
@@ -143,8 +154,7 @@ def test_its_kernels_are_one_module_each_pinned_to_sm_90a():
         # Forward at every depth, dgrad at one; TF32's forward reads the weight transposed, as dgrad, so
         # at dgrad's depth it is dgrad's kernel. Then wgrad's tiles.
         modules_per_tile = len(wgmma_module.STAGES) + (dtype != FLOAT32)
-        wgrad = len(wgmma_module.WGRAD_TILES) if dtype != FLOAT32 else 0
-        assert len(family.sources) == len(wgmma_module.TILES) * modules_per_tile + wgrad
+        assert len(family.sources) == len(wgmma_module.TILES) * modules_per_tile + len(wgmma_module.WGRAD_TILES)
         assert all(len(source.name_expressions) == 1 and source.architecture == "sm_90a" for source in family.sources)
         assert set(family.sources) <= set(kernel_compile.registered_sources())
     assert (wgmma_module._kernel_name(np.dtype(FLOAT16), (128, 256), 3, False)

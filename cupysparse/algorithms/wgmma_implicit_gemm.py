@@ -12,10 +12,11 @@ the block's 64, 128 or 256 output channels straight from shared memory, whose op
 kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); TF32, which takes
 K-major operands only, runs its forward on the weight transposed too (`forward_weight_transposed`: a
 copy per call, or the layout a launch plan asks its caller for). wgrad is mma_implicit_gemm's split-K
-dataflow (shares of each offset's pair list, fp32 partials, their ordered sum) with its own GEMM,
-`wgmma_conv_wgrad`, for 16-bit operands on layers wider than 64 channels (`wgrad_plan_class_for`): the
-gathered rows are staged as they lie, pair-major, and the instruction reads them MN-major through its
-transpose flags. Elsewhere, TF32 included, wgrad is mma_implicit_gemm's.
+dataflow (shares of each offset's pair list, fp32 partials, their ordered sum) with its own GEMM on layers
+wider than 64 channels (`wgrad_plan_class_for`): for 16-bit operands `wgmma_conv_wgrad`, which stages the
+gathered rows as they lie, pair-major, and reads them MN-major through the instruction's transpose flags;
+for TF32, K-major only, `wgmma_conv_wgrad_tf32`, which transposes dy's rows on their way into shared
+memory and reads x's A fragments into registers. Elsewhere wgrad is mma_implicit_gemm's.
 
 On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
 `auto` measures it beside them; everywhere else it is unsupported, and its kernels are never loaded.
@@ -44,12 +45,12 @@ TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
 STAGES = (4, 3)
 DGRAD_STAGES = STAGES[0]
 FEATURE_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
-# (input channels, output channels) of a wgrad block's dW_k tile, 16-bit only: 128 input channels (two
-# warpgroups) by the narrowest covering the padded output channels, or the widest.
+# (input channels, output channels) of a wgrad block's dW_k tile: 128 input channels (two warpgroups) by the
+# narrowest covering the padded output channels, or the widest.
 WGRAD_TILES = ((128, 128), (128, 256))
 WGRAD_STAGES = 4
-WGRAD_PAIRS = SWIZZLE_ROW_BYTES // 2  # pairs per stage: one 128-byte row of 16-bit channels
-WGRAD_DTYPES = (FLOAT16, BFLOAT16)
+WGRAD_DTYPES = (FLOAT16, BFLOAT16, FLOAT32)
+TF32_X_ROW_PAD = 8  # floats after each staged x pair row of the TF32 wgrad (WgmmaTf32WgradLayout::X_LD)
 # wgmma's wgrad runs where both padded channel counts pass this; mma_implicit_gemm's elsewhere (see
 # WgmmaImplicitGemm.wgrad_plan_class_for).
 WGRAD_MIN_CHANNELS = 65
@@ -61,7 +62,14 @@ def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
 
 
 def _wgrad_kernel_name(dtype, tile) -> str:
+    if dtype == FLOAT32:
+        return f"wgmma_conv_wgrad_tf32<{tile[0]}, {tile[1]}, {WGRAD_STAGES}>"
     return f"wgmma_conv_wgrad<{cuda_type_name(dtype)}, {tile[0]}, {tile[1]}, {WGRAD_STAGES}>"
+
+
+def _wgrad_pairs(dtype) -> int:
+    """Pairs per wgrad stage: one 128-byte row of the operands' values."""
+    return SWIZZLE_ROW_BYTES // dtype.itemsize
 
 
 def wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
@@ -69,13 +77,17 @@ def wgrad_tile(in_padded: int, out_padded: int) -> tuple[int, int]:
     return rows, next((cols for _, cols in WGRAD_TILES if cols >= out_padded), WGRAD_TILES[-1][1])
 
 
-def _wgrad_shared_bytes(tile) -> int:
-    """`WgmmaWgradLayout::ALLOCATED` in the kernel source: the stages of 64 pair rows of 128 bytes per 64
-    channels of either operand, the pair indices (both lists) of 2 (stages - 2) steps, plus 1024 bytes to
-    align the stages to swizzle atoms."""
+def _wgrad_shared_bytes(dtype, tile) -> int:
+    """`WgmmaWgradLayout::ALLOCATED` in the kernel source (16-bit: the stages of 64 pair rows of 128 bytes
+    per 64 channels of either operand), or `WgmmaTf32WgradLayout::ALLOCATED` (TF32: a 128-byte row of 32
+    pairs per output channel, 32 padded pair rows of the input channels); then the pair indices (both
+    lists) of 2 (stages - 2) steps, plus 1024 bytes to align the stages to swizzle atoms."""
     rows, cols = tile
-    indices = 2 * (WGRAD_STAGES - 2) * 2 * WGRAD_PAIRS * 4
-    return WGRAD_STAGES * (rows + cols) * SWIZZLE_ROW_BYTES + indices + SWIZZLE_ATOM_BYTES
+    pairs = _wgrad_pairs(dtype)
+    stage = (cols * SWIZZLE_ROW_BYTES + pairs * (rows + TF32_X_ROW_PAD) * 4 if dtype == FLOAT32
+             else (rows + cols) * SWIZZLE_ROW_BYTES)
+    indices = 2 * (WGRAD_STAGES - 2) * 2 * pairs * 4
+    return WGRAD_STAGES * stage + indices + SWIZZLE_ATOM_BYTES
 
 
 def _forward_weight_transposed(dtype) -> bool:
@@ -135,7 +147,7 @@ class _WgmmaWgradPlan(MmaWgradPlan):
 
     @staticmethod
     def gemm_shared_bytes(dtype, tile) -> int:
-        return _wgrad_shared_bytes(tile)
+        return _wgrad_shared_bytes(dtype, tile)
 
     def threads(self, tile) -> int:
         return threads(tile)
@@ -174,12 +186,11 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         return [tile for tile in TILES if tile[1] <= channels]
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
-        """Its own wgrad for 16-bit operands past 64 padded channels on both sides, where it ran faster
-        than mma_implicit_gemm's (H100, fp16, side by side: 1M voxels x 256 4.35 ms against 7.48, x 128
-        1.75 against 2.05, x 80 1.64 against 1.66); mma_implicit_gemm's elsewhere: at 64 channels a 64 x 64
-        wgmma tile ran slower (1M voxels: 1.18 ms against 1.04), and wgmma reads TF32 operands K-major
-        only, which the pair-major rows are not (transposing them in shared memory ran slower than
-        mma.sync: 16.0 ms against 13.9 at 1M x 256)."""
+        """Its own wgrad past 64 padded channels on both sides, where it ran faster than
+        mma_implicit_gemm's (H100, side by side, 1M voxels: fp16 x 256 4.35 ms against 7.48, x 128 1.75
+        against 2.05, x 80 1.64 against 1.66; TF32 x 256 9.6 against 11.2, x 128 3.57 against 3.65, x 96
+        2.78 against 2.89); mma_implicit_gemm's elsewhere: at 64 channels a 64 x 64 wgmma tile ran slower
+        (1M voxels, fp16: 1.18 ms against 1.04)."""
         if dtype in WGRAD_DTYPES and min(padded_channels(in_channels), padded_channels(out_channels)) >= \
                 WGRAD_MIN_CHANNELS:
             return _WgmmaWgradPlan
