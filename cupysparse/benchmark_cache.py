@@ -298,6 +298,9 @@ class _FileIndex:
             entry = self._decoded[(namespace, match)] = max(entries, key=attrgetter("updated"))
         return entry
 
+    def keys(self, namespace: str) -> list[tuple]:
+        return list(self._indexed(namespace))
+
     def _decode(self, namespace: str, begin: int, end: int) -> CacheEntry:
         return _entry_from_file(namespace, msgpack.unpackb(self._data[begin:end], raw=False, use_list=False))
 
@@ -430,6 +433,18 @@ class BenchmarkCache:
         if self._autosave:
             self._schedule_save()
         return entry
+
+    def keys(self, namespace: str) -> list[tuple]:
+        """The keys of `namespace`'s entries, each as (name, value) pairs in name order, stale ones
+        included; a read-only cache decodes none of its entries for it."""
+        self._ensure_loaded()
+        with self._state_lock:
+            if self._index is None:
+                return list(self._entries.get(namespace, {}))
+            try:
+                return self._index.keys(namespace)
+            except NotACacheFile as problem:
+                raise NotACacheFile(f"{self._path} is {problem}") from None
 
     def entries(self, namespace: str | None = None) -> list[CacheEntry]:
         """All entries, stale ones included, namespaces in name order."""

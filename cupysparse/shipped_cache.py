@@ -64,24 +64,39 @@ def _warn_ignoring(path: Path, error: Exception) -> None:
     warnings.warn(f"ignoring the shipped tuning cache {path}: {error}", RuntimeWarning, stacklevel=5)
 
 
-def shipped_entry(namespace: str, key) -> CacheEntry | None:
-    """The shipped entry of `key` (a sequence of (name, value) pairs), None when there is none, it is
-    stale, or shipped results are turned off."""
+def _read_shipped(architecture: str, read, nothing):
+    """`read(cache)` of the shipped file of `architecture`, or `nothing` when there is none or shipped
+    results are turned off. A malformed entry makes the file ignored from now on, with one warning."""
     if not shipped_caches_enabled():
-        return None
-    architecture = dict(key).get("compute_capability")
-    if not isinstance(architecture, str) or not architecture.startswith("sm_"):
-        return None
+        return nothing
     cache = _shipped_cache(architecture)
     if cache is None:
-        return None
+        return nothing
     try:
-        return cache.get(namespace, key)
-    except NotACacheFile as error:  # a malformed entry: the file is ignored from now on, with one warning
+        return read(cache)
+    except NotACacheFile as error:
         with _shipped_lock:
             _shipped[architecture] = None
         _warn_ignoring(cache.path, error)
+        return nothing
+
+
+def shipped_entry(namespace: str, key) -> CacheEntry | None:
+    """The shipped entry of `key` (a sequence of (name, value) pairs), None when there is none, it is
+    stale, or shipped results are turned off."""
+    architecture = dict(key).get("compute_capability")
+    if not isinstance(architecture, str) or not architecture.startswith("sm_"):
         return None
+    return _read_shipped(architecture, lambda cache: cache.get(namespace, key), None)
+
+
+def shipped_keys(namespace: str) -> list[tuple]:
+    """The keys of every shipped file's entries in `namespace`, as `BenchmarkCache.keys`; none when
+    shipped results are turned off."""
+    architectures = sorted(path.stem.removeprefix("benchmark_cache_") for path in
+                           SHIPPED_CACHE_DIR.glob("benchmark_cache_sm_*.msgpack"))
+    return [key for architecture in architectures
+            for key in _read_shipped(architecture, lambda cache: cache.keys(namespace), [])]
 
 
 def forget_shipped_caches() -> None:
@@ -113,6 +128,10 @@ class TuningCache:
             self._asked[(namespace, pairs)] = None
         entry = self.user.get(namespace, pairs)
         return entry if entry is not None else shipped_entry(namespace, pairs)
+
+    def keys(self, namespace: str) -> list[tuple]:
+        """The keys `get` may answer in `namespace`: the user's cache's and the shipped files', each once."""
+        return list(dict.fromkeys([*self.user.keys(namespace), *shipped_keys(namespace)]))
 
     def put(self, namespace: str, key, results, kernel_sources=()) -> CacheEntry:
         return self.user.put(namespace, key, results, kernel_sources)

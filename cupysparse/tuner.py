@@ -88,13 +88,17 @@ def size_bucket(count: int) -> int:
     return max(count - 1, 0).bit_length()
 
 
+# The entries of a tuning key that hold the problem's sizes, as `size_bucket`s.
+SIZE_KEY_NAMES = ("log_num_in_coords", "log_num_out_coords")
+
+
 def tuning_key(problem: ConvProblem) -> tuple[tuple[str, object], ...]:
     """What identifies a tuning result: sizes as ceil(log2), channels, kernel volume, dtype, the
     device architecture, and what else changes the work."""
     device = "cpu" if problem.compute_capability is None else f"sm_{problem.compute_capability}"
     return (
-        ("log_num_in_coords", size_bucket(problem.num_in)),
-        ("log_num_out_coords", size_bucket(problem.num_out)),
+        (SIZE_KEY_NAMES[0], size_bucket(problem.num_in)),
+        (SIZE_KEY_NAMES[1], size_bucket(problem.num_out)),
         ("in_channels", problem.in_channels),
         ("out_channels", problem.out_channels),
         ("kernel_volume", problem.kernel_volume),
@@ -337,16 +341,46 @@ class Tuner:
                 return Selection(get_algorithm(name, search_space.kind), dict(params))
         return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
 
+    def recall(self, search_space: AlgorithmFilter, problem: ConvProblem) -> Selection | None:
+        """What `select` answers for `problem` with a run to measure, without measuring or writing
+        anything: the priority rule where it applies, else the fastest candidate of the caches' phase
+        ranking (what a process that measured the problem, or the shipped file, recorded), remembered
+        as `select` remembers it. None where the caches do not rank every candidate. What loads a
+        network's kernels ahead of its first call (`cupysparse.prefetch`) asks."""
+        pool = candidates(search_space, problem)
+        if not pool:
+            return None
+        unmeasured = self._unmeasured_selection(search_space, problem, pool, run_given=True)
+        if unmeasured is not None:
+            return unmeasured
+        key = tuning_key(problem)
+        memo_key = _memo_key(search_space, key, pool)
+        chosen = self._chosen.get(memo_key)
+        if chosen is None:
+            chosen = self._recorded_selection(search_space, key, _sweeps(pool))
+            if chosen is not None:
+                self._chosen[memo_key] = chosen
+        return chosen
+
+    def _unmeasured_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, pool,
+                              run_given: bool) -> Selection | None:
+        """The priority rule's selection where nothing is to be measured: no run, a single candidate
+        (unless measuring those), or tuning turned off. None: the caches or a measurement decide."""
+        if not run_given or (len(pool) == 1 and not self._measure_single) or not tuning_enabled():
+            return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
+        return None
+
     def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> tuple[Selection, bool]:
         """The selection, and whether this process may keep it for the problem (not when the data
         of this call could check nothing: the next call's may)."""
         pool = candidates(search_space, problem)
         if not pool:
             return rule_based_selection(search_space, problem), True  # raises, listing the valid choices
-        if run is None or (len(pool) == 1 and not self._measure_single) or not tuning_enabled():
-            return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool))), True
+        unmeasured = self._unmeasured_selection(search_space, problem, pool, run is not None)
+        if unmeasured is not None:
+            return unmeasured, True
         key = tuning_key(problem)
-        memo_key = (search_space.kind, search_space.phase, key, tuple((a.name, _params_key(p)) for a, p in pool))
+        memo_key = _memo_key(search_space, key, pool)
         chosen = self._chosen.get(memo_key)
         if chosen is None:
             chosen, remember = self._tuned(search_space, problem, key, pool, run)
@@ -355,6 +389,15 @@ class Tuner:
             self._chosen[memo_key] = chosen
         return chosen, True
 
+    def _recorded_selection(self, search_space: AlgorithmFilter, key, sweeps: dict[Algorithm, list[dict]]
+                            ) -> Selection | None:
+        """The fastest candidate of the phase namespace's ranking of these sweeps (`_recorded_ranking`)."""
+        recorded = self._recorded_ranking(NAMESPACES[(search_space.kind, search_space.phase)], key, sweeps)
+        if not recorded:
+            return None
+        name, params, _ = recorded[0]
+        return Selection(get_algorithm(name, search_space.kind), params)
+
     def _tuned(self, search_space: AlgorithmFilter, problem: ConvProblem, key, pool, run) -> tuple[Selection, bool]:
         """Measure what the cache lacks and choose. A measurement is cached unless memory ran
         short, every candidate but the reference raised, or nothing could be checked; an algorithm
@@ -362,13 +405,10 @@ class Tuner:
         repaired). Those failures are warned about once per process."""
         phase, kind = search_space.phase, search_space.kind
         keep = True
-        sweeps: dict[Algorithm, list[dict]] = {}
-        for algorithm, params in pool:
-            sweeps.setdefault(algorithm, []).append(params)
-        recorded = self._recorded_ranking(NAMESPACES[(kind, phase)], key, sweeps)
-        if recorded:
-            name, params, _ = recorded[0]
-            return Selection(get_algorithm(name, kind), params), True
+        sweeps = _sweeps(pool)
+        recorded = self._recorded_selection(search_space, key, sweeps)
+        if recorded is not None:
+            return recorded, True
         known = {algorithm: self._cached_sweep(algorithm, phase, key, wanted) for algorithm, wanted in sweeps.items()}
         unknown = [algorithm for algorithm, results in known.items() if results is None]
         if unknown:
@@ -512,6 +552,19 @@ class Tuner:
 
 def _describe(problem: ConvProblem) -> str:
     return f"{describe_problem(problem)}, {problem.num_in:,} -> {problem.num_out:,} rows"
+
+
+def _sweeps(pool) -> dict[Algorithm, list[dict]]:
+    """The candidates of `pool` by algorithm: each algorithm's parameter sweep."""
+    sweeps: dict[Algorithm, list[dict]] = {}
+    for algorithm, params in pool:
+        sweeps.setdefault(algorithm, []).append(params)
+    return sweeps
+
+
+def _memo_key(search_space: AlgorithmFilter, key, pool) -> tuple:
+    """What a tuner remembers a choice by: the phase, the tuning key and the candidates."""
+    return search_space.kind, search_space.phase, key, tuple((a.name, _params_key(p)) for a, p in pool)
 
 
 def _params_key(params: dict) -> tuple:

@@ -137,17 +137,21 @@ def needed_sources(network_names, feature_types, capability: int) -> dict[compil
                     for algorithm, params in candidates(parse_algorithm_filter(None, CONV, phase), problem):
                         for source in algorithm.kernel_modules(phase, problem, params):
                             needed.setdefault(source, set()).add(f"{network.name} {feature_type.label}")
-    sources = list(dict.fromkeys(compile.registered_sources()))
+    for source in unclaimed_sources([feature_type.dtype for feature_type in feature_types]):
+        needed.setdefault(source, set()).add(UNCLAIMED_MODULES)
+    return needed
+
+
+def unclaimed_sources(dtypes) -> list[compile.KernelSource]:
+    """The modules no convolution algorithm claims (kernel maps, pooling, the inference epilogue) that
+    name one of `dtypes` in their instantiations or name no dtype at all."""
     claimed = {filename for kind in KINDS for algorithm in registered(kind).values()
                for filename in algorithm.kernel_sources}
-    patterns = [_names_dtypes([feature_type.dtype for feature_type in feature_types])]
+    patterns = [_names_dtypes(dtypes)]
     every_dtype = [_names_dtypes(FEATURE_DTYPES)]
-    for source in sources:
-        if source.filename in claimed:
-            continue
-        if _names_any_dtype(source, patterns) or not _names_any_dtype(source, every_dtype):
-            needed.setdefault(source, set()).add(UNCLAIMED_MODULES)
-    return needed
+    return [source for source in dict.fromkeys(compile.registered_sources())
+            if source.filename not in claimed
+            and (_names_any_dtype(source, patterns) or not _names_any_dtype(source, every_dtype))]
 
 
 def plan(network_names, feature_types, capabilities) -> list[PlannedModule]:
