@@ -22,6 +22,7 @@ from . import networks
 from .backend import array_module, default_device, to_device
 from .dtypes import accumulation_dtype, as_feature_dtype
 from .functional import spatially_sparse_conv
+from .prefetch import prefetch_kernels
 from .sparse_tensor import SparseTensor
 from .weights_file import load_weights
 
@@ -73,10 +74,13 @@ class InferenceNetwork:
     `weights`: a mapping name → array (NumPy, or anything NumPy converts) or the path of a weights
     file. `device`: 'cuda', 'cpu' or 'auto'; `dtype`: the feature dtype (default float16 on the GPU,
     float32 on the CPU). `fwd_algo` chooses the convolution algorithms as in the functional API.
+    On a GPU, the kernels the tuning caches say the convolutions will run start loading in the
+    background (`cupysparse.prefetch`, unless `prefetch=False`); `prefetched` is that `KernelPrefetch`,
+    or None. A call stops what is left of it.
     """
 
     def __init__(self, network: networks.Network, weights, device: str = "auto", dtype=None,
-                 fold_batch_norm: bool = True, fwd_algo=None):
+                 fold_batch_norm: bool = True, fwd_algo=None, prefetch: bool = True):
         if not isinstance(network, networks.Network):
             raise TypeError(f"network must be a cupysparse.networks.Network, got {type(network).__name__}")
         if isinstance(weights, (str, os.PathLike)):
@@ -94,6 +98,9 @@ class InferenceNetwork:
         self._convs: dict[str, tuple] = {}  # path → (weight, bias or None) on the device
         self._norms: dict[str, tuple] = {}  # path → (scale, shift) on the device, for batch norms not folded
         self._prepare(weights, fold_batch_norm)
+        self.prefetched = None
+        if prefetch and self.device == "cuda":
+            self.prefetched = prefetch_kernels(network, self.dtype, algorithms={"forward": fwd_algo})
 
     def _prepare(self, weights: Mapping, fold_batch_norm: bool) -> None:
         folded = {}  # convolution path → (path, layer) of the batch norm that follows it
@@ -133,6 +140,8 @@ class InferenceNetwork:
         if input.num_channels != self.network.in_channels:
             raise ValueError(f"{self.network.name} takes {self.network.in_channels} input channels, "
                              f"got {input.num_channels}")
+        if self.prefetched is not None:
+            self.prefetched.stop()
         input.map_cache.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level))
                                        for level in networks.downsampled_strides(self.network)])
         return self._run(self.network.root, "", input, {}, observer or LayerObserver())

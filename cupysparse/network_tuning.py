@@ -84,6 +84,6 @@ def tune_network(network: networks.Network, tensor: SparseTensor, tuner: Tuner, 
         raise ValueError(f"phases must be some of {PHASES}, got {tuple(phases)}")
     observer = _TuningObserver(tuner, tuple(phases), {"forward": fwd_algo, "backward": bwd_algo}, seed, on_layer)
     runner = InferenceNetwork(network, networks.random_weights(network, seed), tensor.device, tensor.dtype,
-                              fwd_algo=PASS_THROUGH_ALGORITHM)
+                              fwd_algo=PASS_THROUGH_ALGORITHM, prefetch=False)
     runner(tensor, observer)
     return observer.choices

@@ -6,10 +6,12 @@
     python -m cupysparse warmup && cupysparse-benchmark-cold-start    # warm kernels, shipped tuning
 
 Run it as a new process: what it measures is what a process pays the first time. Before the clock
-starts it builds the demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels on
-a GPU, seed 0), the network (random weights, inference in --dtype, `eval()`) and, with PyTorch,
-makes one small matrix product in the dtype: PyTorch's own first-use cost (the cuBLAS handle), which
-any torch program pays, is reported apart. Then, host clock to the synchronised result, the first
+starts it builds, in the order a program does, the network (random weights, inference in --dtype,
+`eval()`), whose kernels the tuning caches name start loading in the background (`cupysparse.prefetch`;
+--no-prefetch: not), then the demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels
+on a GPU, seed 0), and with PyTorch makes one small matrix product in the dtype: PyTorch's own first-use
+cost (the cuBLAS handle), which any torch program pays, is reported apart. Then, host clock to the
+synchronised result, the first
 forward on a fresh tensor (its kernel maps built: module loads from the kernel cache or NVRTC,
 tuning where no cache has the layer's problem, CuPy's own first kernels), and the median of
 --repeats later forwards, each on a fresh tensor too (maps built again, as for a new scene). It
@@ -22,14 +24,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import sys
 import time
 
-from cupysparse import backend, compile, networks
+from cupysparse import backend, compile, networks, prefetch
 from cupysparse.benchmark_cache import cache_file_path
 from cupysparse.demo import scene_tensor
+from cupysparse.scenes import INDOOR_CLASSES
 from cupysparse.shipped_cache import shipped_cache_path, shipped_caches_enabled
 from cupysparse.sparse_tensor import SparseTensor
 from cupysparse.tuner import default_tuner
@@ -47,6 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                         help="default: the demo's (float16 on a GPU, float32 on the CPU)")
     parser.add_argument("--repeats", type=int, default=10, help="steady-state forwards timed")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                        help="build the network without loading its kernels in the background")
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="profile the first forward on the host (cProfile): write the statistics to FILE "
                              "(for pstats or snakeviz) and print the functions that took the longest")
@@ -72,7 +78,7 @@ def parse_args(argv=None):
 class TorchForward:
     """MinkUNet18 as the torch module, inference in the dtype; `__call__` on a fresh core tensor."""
 
-    def __init__(self, description, device: str, dtype: str):
+    def __init__(self, description, device: str, dtype: str, prefetch: bool):
         import torch
 
         from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
@@ -80,7 +86,9 @@ class TorchForward:
 
         self._torch, self._tensor_type = torch, TorchSparseTensor
         torch.manual_seed(0)
-        self._model = SparseNetwork(description).to(device, getattr(torch, dtype)).eval()
+        with prefetch_turned(prefetch):
+            self._model = SparseNetwork(description).eval().to(device, getattr(torch, dtype))
+        self.prefetched = self._model.prefetched
 
     def torch_first_use(self, device: str, dtype: str) -> None:
         eye = self._torch.eye(16, device=device, dtype=getattr(self._torch, dtype))
@@ -94,16 +102,44 @@ class TorchForward:
 class CoreForward:
     """MinkUNet18 framework-free (`InferenceNetwork`), random weights."""
 
-    def __init__(self, description, device: str, dtype: str):
+    def __init__(self, description, device: str, dtype: str, prefetch: bool):
         from cupysparse.inference import InferenceNetwork
 
-        self._network = InferenceNetwork(description, networks.random_weights(description), device, dtype)
+        self._network = InferenceNetwork(description, networks.random_weights(description), device, dtype,
+                                         prefetch=prefetch)
+        self.prefetched = self._network.prefetched
 
     def torch_first_use(self, device: str, dtype: str) -> None:
         pass
 
     def __call__(self, tensor: SparseTensor):
         return self._network(tensor).features
+
+
+@contextlib.contextmanager
+def prefetch_turned(on: bool):
+    """`CUPYSPARSE_PREFETCH` set to `on` for what runs inside."""
+    previous = os.environ.get(prefetch.ENVIRONMENT_VARIABLE)
+    os.environ[prefetch.ENVIRONMENT_VARIABLE] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[prefetch.ENVIRONMENT_VARIABLE]
+        else:
+            os.environ[prefetch.ENVIRONMENT_VARIABLE] = previous
+
+
+def describe_prefetch(prefetched) -> str:
+    if prefetched is None:
+        return "no prefetch"
+    if not prefetched.done():
+        return "prefetch still running when the first forward started (the forward stops it)"
+    if prefetched.exception() is not None:
+        return f"prefetch failed: {prefetched.exception()!r}"
+    done = prefetched.result()
+    return (f"prefetch done before the first forward: {done.choices} choices, {done.modules} modules, "
+            f"{done.seconds * 1e3:.1f} ms in the background")
 
 
 def timed_ms(forward, tensor: SparseTensor, device: str, profiler: cProfile.Profile | None = None) -> float:
@@ -128,9 +164,10 @@ def describe_caches(device: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    scene, tensor, _ = scene_tensor("indoor", args.num_voxels, 0, args.device, args.dtype)
-    description = networks.minkunet(18, 3, len(scene.class_names))
-    forward = (TorchForward if args.framework == "torch" else CoreForward)(description, args.device, args.dtype)
+    description = networks.minkunet(18, 3, len(INDOOR_CLASSES))
+    forward = (TorchForward if args.framework == "torch" else CoreForward)(description, args.device, args.dtype,
+                                                                         args.prefetch)
+    _, tensor, _ = scene_tensor("indoor", args.num_voxels, 0, args.device, args.dtype)
     print(f"cold start on {backend.describe_device(args.device)}: {description.name} ({args.framework}), indoor scene "
           f"{len(tensor):,} voxels, {args.dtype}")
     print(describe_caches(args.device), flush=True)
@@ -141,6 +178,7 @@ def main(argv=None) -> int:
 
     loads_before, measured_before = len(compile.module_loads()), default_tuner().measurements
     profiler = cProfile.Profile() if args.profile else None
+    prefetched = describe_prefetch(forward.prefetched)
     first = timed_ms(forward, tensor, args.device, profiler)
     loads = compile.module_loads()[loads_before:]
     compiled = [load for load in loads if load.compiled]
@@ -150,6 +188,7 @@ def main(argv=None) -> int:
     print(f"first forward   {first:10.1f} ms: {len(loads)} kernel modules loaded ({len(compiled)} compiled by "
           f"NVRTC, {sum(load.seconds for load in compiled):.1f} s of compilation summed over them, the others read "
           f"in {sum(load.seconds for load in loads if not load.compiled) * 1e3:.1f} ms); {measured} problems tuned")
+    print(f"                {prefetched}")
     print(f"steady forward  {steady:10.1f} ms (median of {args.repeats}, kernel maps built each time)")
     print(f"ratio           {first / steady:10.2f}x")
     if profiler is not None:

@@ -244,3 +244,24 @@ def test_weights_file_written_from_core_arrays_runs_the_same(tmp_path):
     from_dict = InferenceNetwork(description, weights, device="cpu", dtype="float32")(tensor).features
     from_file = InferenceNetwork(description, str(path), device="cpu", dtype="float32")(tensor).features
     np.testing.assert_array_equal(from_file, from_dict)
+
+
+def test_copies_and_pickles_of_a_network_carry_no_prefetch_and_the_original_keeps_its_own():
+    import concurrent.futures
+    import copy
+    import io
+    import threading
+
+    from cupysparse.prefetch import KernelPrefetch
+
+    model = torch_networks.MinkUNet14(3, NUM_CLASSES, width=0.25)
+    running = KernelPrefetch(concurrent.futures.Future(), threading.Event())  # what a GPU move starts
+    model.prefetched = running
+    copied = copy.deepcopy(model)
+    assert copied.prefetched is None and model.prefetched is running
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False).prefetched is None
+    for key, value in model.state_dict().items():
+        assert torch.equal(copied.state_dict()[key], value), key

@@ -297,3 +297,16 @@ def test_an_inference_layer_with_padded_channels_sees_each_in_place_update_of_it
         expected = conv_forward(bridge.to_core(x.features), bridge.to_core(conv.weight.detach()), kernel_map,
                                 "wmma_implicit_gemm")
         torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)
+
+
+def test_a_network_moved_to_the_gpu_prefetches_its_forward_kernels_and_in_training_its_backward_ones():
+    from cupysparse.adapters.torch.networks import MinkUNet18
+
+    model = MinkUNet18(3, 13).eval().to("cuda", torch.float16)
+    inference = model.prefetched.result(timeout=300)
+    assert inference.choices > 0 and inference.modules > 0  # the shipped sm_90 file ranks the demo's sizes
+    model.train()
+    training = model.prefetched.result(timeout=300)
+    assert training.choices > inference.choices
+    model.eval()
+    assert model.prefetched.result() is training  # switching to evaluation starts nothing

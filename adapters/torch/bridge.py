@@ -52,6 +52,13 @@ def _cupy_view(tensor: torch.Tensor):
     return cupy.ndarray(tuple(tensor.shape), dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 
 
+def core_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The dtype the core sees for torch tensors of `dtype` (bfloat16: ml_dtypes'), None when it has none."""
+    if dtype == torch.bfloat16:
+        return None if BFLOAT16 is None else np.dtype(BFLOAT16)
+    return np.dtype(_NUMPY_DTYPES[dtype]) if dtype in _NUMPY_DTYPES else None
+
+
 def to_core(tensor: torch.Tensor):
     """The NumPy (CPU) or CuPy (CUDA) view of `tensor`'s memory."""
     tensor = tensor.detach()

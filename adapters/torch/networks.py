@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from cupysparse import networks
+from cupysparse.prefetch import prefetch_kernels
 from cupysparse.weights_file import load_weights, save_weights as save_arrays
 
-from .bridge import to_core
+from .bridge import core_dtype, to_core
 from .modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
 from .tensor import SparseTensor
 
@@ -146,12 +147,42 @@ def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
 
 
 class SparseNetwork(SparseSequential):
-    """A whole `networks.Network` as one module; `description` keeps what it was built from."""
+    """A whole `networks.Network` as one module; `description` keeps what it was built from.
+
+    Moved to a GPU or another dtype (`.to()`, `.cuda()`, `.half()`), and switched to training there,
+    it starts loading the kernels the tuning caches say its convolutions will run, in the background
+    (`cupysparse.prefetch`: the forward's, and in training the backward's); `prefetched` is the latest
+    `KernelPrefetch`, or None. A call stops what is left of it; copies and pickles carry none."""
 
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
         self.description = description
         self._levels = networks.downsampled_strides(description)
+        self._algorithms = {"forward": fwd_algo, "backward": bwd_algo}
+        self.prefetched = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "prefetched": None}  # a thread's handle: nothing to copy or pickle
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._prefetch_kernels()
+        return module
+
+    def train(self, mode: bool = True):
+        module = super().train(mode)
+        if mode:
+            self._prefetch_kernels()
+        return module
+
+    def _prefetch_kernels(self) -> None:
+        """Prefetch for the device and dtype of the weights, when they are on a GPU in a dtype the core knows."""
+        weight = next((p for p in self.parameters() if p.is_floating_point()), None)
+        dtype = None if weight is None or not weight.is_cuda else core_dtype(weight.dtype)
+        if dtype is not None:
+            phases = ("forward", "backward") if self.training else ("forward",)
+            self.prefetched = prefetch_kernels(self.description, dtype, weight.device.index, phases,
+                                               self._algorithms, pointwise=False)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         if not isinstance(input, SparseTensor):
@@ -159,6 +190,8 @@ class SparseNetwork(SparseSequential):
         if input.features.shape[1] != self.description.in_channels:
             raise ValueError(f"{self.description.name} takes {self.description.in_channels} input channels, "
                              f"got {input.features.shape[1]}")
+        if self.prefetched is not None:
+            self.prefetched.stop()
         input.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level)) for level in self._levels])
         return super().forward(input)
 

@@ -1,0 +1,185 @@
+"""Loading a network's kernels before its first call, in a background thread.
+
+Without it, a fresh process's first forward reads the tuning caches and loads kernel modules layer after
+layer as it meets them (notes/tuner_performance.md: most of the 30 ms a first MinkUNet18 forward spent
+above the steady 13 ms on an H100). `prefetch_kernels` starts that work as soon as a network's weights
+are on its GPU (`InferenceNetwork`; the torch networks' `.to()`, `.cuda()`, `.half()`), so it runs while
+the program does what comes before the first call, typically reading its data:
+
+- for each convolution of the network, at every size the tuning caches (the user's, the shipped file of
+  the GPU's architecture) rank the candidates for, the tuner's choice (`Tuner.recall`: nothing is
+  measured, and `select` answers from it later);
+- the modules those choices launch from (`Algorithm.kernel_modules`) and the ones no algorithm claims
+  (kernel maps, pooling, the epilogue), read from the kernel cache, or compiled, side by side
+  (`compile.prepare`);
+- the choices' launch plans.
+
+Sizes the caches know nothing about are tuned at the first call, as without it. The network's first call
+stops what is left (`KernelPrefetch.stop`): a prefetch started just before the call would otherwise
+compete with it for the interpreter lock, and the call loads what it needs itself. A prefetch that fails
+changes nothing: each launch loads, and raises, what it needs. `CUPYSPARSE_PREFETCH=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import networks
+from .algorithm_modes import parse_algorithm_filter
+from .algorithms import CONV, ConvProblem
+from .backend import cupy_module
+from .compile import prepare
+from .dtypes import short_name
+from .precision import uses_tf32
+from .selection import Selection
+from .tuner import NAMESPACES, SIZE_KEY_NAMES, Tuner, default_tuner, tuning_key
+from .warmup import FeatureType, layer_problems, unclaimed_sources
+
+ENVIRONMENT_VARIABLE = "CUPYSPARSE_PREFETCH"
+PHASES = ("forward", "backward")
+
+log = logging.getLogger("cupysparse.prefetch")
+
+
+def prefetch_enabled() -> bool:
+    return os.environ.get(ENVIRONMENT_VARIABLE, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class CachedChoice:
+    """The tuner's choice for one convolution problem and phase, as the caches hold it."""
+
+    phase: str
+    problem: ConvProblem
+    selection: Selection
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """What one prefetch did: choices recalled, modules made ready, its seconds, and whether a call of
+    the network stopped it before the end."""
+
+    choices: int
+    modules: int
+    seconds: float
+    stopped: bool
+
+
+class KernelPrefetch:
+    """A prefetch started by `prefetch_kernels`. A network's calls `stop()` it: what is left is done by
+    the calls that need it, so a prefetch started just before a call never holds the interpreter lock
+    for work the call does not need. Copies and pickles of a network carry no prefetch."""
+
+    def __init__(self, future: concurrent.futures.Future, stop_event: threading.Event):
+        self._future, self._stop_event = future, stop_event
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Prefetched:
+        """What it did, once done (raises what made it fail)."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def _sizeless(key) -> tuple:
+    return tuple(sorted(pair for pair in key if pair[0] not in SIZE_KEY_NAMES))
+
+
+def cached_choices(network: networks.Network, dtype, capability: int, phases=("forward",), algorithms=None,
+                   pointwise: bool = True, tuner: Tuner | None = None) -> list[CachedChoice]:
+    """The tuner's choices for the convolutions of `network` in `dtype` on a GPU of `capability` (e.g.
+    90), in `phases`, at every size its caches rank candidates for. `algorithms`: the search space of
+    each phase, {"forward": ..., "backward": ...} as the functional API takes them (default: the
+    environment variables, else `auto`). `pointwise=False` leaves out 1^D stride-1 convolutions (the
+    torch adapter multiplies those in torch)."""
+    return list(_cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner or default_tuner()))
+
+
+def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner):
+    """`cached_choices`, one at a time."""
+    dtype = np.dtype(dtype)
+    feature_type = FeatureType(short_name(dtype), dtype, uses_tf32(dtype, on_gpu=True))
+    problems = [problem for problem in layer_problems(network, feature_type, capability)
+                if pointwise or problem.kernel_volume != 1 or any(s != 1 for s in problem.stride)]
+    for phase in phases:
+        search_space = parse_algorithm_filter((algorithms or {}).get(phase), CONV, phase)
+        buckets: dict[tuple, list[tuple[int, int]]] = {}  # by key without sizes: (input, output) size buckets
+        for key in tuner.cache.keys(NAMESPACES[(CONV, phase)]):
+            values = dict(key)
+            buckets.setdefault(_sizeless(key), []).append(tuple(values[name] for name in SIZE_KEY_NAMES))
+        for problem in problems:
+            for in_bucket, out_bucket in buckets.get(_sizeless(tuning_key(problem)), ()):
+                sized = replace(problem, num_in=1 << in_bucket, num_out=1 << out_bucket)
+                selection = tuner.recall(search_space, sized)
+                if selection is not None:
+                    yield CachedChoice(phase, sized, selection)
+
+
+def _build_plan(choice: CachedChoice) -> None:
+    algorithm, params = choice.selection.algorithm, choice.selection.params
+    if choice.phase == "forward":
+        algorithm.forward_plan(choice.problem, params)
+    else:
+        algorithm.backward_plan(choice.problem, params)
+
+
+def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases: tuple, algorithms,
+              pointwise: bool, stop: threading.Event) -> Prefetched:
+    begin = time.perf_counter()
+    device = cupy_module().cuda.Device(device_id)
+    with device:
+        choices = []
+        for choice in _cached_choices(network, dtype, int(device.compute_capability), phases, algorithms,
+                                      pointwise, default_tuner()):
+            if stop.is_set():
+                break
+            choices.append(choice)
+        sources = [source for choice in choices for source in choice.selection.algorithm.kernel_modules(
+            choice.phase, choice.problem, choice.selection.params)]
+        sources = list(dict.fromkeys([*sources, *unclaimed_sources([dtype])]))
+        prepare(sources)
+        for choice in choices:
+            if stop.is_set():
+                break
+            try:
+                _build_plan(choice)
+            except Exception:  # noqa: BLE001 - the call that needs this plan builds it, and raises, itself
+                log.debug("prefetch: no plan for %s", choice, exc_info=True)
+    return Prefetched(len(choices), len(sources), time.perf_counter() - begin, stop.is_set())
+
+
+@functools.cache
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cupysparse-prefetch")
+
+
+def prefetch_kernels(network: networks.Network, dtype, device_id: int | None = None, phases=("forward",),
+                     algorithms=None, pointwise: bool = True) -> KernelPrefetch | None:
+    """Start loading what `network`'s convolutions in `dtype` will launch on GPU `device_id` (default:
+    the current one) in `phases` (see the module docstring and `cached_choices`); None when prefetching
+    is off or there is no CuPy. Prefetches run one at a time, in the order asked."""
+    unknown = sorted(set(phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"phases must be some of {PHASES}, got {tuple(phases)}")
+    cupy = cupy_module()
+    if not prefetch_enabled() or cupy is None:
+        return None
+    device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
+    stop = threading.Event()
+    future = _worker().submit(_prefetch, network, np.dtype(dtype), device_id, tuple(phases), algorithms, pointwise,
+                              stop)
+    return KernelPrefetch(future, stop)

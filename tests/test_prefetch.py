@@ -1,0 +1,227 @@
+"""Loading a network's kernels before its first call (`cupysparse.prefetch`): the cache keys it reads,
+the tuner's `recall`, the choices it derives for a network, and on a GPU a fresh process whose first
+forward loads no module and measures nothing."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from cupysparse import networks, prefetch, shipped_cache
+from cupysparse import tuner as tuner_module
+from cupysparse.algorithm_modes import AlgorithmFilter, parse_algorithm_filter
+from cupysparse.algorithms import CONV, ConvProblem, get_algorithm
+from cupysparse.backend import gpu_available
+from cupysparse.benchmark_cache import BenchmarkCache, default_cache, open_for_reading
+from cupysparse.compile import source_digest
+from cupysparse.shipped_cache import TuningCache
+from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
+
+FORWARD = NAMESPACES[(CONV, "forward")]
+BACKWARD = NAMESPACES[(CONV, "backward")]
+NETWORK = networks.minkunet(18, 3, 13)
+
+
+class NotMeasured(Exception):
+    """Raised by a run the tuner must not call."""
+
+
+def must_not_run(algorithm, params):
+    raise NotMeasured(f"the tuner measured {algorithm.name} {params}")
+
+
+@pytest.fixture(autouse=True)
+def caches(tmp_path, monkeypatch):
+    """An empty user cache and an empty shipped folder of this test's own."""
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
+    for name in ("CUPYSPARSE_SHIPPED_CACHE", "CUPYSPARSE_AUTOTUNE", "CUPYSPARSE_FWD_ALGO_MODE",
+                 "CUPYSPARSE_BWD_ALGO_MODE", prefetch.ENVIRONMENT_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(shipped_cache, "SHIPPED_CACHE_DIR", tmp_path / "shipped")
+    shipped_cache.forget_shipped_caches()
+    yield
+    shipped_cache.forget_shipped_caches()
+
+
+def layer_problem(in_channels, out_channels, kernel_volume, num_in, num_out, stride=(1, 1, 1), transposed=False):
+    return ConvProblem(num_in, num_out, in_channels, out_channels, kernel_volume, np.dtype(np.float16), "cuda", 90,
+                       stride, transposed)
+
+
+def record_ranking(cache: BenchmarkCache, problem: ConvProblem, phase: str = "forward", fastest: int = -1):
+    """A phase ranking of every `auto` candidate of `problem`, as a process that measured it records one,
+    with the candidate at `fastest` first; returns that candidate."""
+    pool = candidates(AlgorithmFilter(CONV, phase, "auto"), problem)
+    winner = pool[fastest]
+    results = [(algorithm.name, params, 1.0 if (algorithm, params) == winner else 2.0 + rank)
+               for rank, (algorithm, params) in enumerate(pool)]
+    sources = {(name, source_digest(name)) for algorithm, _ in pool for name in algorithm.kernel_sources}
+    cache.put(NAMESPACES[(CONV, phase)], tuning_key(problem), results, sources)
+    return winner
+
+
+def ship(problems, phase: str = "forward"):
+    """A shipped sm_90 file ranking the candidates of each of `problems`."""
+    path = shipped_cache.shipped_cache_path("sm_90")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cache = BenchmarkCache(path, autosave=False)
+    winners = [record_ranking(cache, problem, phase) for problem in problems]
+    cache.save()
+    return winners
+
+
+def match(problem: ConvProblem) -> tuple:
+    return tuple(sorted(tuning_key(problem)))
+
+
+def test_a_cache_lists_its_keys_read_only_without_decoding_and_loaded_alike(tmp_path):
+    path = tmp_path / "cache.msgpack"
+    cache = BenchmarkCache(path, autosave=False)
+    problems = [layer_problem(32, 32, 27, 2**15, 2**15), layer_problem(64, 64, 27, 2**13, 2**13)]
+    for problem in problems:
+        record_ranking(cache, problem)
+    cache.save()
+    assert sorted(cache.keys(FORWARD)) == sorted(map(match, problems))
+    assert cache.keys(BACKWARD) == []
+    read_only = open_for_reading(path, decode=False)
+    assert sorted(read_only.keys(FORWARD)) == sorted(map(match, problems))
+    assert read_only._index._decoded == {}  # listing keys decoded no entry
+
+
+def test_the_tuning_cache_lists_the_users_and_the_shipped_keys_once_each(monkeypatch):
+    shared, shipped_only, users_only = (layer_problem(32, 32, 27, 2**b, 2**b) for b in (15, 16, 17))
+    ship([shared, shipped_only])
+    for problem in (shared, users_only):
+        record_ranking(default_cache(), problem)
+    keys = TuningCache().keys(FORWARD)
+    assert sorted(keys) == sorted(map(match, (shared, shipped_only, users_only)))
+    monkeypatch.setenv("CUPYSPARSE_SHIPPED_CACHE", "0")
+    assert sorted(TuningCache().keys(FORWARD)) == sorted(map(match, (shared, users_only)))
+
+
+def test_recall_answers_the_recorded_ranking_and_select_then_measures_nothing():
+    problem = layer_problem(32, 64, 27, 200_000, 200_000)
+    (winner, params), = ship([problem])
+    tuner = Tuner()
+    recalled = tuner.recall(AlgorithmFilter(CONV, "forward", "auto"), problem)
+    assert (recalled.algorithm, recalled.params) == (winner, params)
+    chosen = tuner.select(AlgorithmFilter(CONV, "forward", "auto"), problem, must_not_run)
+    assert chosen is recalled  # remembered, not looked up again
+    assert tuner.measurements == 0
+
+
+def test_recall_is_none_without_a_ranking_and_measures_and_writes_nothing(monkeypatch):
+    # Before measuring a GPU problem the tuner asks CUDA whether a graph is being captured; none is here.
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
+    problem = layer_problem(32, 64, 27, 200_000, 200_000)
+    tuner = Tuner()
+    assert tuner.recall(AlgorithmFilter(CONV, "forward", "auto"), problem) is None
+    assert tuner.measurements == 0
+    assert default_cache().keys(FORWARD) == []
+    with pytest.raises(NotMeasured):  # nothing was remembered in its place either
+        tuner.select(AlgorithmFilter(CONV, "forward", "auto"), problem, must_not_run)
+
+
+def test_recall_of_a_single_candidate_is_the_priority_rule():
+    problem = layer_problem(32, 64, 27, 200_000, 200_000)
+    search_space = parse_algorithm_filter("explicit_gemm", CONV, "forward")
+    assert len(candidates(search_space, problem)) == 1
+    recalled = Tuner().recall(search_space, problem)
+    assert recalled.algorithm is get_algorithm("explicit_gemm")
+
+
+def test_the_choices_are_the_networks_layers_at_every_size_the_caches_rank():
+    stem = layer_problem(3, 32, 27, 2**18, 2**18)
+    down = layer_problem(32, 32, 8, 2**18, 2**16, stride=(2, 2, 2))
+    shortcut = layer_problem(32, 64, 1, 2**14, 2**14)
+    elsewhere = layer_problem(48, 48, 27, 2**18, 2**18)  # no layer of the network has these channels
+    winners = ship([stem, layer_problem(3, 32, 27, 2**17, 2**17), down, shortcut, elsewhere])
+    choices = prefetch.cached_choices(NETWORK, np.float16, 90)
+    found = {(c.problem.in_channels, c.problem.out_channels, c.problem.kernel_volume, c.problem.num_in,
+              c.problem.num_out): (c.selection.algorithm, c.selection.params) for c in choices}
+    assert found == {
+        (3, 32, 27, 2**18, 2**18): winners[0],
+        (3, 32, 27, 2**17, 2**17): winners[1],
+        (32, 32, 8, 2**18, 2**16): winners[2],
+        (32, 64, 1, 2**14, 2**14): winners[3],
+    }
+    assert {c.phase for c in choices} == {"forward"}
+    without_pointwise = prefetch.cached_choices(NETWORK, np.float16, 90, pointwise=False)
+    assert {c.problem.kernel_volume for c in without_pointwise} == {27, 8}
+    assert prefetch.cached_choices(NETWORK, np.float16, 80) == []  # another architecture's keys
+    assert prefetch.cached_choices(NETWORK, np.float32, 90) == []
+
+
+def test_the_choices_follow_the_phases_and_search_spaces_asked_for():
+    stem = layer_problem(3, 32, 27, 2**18, 2**18)
+    ship([stem], phase="backward")
+    assert prefetch.cached_choices(NETWORK, np.float16, 90) == []
+    (choice,) = prefetch.cached_choices(NETWORK, np.float16, 90, phases=("forward", "backward"))
+    assert choice.phase == "backward"
+    (single,) = prefetch.cached_choices(NETWORK, np.float16, 90, phases=("backward",),
+                                        algorithms={"backward": "explicit_gemm"})
+    assert single.selection.algorithm is get_algorithm("explicit_gemm")
+
+
+def test_prefetching_refuses_unknown_phases_and_can_be_turned_off(monkeypatch):
+    with pytest.raises(ValueError, match="phases"):
+        prefetch.prefetch_kernels(NETWORK, np.float16, phases=("sideways",))
+    monkeypatch.setenv(prefetch.ENVIRONMENT_VARIABLE, "0")
+    assert prefetch.prefetch_kernels(NETWORK, np.float16) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+def test_a_prefetch_stopped_before_it_starts_recalls_nothing_and_says_so():
+    ship([layer_problem(3, 32, 27, 2**18, 2**18)])
+    release = threading.Event()
+    prefetch._worker().submit(release.wait)  # holds the one prefetch thread
+    started = prefetch.prefetch_kernels(NETWORK, np.float16)
+    started.stop()
+    release.set()
+    done = started.result(timeout=300)
+    assert done.stopped and done.choices == 0
+    unstopped = prefetch.prefetch_kernels(NETWORK, np.float16).result(timeout=300)
+    assert not unstopped.stopped and unstopped.choices == 1
+
+
+FRESH_PROCESS = textwrap.dedent("""
+    import json
+    from cupysparse import compile, networks
+    from cupysparse.demo import scene_tensor
+    from cupysparse.inference import InferenceNetwork
+    from cupysparse.scenes import INDOOR_CLASSES
+    from cupysparse.sparse_tensor import SparseTensor
+    from cupysparse.tuner import default_tuner
+
+    description = networks.minkunet(18, 3, len(INDOOR_CLASSES))
+    network = InferenceNetwork(description, networks.random_weights(description), "cuda", "float16")
+    _, tensor, _ = scene_tensor("indoor", 200_000, 0, "cuda", "float16")
+    done = network.prefetched.result()
+    loads = len(compile.module_loads())
+    network(tensor)
+    print(json.dumps({"choices": done.choices, "modules": done.modules,
+                      "loaded_by_forward": len(compile.module_loads()) - loads,
+                      "measured": default_tuner().measurements}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+def test_after_the_prefetch_the_first_forward_of_the_demo_scene_loads_and_measures_nothing(tmp_path):
+    """The shipped file ranks the demo scene's sizes (the populate script measures them)."""
+    shipped_cache.forget_shipped_caches()
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("CUPYSPARSE_")}
+    environment["CUPYSPARSE_BENCHMARK_CACHE_DIR"] = str(tmp_path / "user")
+    result = subprocess.run([sys.executable, "-c", FRESH_PROCESS], env=environment, capture_output=True, text=True,
+                            check=True, timeout=600)
+    import json
+
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["choices"] > 0 and report["modules"] > 0
+    assert report["loaded_by_forward"] == 0
+    assert report["measured"] == 0
