@@ -20,31 +20,11 @@ from cupysparse.benchmark_cache import BenchmarkCache, default_cache, open_for_r
 from cupysparse.compile import source_digest
 from cupysparse.shipped_cache import TuningCache
 from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
+from tuning_caches import NotMeasured, caches, must_not_run  # noqa: F401 (caches: an autouse fixture)
 
 FORWARD = NAMESPACES[(CONV, "forward")]
 BACKWARD = NAMESPACES[(CONV, "backward")]
 NETWORK = networks.minkunet(18, 3, 13)
-
-
-class NotMeasured(Exception):
-    """Raised by a run the tuner must not call."""
-
-
-def must_not_run(algorithm, params):
-    raise NotMeasured(f"the tuner measured {algorithm.name} {params}")
-
-
-@pytest.fixture(autouse=True)
-def caches(tmp_path, monkeypatch):
-    """An empty user cache and an empty shipped folder of this test's own."""
-    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
-    for name in ("CUPYSPARSE_SHIPPED_CACHE", "CUPYSPARSE_AUTOTUNE", "CUPYSPARSE_FWD_ALGO_MODE",
-                 "CUPYSPARSE_BWD_ALGO_MODE", prefetch.ENVIRONMENT_VARIABLE):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(shipped_cache, "SHIPPED_CACHE_DIR", tmp_path / "shipped")
-    shipped_cache.forget_shipped_caches()
-    yield
-    shipped_cache.forget_shipped_caches()
 
 
 def layer_problem(in_channels, out_channels, kernel_volume, num_in, num_out, stride=(1, 1, 1), transposed=False):

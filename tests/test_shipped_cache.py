@@ -14,32 +14,13 @@ from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.benchmark_cache import BenchmarkCache, default_cache, open_for_reading
 from cupysparse.compile import source_digest
 from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
+from tuning_caches import NotMeasured, caches, must_not_run  # noqa: F401 (caches: an autouse fixture)
 
 # The folder the wheel ships (the tests below point shipped_cache at folders of their own).
 PACKAGED_SHIPPED_CACHES = shipped_cache.SHIPPED_CACHE_DIR
 
 PROBLEM = ConvProblem(200_000, 200_000, 32, 64, 27, np.dtype(np.float16), "cuda", 90, (1, 1, 1))
 SEARCH_SPACE = AlgorithmFilter(CONV, "forward", "auto")
-
-
-class NotMeasured(Exception):
-    """Raised by a run the tuner must not call: calling it means the tuner set out to measure."""
-
-
-def must_not_run(algorithm, params):
-    raise NotMeasured(f"the tuner measured {algorithm.name} {params}")
-
-
-@pytest.fixture(autouse=True)
-def caches(tmp_path, monkeypatch):
-    """An empty user cache and an empty shipped folder of this test's own."""
-    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
-    monkeypatch.delenv("CUPYSPARSE_SHIPPED_CACHE", raising=False)
-    monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
-    monkeypatch.setattr(shipped_cache, "SHIPPED_CACHE_DIR", tmp_path / "shipped")
-    shipped_cache.forget_shipped_caches()
-    yield
-    shipped_cache.forget_shipped_caches()
 
 
 @pytest.fixture
