@@ -75,8 +75,8 @@ class InferenceNetwork:
     file. `device`: 'cuda', 'cpu' or 'auto'; `dtype`: the feature dtype (default float16 on the GPU,
     float32 on the CPU). `fwd_algo` chooses the convolution algorithms as in the functional API.
     On a GPU, the kernels the tuning caches say the convolutions will run start loading in the
-    background (`cupysparse.prefetch`, unless `prefetch=False`); `prefetched` is that `KernelPrefetch`,
-    or None. A call stops what is left of it.
+    background, and the network then rehearses its call on a few voxels (`cupysparse.prefetch`, unless
+    `prefetch=False`); `prefetched` is that `KernelPrefetch`, or None. A call stops what is left of it.
     """
 
     def __init__(self, network: networks.Network, weights, device: str = "auto", dtype=None,
@@ -100,7 +100,8 @@ class InferenceNetwork:
         self._prepare(weights, fold_batch_norm)
         self.prefetched = None
         if prefetch and self.device == "cuda":
-            self.prefetched = prefetch_kernels(network, self.dtype, algorithms={"forward": fwd_algo})
+            self.prefetched = prefetch_kernels(network, self.dtype, algorithms={"forward": fwd_algo},
+                                               rehearse=self._forward)
 
     def _prepare(self, weights: Mapping, fold_batch_norm: bool) -> None:
         folded = {}  # convolution path → (path, layer) of the batch norm that follows it
@@ -142,6 +143,9 @@ class InferenceNetwork:
                              f"got {input.num_channels}")
         if self.prefetched is not None:
             self.prefetched.stop()
+        return self._forward(input, observer)
+
+    def _forward(self, input: SparseTensor, observer: LayerObserver | None = None) -> SparseTensor:
         input.map_cache.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level))
                                        for level in networks.downsampled_strides(self.network)])
         return self._run(self.network.root, "", input, {}, observer or LayerObserver())

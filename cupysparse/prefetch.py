@@ -12,7 +12,13 @@ the program does what comes before the first call, typically reading its data:
 - the modules those choices launch from (`Algorithm.kernel_modules`) and the ones no algorithm claims
   (kernel maps, pooling, the epilogue), read from the kernel cache, or compiled, side by side
   (`compile.prepare`);
-- the choices' launch plans.
+- the choices' launch plans (`keep_plan`: handed to a framework adapter that keeps plans of its own);
+- given the network's call (`rehearse`), a rehearsal: the network run once on a few voxels
+  (`rehearsal_tensor`), each convolution with the choice recalled for its layer (the largest size the
+  caches rank; `tuner.rehearsal`), so that what a first call does once whatever the sizes happens here:
+  the kernel maps' and the framework's own first kernels (CuPy's, PyTorch's), each kernel's first
+  launch, derived map formats. Nothing is measured or written, and no choice is kept for the few voxels'
+  sizes; normalisation layers change no statistics (`tuner.rehearsing`).
 
 Sizes the caches know nothing about are tuned at the first call, as without it. The network's first call
 stops what is left (`KernelPrefetch.stop`): a prefetch started just before the call would otherwise
@@ -40,11 +46,25 @@ from .compile import prepare
 from .dtypes import short_name
 from .precision import uses_tf32
 from .selection import Selection
-from .tuner import NAMESPACES, SIZE_KEY_NAMES, Tuner, default_tuner, tuning_key
+from .sparse_tensor import SparseTensor
+from .tuner import (
+    NAMESPACES,
+    SIZE_KEY_NAMES,
+    RehearsalStopped,
+    Tuner,
+    default_tuner,
+    rehearsal,
+    rehearsal_key,
+    sizeless_key,
+    tuning_key,
+)
 from .warmup import FeatureType, layer_problems, unclaimed_sources
 
 ENVIRONMENT_VARIABLE = "CUPYSPARSE_PREFETCH"
 PHASES = ("forward", "backward")
+# The rehearsal's voxels: a cube of this edge, enough for one voxel at the deepest level of a U-Net of
+# four stride-2 stages.
+REHEARSAL_EDGE = 8
 
 log = logging.getLogger("cupysparse.prefetch")
 
@@ -64,11 +84,12 @@ class CachedChoice:
 
 @dataclass(frozen=True)
 class Prefetched:
-    """What one prefetch did: choices recalled, modules made ready, its seconds, and whether a call of
-    the network stopped it before the end."""
+    """What one prefetch did: choices recalled, modules made ready, whether the network's rehearsal ran
+    to its end, its seconds, and whether a call of the network stopped it before the end."""
 
     choices: int
     modules: int
+    rehearsed: bool
     seconds: float
     stopped: bool
 
@@ -95,10 +116,6 @@ class KernelPrefetch:
         self._stop_event.set()
 
 
-def _sizeless(key) -> tuple:
-    return tuple(sorted(pair for pair in key if pair[0] not in SIZE_KEY_NAMES))
-
-
 def cached_choices(network: networks.Network, dtype, capability: int, phases=("forward",), algorithms=None,
                    pointwise: bool = True, tuner: Tuner | None = None) -> list[CachedChoice]:
     """The tuner's choices for the convolutions of `network` in `dtype` on a GPU of `capability` (e.g.
@@ -120,25 +137,50 @@ def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, t
         buckets: dict[tuple, list[tuple[int, int]]] = {}  # by key without sizes: (input, output) size buckets
         for key in tuner.cache.keys(NAMESPACES[(CONV, phase)]):
             values = dict(key)
-            buckets.setdefault(_sizeless(key), []).append(tuple(values[name] for name in SIZE_KEY_NAMES))
+            buckets.setdefault(sizeless_key(key), []).append(tuple(values[name] for name in SIZE_KEY_NAMES))
         for problem in problems:
-            for in_bucket, out_bucket in buckets.get(_sizeless(tuning_key(problem)), ()):
+            for in_bucket, out_bucket in buckets.get(sizeless_key(tuning_key(problem)), ()):
                 sized = replace(problem, num_in=1 << in_bucket, num_out=1 << out_bucket)
                 selection = tuner.recall(search_space, sized)
                 if selection is not None:
                     yield CachedChoice(phase, sized, selection)
 
 
-def _build_plan(choice: CachedChoice) -> None:
+def _build_plan(choice: CachedChoice):
     algorithm, params = choice.selection.algorithm, choice.selection.params
     if choice.phase == "forward":
-        algorithm.forward_plan(choice.problem, params)
-    else:
-        algorithm.backward_plan(choice.problem, params)
+        return algorithm.forward_plan(choice.problem, params)
+    return algorithm.backward_plan(choice.problem, params)
+
+
+def rehearsal_tensor(network: networks.Network, dtype) -> SparseTensor:
+    """`REHEARSAL_EDGE`^D voxels of batch 0 on the current GPU, `network.in_channels` zero features."""
+    cupy = cupy_module()
+    cells = np.indices((REHEARSAL_EDGE,) * networks.SPATIAL_DIMS).reshape(networks.SPATIAL_DIMS, -1).T
+    coordinates = np.concatenate([np.zeros((len(cells), 1), np.int64), cells], axis=1).astype(np.int32)
+    return SparseTensor(cupy.asarray(coordinates), cupy.zeros((len(cells), network.in_channels), dtype),
+                        validate=False)
+
+
+def _rehearse(rehearse, network: networks.Network, dtype: np.dtype, choices: list[CachedChoice],
+              stop: threading.Event) -> bool:
+    """Run `rehearse` on `rehearsal_tensor` inside `tuner.rehearsal` with each layer's choice for the
+    largest size recalled; whether it ran to its end."""
+    by_layer = {rehearsal_key(CONV, choice.phase, choice.problem): choice.selection
+                for choice in sorted(choices, key=lambda choice: (choice.problem.num_in, choice.problem.num_out))}
+    try:
+        with rehearsal(by_layer, stop):
+            rehearse(rehearsal_tensor(network, dtype))
+    except RehearsalStopped:
+        return False
+    except Exception:  # noqa: BLE001 - the first call does what the rehearsal could not, and raises itself
+        log.debug("prefetch: the rehearsal of %s failed", network.name, exc_info=True)
+        return False
+    return True
 
 
 def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases: tuple, algorithms,
-              pointwise: bool, stop: threading.Event) -> Prefetched:
+              pointwise: bool, keep_plan, rehearse, stop: threading.Event) -> Prefetched:
     begin = time.perf_counter()
     device = cupy_module().cuda.Device(device_id)
     with device:
@@ -156,10 +198,15 @@ def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases
             if stop.is_set():
                 break
             try:
-                _build_plan(choice)
+                plan = _build_plan(choice)
             except Exception:  # noqa: BLE001 - the call that needs this plan builds it, and raises, itself
                 log.debug("prefetch: no plan for %s", choice, exc_info=True)
-    return Prefetched(len(choices), len(sources), time.perf_counter() - begin, stop.is_set())
+            else:
+                if keep_plan is not None:
+                    keep_plan(choice, plan)
+        rehearsed = (rehearse is not None and not stop.is_set()
+                     and _rehearse(rehearse, network, dtype, choices, stop))
+    return Prefetched(len(choices), len(sources), rehearsed, time.perf_counter() - begin, stop.is_set())
 
 
 @functools.cache
@@ -168,10 +215,13 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def prefetch_kernels(network: networks.Network, dtype, device_id: int | None = None, phases=("forward",),
-                     algorithms=None, pointwise: bool = True) -> KernelPrefetch | None:
+                     algorithms=None, pointwise: bool = True, keep_plan=None, rehearse=None) -> KernelPrefetch | None:
     """Start loading what `network`'s convolutions in `dtype` will launch on GPU `device_id` (default:
     the current one) in `phases` (see the module docstring and `cached_choices`); None when prefetching
-    is off or there is no CuPy. Prefetches run one at a time, in the order asked."""
+    is off or there is no CuPy. `keep_plan(choice, plan)`: told each recalled choice's launch plan (a
+    framework adapter keeps them where its calls look them up). `rehearse`: what runs the network's
+    forward on a core `SparseTensor` on that GPU, without stopping this prefetch, for the rehearsal
+    (None: none). Prefetches run one at a time, in the order asked."""
     unknown = sorted(set(phases) - set(PHASES))
     if unknown:
         raise ValueError(f"phases must be some of {PHASES}, got {tuple(phases)}")
@@ -181,5 +231,5 @@ def prefetch_kernels(network: networks.Network, dtype, device_id: int | None = N
     device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
     stop = threading.Event()
     future = _worker().submit(_prefetch, network, np.dtype(dtype), device_id, tuple(phases), algorithms, pointwise,
-                              stop)
+                              keep_plan, rehearse, stop)
     return KernelPrefetch(future, stop)

@@ -33,12 +33,15 @@ call's, and the next call tunes again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
@@ -90,6 +93,11 @@ def size_bucket(count: int) -> int:
 
 # The entries of a tuning key that hold the problem's sizes, as `size_bucket`s.
 SIZE_KEY_NAMES = ("log_num_in_coords", "log_num_out_coords")
+
+
+def sizeless_key(key) -> tuple:
+    """A tuning key without its sizes, in a stable order: what the keys of one layer at every size share."""
+    return tuple(sorted(pair for pair in key if pair[0] not in SIZE_KEY_NAMES))
 
 
 def tuning_key(problem: ConvProblem) -> tuple[tuple[str, object], ...]:
@@ -275,6 +283,51 @@ def _is_capturing(problem: ConvProblem) -> bool:
     return problem.device == "cuda" and cupy_module().cuda.get_current_stream().is_capturing()
 
 
+class RehearsalStopped(Exception):
+    """What `select` raises inside a `rehearsal` once the rehearsal's stop event is set."""
+
+
+# This thread's rehearsal, (choices, stop event), while one runs (`rehearsal`).
+_rehearsal = threading.local()
+
+
+def rehearsing() -> bool:
+    """Whether this thread is inside a `rehearsal`: a network run ahead of its first call on a
+    few voxels, whose results nobody reads. Layers with state (batch norms) change none there."""
+    return getattr(_rehearsal, "state", None) is not None
+
+
+def rehearsal_key(kind: str, phase: str, problem: ConvProblem) -> tuple:
+    """What a `rehearsal` looks a problem's choice up by: its kind, phase and sizeless tuning key."""
+    return kind, phase, sizeless_key(tuning_key(problem))
+
+
+def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, choices: Mapping,
+                         stop: threading.Event | None) -> Selection:
+    if stop is not None and stop.is_set():
+        raise RehearsalStopped
+    chosen = choices.get(rehearsal_key(search_space.kind, search_space.phase, problem))
+    if chosen is not None and chosen.algorithm.supports(problem):
+        return chosen
+    algorithms = list(dict.fromkeys(algorithm for algorithm, _ in candidates(search_space, problem)))
+    return rule_based_selection(search_space, problem, algorithms or None)  # None: raises, naming the choices
+
+
+@contextlib.contextmanager
+def rehearsal(choices: Mapping[tuple, Selection], stop: threading.Event | None = None):
+    """On this thread, while inside: every tuner's `select` answers a problem with its entry of `choices`
+    (keyed by `rehearsal_key`) where that algorithm supports it, else by the priority rule. It measures,
+    writes and remembers nothing, and raises `RehearsalStopped` once `stop` is set; `choices_version`
+    differs, so what callers keep by it stays apart. A network's rehearsal (`cupysparse.prefetch`) runs
+    inside: its layers' recalled choices, made for their real sizes, run on a few voxels."""
+    previous = getattr(_rehearsal, "state", None)
+    _rehearsal.state = (choices, stop)
+    try:
+        yield
+    finally:
+        _rehearsal.state = previous
+
+
 class Tuner:
     """Chooses, measuring once per problem key and remembering the answer in `cache`.
 
@@ -290,6 +343,9 @@ class Tuner:
         self._measure_single = measure_single_candidates
         self._chosen: dict[tuple, Selection] = {}  # by tuning key and candidate pool
         self._by_call: dict[tuple, Selection] = {}  # by filter and exact problem: a repeated call's one look-up
+        # By filter and tuning key: a layer's first call at new sizes of a known bucket (a new scene's), which
+        # `recall` answers ahead. The candidates depend on the key alone, not on the exact sizes.
+        self._by_key: dict[tuple, Selection] = {}
         self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
         self.generation = 0  # bumped whenever remembered choices are dropped
         self._reported: set = set()  # topics `_warn_once` has warned about in this process
@@ -303,11 +359,15 @@ class Tuner:
         cache again (and measures what it lacks)."""
         self._chosen.clear()
         self._by_call.clear()
+        self._by_key.clear()
         self.generation += 1
 
     def select(self, search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
         """The algorithm and parameters for `problem`; `run(algorithm, params)` executes one
         candidate on the call's real data (None: decide by the priority rule, measuring nothing)."""
+        rehearsal = getattr(_rehearsal, "state", None)
+        if rehearsal is not None:
+            return _rehearsed_selection(search_space, problem, *rehearsal)
         call_key = (search_space, problem, run is None, tuning_enabled())
         chosen = self._by_call.get(call_key)
         if chosen is None:
@@ -347,19 +407,22 @@ class Tuner:
         ranking (what a process that measured the problem, or the shipped file, recorded), remembered
         as `select` remembers it. None where the caches do not rank every candidate. What loads a
         network's kernels ahead of its first call (`cupysparse.prefetch`) asks."""
+        key = tuning_key(problem)
+        by_key = (search_space, key, False, tuning_enabled())  # as `select` with a run keeps it
+        chosen = self._by_key.get(by_key)
+        if chosen is not None:
+            return chosen
         pool = candidates(search_space, problem)
         if not pool:
             return None
-        unmeasured = self._unmeasured_selection(search_space, problem, pool, run_given=True)
-        if unmeasured is not None:
-            return unmeasured
-        key = tuning_key(problem)
-        memo_key = _memo_key(search_space, key, pool)
-        chosen = self._chosen.get(memo_key)
+        chosen = self._unmeasured_selection(search_space, problem, pool, run_given=True)
         if chosen is None:
-            chosen = self._recorded_selection(search_space, key, _sweeps(pool))
-            if chosen is not None:
-                self._chosen[memo_key] = chosen
+            memo_key = _memo_key(search_space, key, pool)
+            chosen = self._chosen.get(memo_key) or self._recorded_selection(search_space, key, _sweeps(pool))
+            if chosen is None:
+                return None
+            self._chosen[memo_key] = chosen
+        self._by_key[by_key] = chosen
         return chosen
 
     def _unmeasured_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, pool,
@@ -373,13 +436,25 @@ class Tuner:
     def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> tuple[Selection, bool]:
         """The selection, and whether this process may keep it for the problem (not when the data
         of this call could check nothing: the next call's may)."""
+        key = tuning_key(problem)
+        by_key = (search_space, key, run is None, tuning_enabled())
+        chosen = self._by_key.get(by_key)
+        if chosen is None:
+            chosen, remember = self._keyed_selection(search_space, problem, key, run)
+            if not remember:
+                return chosen, False
+            self._by_key[by_key] = chosen
+        return chosen, True
+
+    def _keyed_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, key, run
+                         ) -> tuple[Selection, bool]:
+        """`_select` for a filter and tuning key met for the first time."""
         pool = candidates(search_space, problem)
         if not pool:
             return rule_based_selection(search_space, problem), True  # raises, listing the valid choices
         unmeasured = self._unmeasured_selection(search_space, problem, pool, run is not None)
         if unmeasured is not None:
             return unmeasured, True
-        key = tuning_key(problem)
         memo_key = _memo_key(search_space, key, pool)
         chosen = self._chosen.get(memo_key)
         if chosen is None:
@@ -690,10 +765,10 @@ def default_tuner() -> Tuner:
     return _default_tuner
 
 
-def choices_version() -> tuple[int, bool, str]:
-    """Changes whenever `select_algorithm` may answer a repeated call differently: what callers that
-    keep a selection (with its launch plans) check before reusing it."""
-    return _default_tuner.generation, tuning_enabled(), get_fp32_precision()
+def choices_version() -> tuple[int, bool, str, bool]:
+    """Changes whenever `select_algorithm` may answer a repeated call differently (on this thread: inside
+    a rehearsal it does): what callers that keep a selection (with its launch plans) check before reusing it."""
+    return _default_tuner.generation, tuning_enabled(), get_fp32_precision(), rehearsing()
 
 
 def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:

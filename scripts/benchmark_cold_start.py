@@ -7,16 +7,16 @@
 
 Run it as a new process: what it measures is what a process pays the first time. Before the clock
 starts it builds, in the order a program does, the network (random weights, inference in --dtype,
-`eval()`), whose kernels the tuning caches name start loading in the background (`cupysparse.prefetch`;
---no-prefetch: not), then the demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels
-on a GPU, seed 0), and with PyTorch makes one small matrix product in the dtype: PyTorch's own first-use
-cost (the cuBLAS handle), which any torch program pays, is reported apart. Then, host clock to the
-synchronised result, the first
-forward on a fresh tensor (its kernel maps built: module loads from the kernel cache or NVRTC,
-tuning where no cache has the layer's problem, CuPy's own first kernels), and the median of
---repeats later forwards, each on a fresh tensor too (maps built again, as for a new scene). It
-reports the ratio, the kernel modules loaded during the first forward (and how many NVRTC
-compiled, with their time) and how many problems the tuner measured.
+`eval()`), whose kernels the tuning caches name start loading in the background, followed by a
+rehearsal of its forward on a few voxels (`cupysparse.prefetch`; --no-prefetch: neither), then the
+demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels on a GPU, seed 0), and with
+PyTorch makes one small matrix product in the dtype: PyTorch's own first-use cost (the cuBLAS handle),
+which any torch program pays, is reported apart. Then, host clock to the synchronised result, the
+first forward on a fresh tensor (its kernel maps built: module loads from the kernel cache or NVRTC,
+tuning where no cache has the layer's problem, CuPy's own first kernels), and the median of --repeats
+later forwards, each on a fresh tensor too (maps built again, as for a new scene). It reports the
+ratio, the kernel modules loaded during the first forward (and how many NVRTC compiled, with their
+time) and how many problems the tuner measured.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def describe_prefetch(prefetched) -> str:
         return f"prefetch failed: {prefetched.exception()!r}"
     done = prefetched.result()
     return (f"prefetch done before the first forward: {done.choices} choices, {done.modules} modules, "
-            f"{done.seconds * 1e3:.1f} ms in the background")
+            f"{'rehearsed' if done.rehearsed else 'no rehearsal'}, {done.seconds * 1e3:.1f} ms in the background")
 
 
 def timed_ms(forward, tensor: SparseTensor, device: str, profiler: cProfile.Profile | None = None) -> float:

@@ -1,12 +1,13 @@
 """Loading a network's kernels before its first call (`cupysparse.prefetch`): the cache keys it reads,
-the tuner's `recall`, the choices it derives for a network, and on a GPU a fresh process whose first
-forward loads no module and measures nothing."""
+the tuner's `recall` and `rehearsal`, the choices it derives for a network, on a GPU the network's
+rehearsal, and a fresh process whose first forward loads no module and measures nothing."""
 
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,8 +19,9 @@ from cupysparse.algorithms import CONV, ConvProblem, get_algorithm
 from cupysparse.backend import gpu_available
 from cupysparse.benchmark_cache import BenchmarkCache, default_cache, open_for_reading
 from cupysparse.compile import source_digest
+from cupysparse.selection import Selection, rule_based_selection
 from cupysparse.shipped_cache import TuningCache
-from cupysparse.tuner import NAMESPACES, Tuner, candidates, tuning_key
+from cupysparse.tuner import NAMESPACES, RehearsalStopped, Tuner, candidates, rehearsal, rehearsal_key, tuning_key
 from tuning_caches import NotMeasured, caches, must_not_run  # noqa: F401 (caches: an autouse fixture)
 
 FORWARD = NAMESPACES[(CONV, "forward")]
@@ -94,6 +96,17 @@ def test_recall_answers_the_recorded_ranking_and_select_then_measures_nothing():
     assert tuner.measurements == 0
 
 
+def test_a_layers_first_call_at_new_sizes_of_a_recalled_bucket_is_one_look_up(monkeypatch):
+    problem = layer_problem(32, 64, 27, 200_000, 200_000)
+    ship([problem])
+    tuner = Tuner()
+    recalled = tuner.recall(AlgorithmFilter(CONV, "forward", "auto"), problem)
+    monkeypatch.setattr(tuner_module, "candidates", lambda *arguments: pytest.fail("searched the candidates"))
+    new_scene = replace(problem, num_in=199_999, num_out=150_000)  # the same size buckets
+    assert tuner_module.size_bucket(150_000) == tuner_module.size_bucket(200_000)
+    assert tuner.select(AlgorithmFilter(CONV, "forward", "auto"), new_scene, must_not_run) is recalled
+
+
 def test_recall_is_none_without_a_ranking_and_measures_and_writes_nothing(monkeypatch):
     # Before measuring a GPU problem the tuner asks CUDA whether a graph is being captured; none is here.
     monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
@@ -112,6 +125,44 @@ def test_recall_of_a_single_candidate_is_the_priority_rule():
     assert len(candidates(search_space, problem)) == 1
     recalled = Tuner().recall(search_space, problem)
     assert recalled.algorithm is get_algorithm("explicit_gemm")
+
+
+def test_a_rehearsal_answers_its_choices_else_the_priority_rule_and_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
+    auto = AlgorithmFilter(CONV, "forward", "auto")
+    layer, few_voxels = layer_problem(32, 64, 27, 2**18, 2**18), layer_problem(32, 64, 27, 512, 512)
+    other_layer = layer_problem(64, 64, 27, 512, 512)
+    old_gpu = ConvProblem(512, 512, 32, 64, 27, np.dtype(np.float16), "cuda", 70)  # mma.sync needs sm_80
+    last = Selection(*candidates(auto, layer)[-1])
+    assert last != rule_based_selection(auto, few_voxels)  # a choice the priority rule would not make
+    mma = get_algorithm("mma_implicit_gemm")
+    choices = {rehearsal_key(CONV, "forward", layer): last,
+               rehearsal_key(CONV, "forward", old_gpu): Selection(mma, mma.default_params("forward"))}
+    tuner, outside = Tuner(), tuner_module.choices_version()
+    with rehearsal(choices):
+        assert tuner.select(auto, few_voxels, must_not_run) is last  # the layer's choice, at other sizes
+        assert tuner.select(auto, other_layer, must_not_run) == rule_based_selection(auto, other_layer)
+        assert tuner.select(auto, old_gpu, must_not_run) == rule_based_selection(auto, old_gpu)
+        assert tuner_module.rehearsing() and tuner_module.choices_version() != outside
+        elsewhere = []
+        thread = threading.Thread(target=lambda: elsewhere.append(tuner_module.rehearsing()))
+        thread.start()
+        thread.join()
+        assert elsewhere == [False]  # a rehearsal is its thread's alone
+    assert not tuner_module.rehearsing() and tuner_module.choices_version() == outside
+    assert tuner.measurements == 0 and default_cache().keys(FORWARD) == []
+    with pytest.raises(NotMeasured):  # nothing was remembered for the few voxels
+        tuner.select(auto, few_voxels, must_not_run)
+
+
+def test_a_stopped_rehearsal_raises_at_its_next_selection():
+    stop = threading.Event()
+    problem = layer_problem(32, 64, 27, 512, 512)
+    with rehearsal({}, stop):
+        Tuner().select(AlgorithmFilter(CONV, "forward", "auto"), problem, must_not_run)
+        stop.set()
+        with pytest.raises(RehearsalStopped):
+            Tuner().select(AlgorithmFilter(CONV, "forward", "auto"), problem, must_not_run)
 
 
 def test_the_choices_are_the_networks_layers_at_every_size_the_caches_rank():
@@ -169,6 +220,33 @@ def test_a_prefetch_stopped_before_it_starts_recalls_nothing_and_says_so():
     assert not unstopped.stopped and unstopped.choices == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+def test_a_network_rehearses_every_convolution_and_keeps_no_choice_for_the_few_voxels(monkeypatch):
+    from cupysparse.inference import InferenceNetwork
+
+    stem = layer_problem(3, 32, 27, 2**18, 2**18)
+    ship([stem])
+    tuner = tuner_module.default_tuner()
+    tuner.forget_choices()
+    measured = tuner.measurements
+    rehearsed = []
+    selection = tuner_module._rehearsed_selection
+    monkeypatch.setattr(tuner_module, "_rehearsed_selection",
+                        lambda search_space, problem, *rest: rehearsed.append(problem)
+                        or selection(search_space, problem, *rest))
+    network = InferenceNetwork(NETWORK, networks.random_weights(NETWORK), "cuda", "float16")
+    done = network.prefetched.result(timeout=300)
+    assert done.rehearsed and not done.stopped and done.choices == 1
+    layers = {(conv.in_channels, conv.out_channels, conv.kernel_volume()) for _, conv in networks.convolutions(NETWORK)}
+    assert {(p.in_channels, p.out_channels, p.kernel_volume) for p in rehearsed} == layers
+    assert all(p.num_in <= prefetch.REHEARSAL_EDGE**3 for p in rehearsed)
+    assert tuner.measurements == measured
+    few_voxels = next(p for p in rehearsed if (p.in_channels, p.kernel_volume) == (3, 27))
+    with pytest.raises(NotMeasured):  # the rehearsal's choices were not remembered
+        tuner.select(AlgorithmFilter(CONV, "forward", "auto"), few_voxels, must_not_run)
+
+
 FRESH_PROCESS = textwrap.dedent("""
     import json
     from cupysparse import compile, networks
@@ -184,7 +262,7 @@ FRESH_PROCESS = textwrap.dedent("""
     done = network.prefetched.result()
     loads = len(compile.module_loads())
     network(tensor)
-    print(json.dumps({"choices": done.choices, "modules": done.modules,
+    print(json.dumps({"choices": done.choices, "modules": done.modules, "rehearsed": done.rehearsed,
                       "loaded_by_forward": len(compile.module_loads()) - loads,
                       "measured": default_tuner().measurements}))
 """)
@@ -202,6 +280,6 @@ def test_after_the_prefetch_the_first_forward_of_the_demo_scene_loads_and_measur
     import json
 
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["choices"] > 0 and report["modules"] > 0
+    assert report["choices"] > 0 and report["modules"] > 0 and report["rehearsed"]
     assert report["loaded_by_forward"] == 0
     assert report["measured"] == 0

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import ops  # noqa: E402
+from cupysparse.tuner import rehearsal  # noqa: E402
 from cupysparse.weight_conversion import to_spconv_weight, to_torch_conv_weight  # noqa: E402
 
 
@@ -112,6 +113,26 @@ def test_batch_norm_in_evaluation_uses_the_running_statistics():
     torch.testing.assert_close(norm.bias.grad, torch.full((3,), float(len(x)), dtype=torch.float64))
     trained = norm.train()(x).features  # training mode normalises by the batch's own statistics
     torch.testing.assert_close(trained.mean(0), norm.bias.detach(), rtol=1e-9, atol=1e-9)
+
+
+def test_a_batch_norm_switched_to_training_during_a_rehearsal_changes_no_statistics():
+    """A network's rehearsal (`cupysparse.prefetch`) runs an evaluation in the background; a module the
+    program switches to training meanwhile keeps normalising by, and leaves alone, its running statistics."""
+    x = sparse(channels=3, requires_grad=False)
+    norm = cst.SparseBatchNorm(3).double()
+    with torch.no_grad():
+        norm.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        norm.running_var.copy_(torch.tensor([0.25, 4.0, 1.5]))
+        expected = norm.eval()(x).features
+    statistics = [tensor.clone() for tensor in (norm.running_mean, norm.running_var, norm.num_batches_tracked)]
+    norm.train()
+    with torch.no_grad(), rehearsal({}):
+        torch.testing.assert_close(norm(x).features, expected, rtol=0, atol=0)
+    after = (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+    assert all(torch.equal(a, b) for a, b in zip(after, statistics))
+    with torch.no_grad():
+        norm(x)  # outside a rehearsal, training counts the batch
+    assert int(norm.num_batches_tracked) == 1
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])

@@ -16,6 +16,7 @@ from torch import nn
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.coords import as_tuple
+from cupysparse.tuner import rehearsing
 from cupysparse.weight_conversion import from_spconv_weight
 
 from . import functional as F
@@ -217,7 +218,9 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
         it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
         residual of the features' shape and dtype (torch's sum would promote another)."""
-        if self.training or self.running_mean is None or torch.compiler.is_compiling():
+        # A rehearsal (`cupysparse.prefetch`) runs an evaluation: if the module switched to training since, it
+        # still uses, and changes nothing of, its running statistics.
+        if (self.training and not rehearsing()) or self.running_mean is None or torch.compiler.is_compiling():
             return False
         if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype):
             return False
