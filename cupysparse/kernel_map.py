@@ -87,7 +87,7 @@ class KernelMap:
 
     def __init__(
         self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
-        offset_mask=None, derive_in=contextlib.nullcontext,
+        offset_mask=None, mask_sorted_order=None, derive_in=contextlib.nullcontext,
     ):
         check_row_count(pair_table.shape[1], "a kernel map's output")
         check_row_count(num_in, "a kernel map's input")
@@ -96,6 +96,8 @@ class KernelMap:
         self.pair_table = array_module(pair_table).ascontiguousarray(pair_table, dtype=np.int32)
         if offset_mask is not None:  # already computed by the query: skip the derivation
             self._offset_mask = offset_mask
+        if mask_sorted_order is not None:  # known without sorting (the identity map's: every row in place)
+            self._mask_sorted_order = mask_sorted_order
         self.num_in = num_in
         self.kernel_size = tuple(kernel_size)
         self.stride = tuple(stride)
@@ -452,8 +454,9 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
     """Output = input coordinates. `index` reuses a `coordinate_index.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
     if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
-        table = array_module(in_coords).arange(in_coords.shape[0], dtype=np.int32)[None, :]
-        return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation)
+        rows = array_module(in_coords).arange(in_coords.shape[0], dtype=np.int32)
+        # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run.
+        return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows)
     index = index or build_index(in_coords)
     query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
     table, mask = index.pair_table(in_coords, query, same_coordinates=True)

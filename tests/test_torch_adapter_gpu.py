@@ -299,14 +299,41 @@ def test_an_inference_layer_with_padded_channels_sees_each_in_place_update_of_it
         torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)
 
 
-def test_a_network_moved_to_the_gpu_prefetches_its_forward_kernels_and_in_training_its_backward_ones():
+def test_a_network_moved_to_the_gpu_prefetches_its_forward_kernels_and_in_training_its_backward_ones(monkeypatch):
     from cupysparse.adapters.torch.networks import MinkUNet18
+    from cupysparse.demo import scene_tensor
+    from cupysparse.scenes import INDOOR_CLASSES
 
-    model = MinkUNet18(3, 13).eval().to("cuda", torch.float16)
+    ops._plans.clear()  # what earlier tests kept: the prefetch must keep this network's plans itself
+    model = MinkUNet18(3, len(INDOOR_CLASSES)).eval().to("cuda", torch.float16)
     inference = model.prefetched.result(timeout=300)
     assert inference.choices > 0 and inference.modules > 0  # the shipped sm_90 file ranks the demo's sizes
+    _, scene, _ = scene_tensor("indoor", 200_000, 0, "cuda", "float16")
+    with monkeypatch.context() as patched, torch.no_grad():
+        patched.setattr(ops, "select_algorithm", lambda *arguments: pytest.fail("a layer selected at its first call"))
+        model(cst.SparseTensor.from_core(scene))
     model.train()
     training = model.prefetched.result(timeout=300)
     assert training.choices > inference.choices
+    assert inference.rehearsed and not training.rehearsed  # training runs other kernels than a rehearsal
     model.eval()
-    assert model.prefetched.result() is training  # switching to evaluation starts nothing
+    evaluation = model.prefetched.result(timeout=300)
+    assert evaluation is not training and evaluation.rehearsed
+
+
+def test_a_pointwise_convolution_without_gradients_runs_over_its_identity_map_on_our_kernels():
+    coords = coordinates(seed=3)
+    x = cst.SparseTensor(torch.from_numpy(coords).cuda(),
+                         torch.randn(len(coords), 24, device="cuda", dtype=torch.float16))
+    conv = cst.SubMConv3d(24, 40, 1, bias=True).cuda().half()
+    x64, w64 = x.features.double().cpu().numpy(), conv.weight[0].detach().double().cpu().numpy()
+    expected = x64 @ w64 + conv.bias.detach().double().cpu().numpy()
+    with torch.no_grad():
+        out = conv(x)
+    assert_close(out.features.double().cpu().numpy(), expected, np.float16, 24, x64, w64, "without gradients")
+    assert len(x.core.map_cache) == 1  # the identity map: not the torch product
+    differentiated = cst.SparseTensor(x.coordinates, x.features.clone())  # a map cache of its own
+    trained = conv(differentiated)
+    assert len(differentiated.core.map_cache) == 0  # the torch product, which autograd differentiates
+    assert_close(trained.features.detach().double().cpu().numpy(), expected, np.float16, 24, x64, w64,
+                 "with gradients")

@@ -217,10 +217,12 @@ def test_evaluation_on_cuda_equals_torch_batch_norm_and_relu(dtype, parameter_dt
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_a_minkunet_in_inference_on_cuda_launches_one_epilogue_per_norm(dtype, monkeypatch):
     """No norm falls back to the core's array path: each is one launch from the adapter."""
+    model = minkunet18(DTYPES[dtype], "cuda")
+    if model.prefetched is not None:
+        model.prefetched.result(timeout=300)  # its rehearsal launches the epilogues too, on its own thread
     launches = []
     launch = torch_epilogue.epilogue.launch
     monkeypatch.setattr(torch_epilogue.epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
-    model = minkunet18(DTYPES[dtype], "cuda")
     coords = coordinates(num_per_item=600)
     x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=DTYPES[dtype]))
     with torch.no_grad():

@@ -55,12 +55,17 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`.
 
     A 1^D kernel at stride 1 (the projections of residual blocks, classifiers) maps each voxel to
-    itself: it runs as one matrix product in torch, with no kernel map and no algorithm to choose."""
+    itself. Where there is something to differentiate, on the CPU and under `torch.compile`, it runs as
+    one matrix product in torch, with no kernel map and no algorithm to choose. Inference on a GPU runs
+    it over its identity map on the library's kernels, as the framework-free network does: as fast in
+    MinkUNet18 inference, within run-to-run noise, and a process's first call then loads no cuBLAS
+    kernel, which the prefetch (`cupysparse.prefetch`) could not load ahead (notes/tuner_performance.md)."""
     _require_sparse(input)
     features, weight = _autocast(input.features, weight)
     _check_like_features(weight, "weight", features)
     _check_contiguous(features)
-    if not generative and _is_pointwise(kernel_size, stride, input.spatial_dims):
+    if (not generative and _is_pointwise(kernel_size, stride, input.spatial_dims)
+            and not _runs_on_our_kernels(features, weight, bias)):
         ops.algorithm_argument(fwd_algo, CONV, "forward")  # checked all the same: a typo is an error
         ops.algorithm_argument(bwd_algo, CONV, "backward")
         if weight.dim() != 3 or weight.shape[0] != 1 or weight.shape[1] != features.shape[1]:
@@ -82,6 +87,14 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     if bias is not None:
         out = out + bias.to(out.dtype)
     return _output(result, out, input)
+
+
+def _runs_on_our_kernels(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a 1^D convolution runs over its map (see `sparse_conv`): inference on a GPU, not compiling."""
+    if not features.is_cuda or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
 
 
 def _is_pointwise(kernel_size, stride, spatial_dims: int) -> bool:

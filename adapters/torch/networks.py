@@ -11,15 +11,19 @@ exactly the keys `cupysparse.networks.parameter_shapes` lists (plus BatchNorm's
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from cupysparse import networks
+from cupysparse.algorithms import CONV
 from cupysparse.prefetch import prefetch_kernels
+from cupysparse.sparse_tensor import SparseTensor as CoreSparseTensor
 from cupysparse.weights_file import load_weights, save_weights as save_arrays
 
+from . import ops
 from .bridge import core_dtype, to_core
 from .modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
 from .tensor import SparseTensor
@@ -149,10 +153,11 @@ def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
 class SparseNetwork(SparseSequential):
     """A whole `networks.Network` as one module; `description` keeps what it was built from.
 
-    Moved to a GPU or another dtype (`.to()`, `.cuda()`, `.half()`), and switched to training there,
-    it starts loading the kernels the tuning caches say its convolutions will run, in the background
-    (`cupysparse.prefetch`: the forward's, and in training the backward's); `prefetched` is the latest
-    `KernelPrefetch`, or None. A call stops what is left of it; copies and pickles carry none."""
+    Moved to a GPU or another dtype (`.to()`, `.cuda()`, `.half()`), and switched to training or to
+    evaluation there, it starts loading the kernels the tuning caches say its convolutions will run, in
+    the background (`cupysparse.prefetch`: the forward's, and in training the backward's); in evaluation
+    it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None.
+    A call stops what is left of it; copies and pickles carry none."""
 
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
@@ -171,8 +176,7 @@ class SparseNetwork(SparseSequential):
 
     def train(self, mode: bool = True):
         module = super().train(mode)
-        if mode:
-            self._prefetch_kernels()
+        self._prefetch_kernels()
         return module
 
     def _prefetch_kernels(self) -> None:
@@ -181,8 +185,21 @@ class SparseNetwork(SparseSequential):
         dtype = None if weight is None or not weight.is_cuda else core_dtype(weight.dtype)
         if dtype is not None:
             phases = ("forward", "backward") if self.training else ("forward",)
+            # Training multiplies the 1^D convolutions in torch (`functional.sparse_conv`): their choices are
+            # not needed. Only evaluation rehearses: training runs other kernels (batch statistics, autograd).
             self.prefetched = prefetch_kernels(self.description, dtype, weight.device.index, phases,
-                                               self._algorithms, pointwise=False)
+                                               self._algorithms, pointwise=not self.training,
+                                               keep_plan=functools.partial(self._keep_plan, weight.dtype,
+                                                                           weight.device.index),
+                                               rehearse=None if self.training else self._rehearse)
+
+    def _keep_plan(self, dtype: torch.dtype, device_index: int, choice, plan) -> None:
+        algo = ops.algorithm_argument(self._algorithms[choice.phase], CONV, choice.phase)
+        ops.keep_recalled_plan(choice, plan, dtype, device_index, algo)
+
+    def _rehearse(self, tensor: CoreSparseTensor) -> None:
+        with torch.no_grad(), torch.cuda.device(tensor.features.device.id):
+            self._forward(SparseTensor.from_core(tensor))
 
     def forward(self, input: SparseTensor) -> SparseTensor:
         if not isinstance(input, SparseTensor):
@@ -192,6 +209,9 @@ class SparseNetwork(SparseSequential):
                              f"got {input.features.shape[1]}")
         if self.prefetched is not None:
             self.prefetched.stop()
+        return self._forward(input)
+
+    def _forward(self, input: SparseTensor) -> SparseTensor:
         input.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level)) for level in self._levels])
         return super().forward(input)
 

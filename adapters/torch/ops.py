@@ -35,9 +35,9 @@ from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_fi
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
 from cupysparse.out_of_memory import naming_sizes
-from cupysparse.tuner import choices_version, size_bucket
+from cupysparse.tuner import choices_version, select_algorithm, size_bucket
 
-from .bridge import from_core, on_torch_stream, stream_handle, to_core
+from .bridge import core_dtype, from_core, on_torch_stream, stream_handle, to_core
 
 _maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
 _tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -90,13 +90,14 @@ def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tens
 
 
 def _plannable(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> bool:
-    """Whether launch plans can run these tensors: contiguous features on the current CUDA device
-    (whose kernels the plans hold), of the map's rows and the weight's dtype, device and input
-    channels, with work to do. Anything else takes the core's path, which explains what is wrong
-    (or returns the zeros of an empty problem)."""
+    """Whether launch plans can run these tensors: contiguous floating features on the current CUDA
+    device (whose kernels the plans hold), of the map's rows and the weight's dtype, device and input
+    channels, a weight of the map's kernel volume, with work to do. Anything else takes the core's
+    path, which explains what is wrong (or returns the zeros of an empty problem)."""
     return (
         features.is_cuda and features.is_contiguous() and features.device.index == torch.cuda.current_device()
-        and features.dim() == 2 and weight.dim() == 3 and features.shape[0] == kernel_map.num_in
+        and features.is_floating_point() and features.dim() == 2 and weight.dim() == 3
+        and features.shape[0] == kernel_map.num_in and weight.shape[0] == kernel_map.kernel_volume
         and features.shape[1] == weight.shape[1] and features.dtype == weight.dtype
         and features.device == weight.device and kernel_map.num_in > 0 and kernel_map.num_out > 0
         and weight.shape[1] > 0 and weight.shape[2] > 0
@@ -121,15 +122,32 @@ def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
     choices or, for algo "", the environment variable change. The signature is what the tuner keys
     its choices on (map geometry, sizes as `size_bucket`s, channels, dtype) plus the device: a new
     kernel map of the same signature (the next scene) reuses the plan."""
-    choice = algo or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
-    key = (phase, features.dtype, weight.shape, features.device.index, choice, choices_version(),
-           kernel_map.kernel_volume, kernel_map.stride, kernel_map.transposed, kernel_map.generative,
-           size_bucket(kernel_map.num_in), size_bucket(kernel_map.num_out))
+    key = _plan_key(phase, features.dtype, weight.shape, features.device.index, algo, kernel_map.kernel_volume,
+                    kernel_map.stride, kernel_map.transposed, kernel_map.generative, kernel_map.num_in,
+                    kernel_map.num_out)
     try:
         return _plans[key]
     except KeyError:
         plan = _plans[key] = select()
         return plan
+
+
+def _plan_key(phase: str, dtype: torch.dtype, weight_shape, device_index: int, algo: str, kernel_volume: int,
+              stride: tuple, transposed: bool, generative: bool, num_in: int, num_out: int) -> tuple:
+    choice = algo or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
+    return (phase, dtype, weight_shape, device_index, choice, choices_version(), kernel_volume, stride, transposed,
+            generative, size_bucket(num_in), size_bucket(num_out))
+
+
+def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:
+    """Keep `plan`, the launch plan of a choice the prefetch recalled (`cupysparse.prefetch.CachedChoice`),
+    for the layers of its problem in `dtype` on GPU `device_index` with the algorithm argument `algo` (as
+    `algorithm_argument` gives it): their first call at the problem's sizes then selects nothing."""
+    problem = choice.problem
+    weight_shape = (problem.kernel_volume, problem.in_channels, problem.out_channels)
+    key = _plan_key(choice.phase, dtype, weight_shape, device_index, algo, problem.kernel_volume,
+                    tuple(problem.stride), problem.transposed, problem.generative, problem.num_in, problem.num_out)
+    _plans.setdefault(key, plan)
 
 
 def _padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:
@@ -169,9 +187,9 @@ def _kept_padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch
 def _forward_plan(features, weight, kernel_map, fwd_algo: str):
     def select():
         with on_torch_stream(features.device):
-            core_features, core_weight = to_core(features), to_core(weight)
-            selection = functional.select_forward(core_features, core_weight, kernel_map, _algorithm(fwd_algo))
-            problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
+            problem = _plannable_problem(features, weight, kernel_map)
+            run = _run_on_core(functional.forward_runner, features, weight, kernel_map)
+            selection = select_algorithm(parse_algorithm_filter(_algorithm(fwd_algo), CONV, "forward"), problem, run)
             return selection.algorithm.forward_plan(problem, selection.params)
 
     return _layer_plan("forward", features, weight, kernel_map, fwd_algo, select)
@@ -180,14 +198,30 @@ def _forward_plan(features, weight, kernel_map, fwd_algo: str):
 def _backward_plan(grad_output, features, weight, kernel_map, bwd_algo: str):
     def select():
         with on_torch_stream(features.device):
-            core_features, core_weight = to_core(features), to_core(weight)
-            selection = functional.select_backward(
-                to_core(grad_output), core_features, core_weight, kernel_map, _algorithm(bwd_algo)
-            )
-            problem = ConvProblem.of(core_features, kernel_map, weight.shape[2])
+            problem = _plannable_problem(features, weight, kernel_map)
+            run = _run_on_core(functional.backward_runner, grad_output, features, weight, kernel_map)
+            selection = select_algorithm(parse_algorithm_filter(_algorithm(bwd_algo), CONV, "backward"), problem, run)
             return selection.algorithm.backward_plan(problem, selection.params)
 
     return _layer_plan("backward", features, weight, kernel_map, bwd_algo, select)
+
+
+def _plannable_problem(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> ConvProblem:
+    """The `ConvProblem` of tensors `_plannable` accepted, from their shapes and dtype alone."""
+    return ConvProblem.over(kernel_map, features.shape[1], weight.shape[2], core_dtype(features.dtype), on_gpu=True)
+
+
+def _run_on_core(runner, *tensors_then_map):
+    """`runner(*tensors, kernel_map)` (a `functional` runner, which the tuner measures candidates with)
+    over the core's views of the tensors, made at its first call: a layer whose choice the tuner already
+    has (a new scene's, or one the prefetch recalled) views nothing."""
+    *tensors, kernel_map = tensors_then_map
+
+    @functools.cache
+    def on_core():
+        return runner(*(to_core(tensor) for tensor in tensors), kernel_map)
+
+    return lambda algorithm, params: on_core()(algorithm, params)
 
 
 def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:

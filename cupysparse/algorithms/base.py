@@ -62,23 +62,25 @@ class ConvProblem:
     @classmethod
     def of(cls, features, kernel_map, out_channels: int) -> ConvProblem:
         """The problem of applying a convolution with `out_channels` outputs over `kernel_map` to `features`."""
-        on_gpu = is_cupy_array(features)
-        capability = None
-        if on_gpu:
-            capability = int(cupy_module().cuda.Device().compute_capability)
+        return cls.over(kernel_map, int(features.shape[1]), out_channels, features.dtype, is_cupy_array(features))
+
+    @classmethod
+    def over(cls, kernel_map, in_channels: int, out_channels: int, dtype, on_gpu: bool) -> ConvProblem:
+        """The problem of a convolution over `kernel_map` of `in_channels` features of `dtype` into
+        `out_channels`, on the current GPU or the CPU: what `of` says without the arrays."""
         return cls(
             num_in=kernel_map.num_in,
             num_out=kernel_map.num_out,
-            in_channels=int(features.shape[1]),
+            in_channels=int(in_channels),
             out_channels=int(out_channels),
             kernel_volume=kernel_map.kernel_volume,
-            dtype=np.dtype(features.dtype),
+            dtype=np.dtype(dtype),
             device="cuda" if on_gpu else "cpu",
-            compute_capability=capability,
+            compute_capability=int(cupy_module().cuda.Device().compute_capability) if on_gpu else None,
             stride=tuple(kernel_map.stride),
             transposed=kernel_map.transposed,
             generative=kernel_map.generative,
-            tf32=uses_tf32(features.dtype, on_gpu),
+            tf32=uses_tf32(dtype, on_gpu),
         )
 
 
