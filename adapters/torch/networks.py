@@ -156,8 +156,8 @@ class SparseNetwork(SparseSequential):
     Moved to a GPU or another dtype (`.to()`, `.cuda()`, `.half()`), and switched to training or to
     evaluation there, it starts loading the kernels the tuning caches say its convolutions will run, in
     the background (`cupysparse.prefetch`: the forward's, and in training the backward's); in evaluation
-    it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None.
-    A call stops what is left of it; copies and pickles carry none."""
+    it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None;
+    starting one stops the one before. A call stops what is left of it; copies and pickles carry none."""
 
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
@@ -183,6 +183,8 @@ class SparseNetwork(SparseSequential):
         """Prefetch for the device and dtype of the weights, when they are on a GPU in a dtype the core knows."""
         weight = next((p for p in self.parameters() if p.is_floating_point()), None)
         dtype = None if weight is None or not weight.is_cuda else core_dtype(weight.dtype)
+        if self.prefetched is not None:
+            self.prefetched.stop()  # superseded: left running, its rehearsal would compete with the calls
         if dtype is not None:
             phases = ("forward", "backward") if self.training else ("forward",)
             # Training multiplies the 1^D convolutions in torch (`functional.sparse_conv`): their choices are
