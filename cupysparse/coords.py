@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import array_module
+from .backend import all_true, any_true, array_module
 
 MAX_SPATIAL_DIMS = 4
 # Rows are indexed with int32 (pair tables, pair lists, kernel arguments), and a kernel's thread
@@ -164,12 +164,12 @@ def validate_coordinates(coords, name: str = "coordinates") -> None:
         )
     present = xp.zeros(int(highs[0]) + 1, dtype=bool)
     present[coords[:, 0]] = True
-    if not bool(present.all()):
+    if not all_true(present):
         missing = int(xp.argmin(present))
         raise ValueError(f"{name}: batch indices must be 0..{int(highs[0])} with none missing; batch {missing} is empty")
     keys = xp.sort(pack_keys(coords))
     repeated = keys[1:] == keys[:-1]
-    if bool(repeated.any()):
+    if any_true(repeated):
         first = int(xp.argmax(repeated))
         duplicate = unpack_keys(keys[first : first + 1], layout.spatial_dims)[0]
         raise ValueError(f"{name}: duplicate coordinate {[int(v) for v in duplicate]}")

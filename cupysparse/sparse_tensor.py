@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import array_module, is_cupy_array, to_device, to_numpy
+from .backend import all_true, array_module, is_cupy_array, to_device, to_numpy
 from .coords import (
     MAX_SPATIAL_DIMS,
     as_tuple,
@@ -247,7 +247,7 @@ class SparseTensor:
         if batch_index is None:
             batch_index = xp.zeros(num_points, dtype=np.int32)
 
-        if num_points and not bool(xp.isfinite(points).all()):
+        if not all_true(xp.isfinite(points)):
             raise ValueError("points must be finite (got NaN or infinity)")
         # float64 so float16/float32 points floor exactly as the same values divided in Python would.
         scaled = xp.floor(points.astype(np.float64) / xp.asarray(voxel_sizes))

@@ -47,7 +47,7 @@ import numpy as np
 
 from .algorithm_modes import ALL, AUTO, AlgorithmFilter
 from .algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
-from .backend import array_module, cupy_module, is_cupy_array
+from .backend import all_true, array_module, cupy_module, is_cupy_array
 from .compile import prepare, source_digest
 from .device_timing import WAIT_KERNELS, QueuedTimer
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
@@ -229,9 +229,9 @@ def non_finite_reference(reference, dtype) -> str | None:
             continue
         xp = array_module(expected)
         finite = xp.isfinite(expected.astype(accumulation_dtype(dtype))).ravel()
-        bad = int(finite.size - int(finite.sum()))
-        if bad == 0:
+        if all_true(finite):
             continue
+        bad = int(finite.size - int(xp.count_nonzero(finite)))
         first = int(xp.argmin(finite))  # the first False
         where = _position(first, expected.shape, label)
         more = f" (and {bad - 1:,} more)" if bad > 1 else ""
@@ -266,7 +266,7 @@ def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
         wide = accumulation_dtype(dtype)
         got, expected = got.astype(wide), expected.astype(wide)
         finite = xp.isfinite(got).ravel()
-        if not bool(finite.all()):
+        if not all_true(finite):
             first = int(xp.argmin(finite))
             value, exact = float(got.ravel()[first]), float(expected.ravel()[first])
             named = f"the {short_name(dtype)} {label}"
