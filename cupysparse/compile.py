@@ -508,21 +508,29 @@ def _finish_loading(source: KernelSource, device_id: int, future: concurrent.fut
     return loaded
 
 
+def start_loading(sources) -> dict[KernelSource, concurrent.futures.Future]:
+    """Start compiling (or reading from the kernel cache), in the order given, each of `sources` not
+    loaded on the current device yet, without waiting: a later `prepare` or launch of it joins its
+    compilation. Returns those under way, by source. Without CuPy or a usable GPU, nothing."""
+    cupy = cupy_module()
+    if cupy is None:
+        return {}
+    try:
+        return _start_loading(list(dict.fromkeys(sources)), cupy.cuda.Device().id)
+    except Exception:  # noqa: BLE001 - no usable GPU, or NVRTC cannot compile for it: each launch raises why
+        return {}
+
+
 def prepare(sources) -> None:
     """Load every one of `sources` on the current device, the ones not loaded yet compiled (or read
     from the kernel cache) concurrently, on up to `compile_workers()` threads: what the tuner calls
     before measuring candidates that launch from several modules. Safe to call from several threads:
     each module is compiled once. A module that fails is not raised here but by the launch that needs
     it (the tuner skips that candidate). Without CuPy, nothing."""
-    cupy = cupy_module()
-    if cupy is None:
+    started = start_loading(sources)
+    if not started:
         return
-    sources = list(dict.fromkeys(sources))
-    try:
-        device_id = cupy.cuda.Device().id
-        started = _start_loading(sources, device_id)
-    except Exception:  # noqa: BLE001 - no usable GPU, or NVRTC cannot compile for it: each launch raises why
-        return
+    device_id = cupy_module().cuda.Device().id
     for source, future in started.items():
         with contextlib.suppress(Exception):  # raised again by the launch that needs the module
             _finish_loading(source, device_id, future)

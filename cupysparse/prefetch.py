@@ -12,6 +12,10 @@ the program does what comes before the first call, typically reading its data:
 - the modules those choices launch from (`Algorithm.kernel_modules`) and the ones no algorithm claims
   (kernel maps, pooling, the epilogue), read from the kernel cache, or compiled, side by side
   (`compile.prepare`);
+- for the convolutions the caches know at no size, which the first call will tune, the modules of every
+  candidate the tuner measures (`tuning_modules`), started behind those and not waited for
+  (`compile.start_loading`): with empty caches, NVRTC compiles them while the program reads its data,
+  and the tuner's measurements then join the compilations under way;
 - the choices' launch plans (`keep_plan`: handed to a framework adapter that keeps plans of its own);
 - given the network's call (`rehearse`), a rehearsal: the network run once on a few voxels
   (`rehearsal_tensor`), each convolution with the choice recalled for its layer (the largest size the
@@ -42,7 +46,7 @@ from . import networks
 from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, ConvProblem
 from .backend import cupy_module
-from .compile import prepare
+from .compile import KernelSource, prepare, start_loading
 from .dtypes import short_name
 from .precision import uses_tf32
 from .selection import Selection
@@ -84,11 +88,13 @@ class CachedChoice:
 
 @dataclass(frozen=True)
 class Prefetched:
-    """What one prefetch did: choices recalled, modules made ready, whether the network's rehearsal ran
-    to its end, its seconds, and whether a call of the network stopped it before the end."""
+    """What one prefetch did: choices recalled, modules made ready, modules started for the tuner's
+    measurements, whether the network's rehearsal ran to its end, its seconds, and whether a call of the
+    network stopped it before the end."""
 
     choices: int
     modules: int
+    tuning_modules: int
     rehearsed: bool
     seconds: float
     stopped: bool
@@ -126,12 +132,17 @@ def cached_choices(network: networks.Network, dtype, capability: int, phases=("f
     return list(_cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner or default_tuner()))
 
 
-def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner):
-    """`cached_choices`, one at a time."""
+def _layer_problems(network: networks.Network, dtype, capability: int, pointwise: bool) -> list[ConvProblem]:
+    """A problem per distinct convolution of `network`, in its order; the 1^D stride-1 ones only if `pointwise`."""
     dtype = np.dtype(dtype)
     feature_type = FeatureType(short_name(dtype), dtype, uses_tf32(dtype, on_gpu=True))
-    problems = [problem for problem in layer_problems(network, feature_type, capability)
-                if pointwise or problem.kernel_volume != 1 or any(s != 1 for s in problem.stride)]
+    return [problem for problem in layer_problems(network, feature_type, capability)
+            if pointwise or problem.kernel_volume != 1 or any(s != 1 for s in problem.stride)]
+
+
+def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner):
+    """`cached_choices`, one at a time."""
+    problems = _layer_problems(network, dtype, capability, pointwise)
     for phase in phases:
         search_space = parse_algorithm_filter((algorithms or {}).get(phase), CONV, phase)
         buckets: dict[tuple, list[tuple[int, int]]] = {}  # by key without sizes: (input, output) size buckets
@@ -144,6 +155,26 @@ def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, t
                 selection = tuner.recall(search_space, sized)
                 if selection is not None:
                     yield CachedChoice(phase, sized, selection)
+
+
+def tuning_modules(network: networks.Network, dtype, capability: int, choices: list[CachedChoice],
+                   phases=("forward",), algorithms=None, pointwise: bool = True,
+                   tuner: Tuner | None = None) -> list[KernelSource]:
+    """The kernel modules the tuner loads to measure the convolutions of `network` (as `cached_choices`
+    takes them) for which `choices` hold no size in a phase: every candidate's, phase after phase, layer
+    after layer in the network's order. Empty where the tuner would measure nothing (tuning turned off,
+    a single candidate)."""
+    tuner = tuner or default_tuner()
+    known = {(choice.phase, sizeless_key(tuning_key(choice.problem))) for choice in choices}
+    problems = _layer_problems(network, dtype, capability, pointwise)
+    sources = []
+    for phase in phases:
+        search_space = parse_algorithm_filter((algorithms or {}).get(phase), CONV, phase)
+        for problem in problems:
+            if (phase, sizeless_key(tuning_key(problem))) not in known:
+                sources += [source for algorithm, params in tuner.candidates_to_measure(search_space, problem)
+                            for source in algorithm.kernel_modules(phase, problem, params)]
+    return list(dict.fromkeys(sources))
 
 
 def _build_plan(choice: CachedChoice):
@@ -184,15 +215,19 @@ def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases
     begin = time.perf_counter()
     device = cupy_module().cuda.Device(device_id)
     with device:
+        capability = int(device.compute_capability)
         choices = []
-        for choice in _cached_choices(network, dtype, int(device.compute_capability), phases, algorithms,
-                                      pointwise, default_tuner()):
+        for choice in _cached_choices(network, dtype, capability, phases, algorithms, pointwise, default_tuner()):
             if stop.is_set():
                 break
             choices.append(choice)
         sources = [source for choice in choices for source in choice.selection.algorithm.kernel_modules(
             choice.phase, choice.problem, choice.selection.params)]
         sources = list(dict.fromkeys([*sources, *unclaimed_sources([dtype])]))
+        to_tune = [] if stop.is_set() else [
+            source for source in tuning_modules(network, dtype, capability, choices, phases, algorithms, pointwise)
+            if source not in sources]
+        start_loading([*sources, *to_tune])  # the compile threads take them in this order
         prepare(sources)
         for choice in choices:
             if stop.is_set():
@@ -206,7 +241,8 @@ def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases
                     keep_plan(choice, plan)
         rehearsed = (rehearse is not None and not stop.is_set()
                      and _rehearse(rehearse, network, dtype, choices, stop))
-    return Prefetched(len(choices), len(sources), rehearsed, time.perf_counter() - begin, stop.is_set())
+    return Prefetched(len(choices), len(sources), len(to_tune), rehearsed, time.perf_counter() - begin,
+                      stop.is_set())
 
 
 @functools.cache

@@ -425,6 +425,15 @@ class Tuner:
         self._by_key[by_key] = chosen
         return chosen
 
+    def candidates_to_measure(self, search_space: AlgorithmFilter, problem: ConvProblem
+                              ) -> list[tuple[Algorithm, dict]]:
+        """The candidates `select` with a run measures for `problem` where no cache ranks them; none
+        where it decides without measuring (a single candidate, tuning turned off)."""
+        pool = candidates(search_space, problem)
+        if not pool or self._unmeasured_selection(search_space, problem, pool, run_given=True) is not None:
+            return []
+        return pool
+
     def _unmeasured_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, pool,
                               run_given: bool) -> Selection | None:
         """The priority rule's selection where nothing is to be measured: no run, a single candidate

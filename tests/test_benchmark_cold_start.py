@@ -18,6 +18,8 @@ def test_cold_start_reports_the_first_and_the_steady_forward(framework, tmp_path
     first = float(re.search(r"first forward\s+([\d.]+) ms", out).group(1))
     steady = float(re.search(r"steady forward\s+([\d.]+) ms", out).group(1))
     ratio = float(re.search(r"ratio\s+([\d.]+)x", out).group(1))
+    since_construction = float(re.search(r"([\d.]+) s from the network's construction", out).group(1))
     assert first > 0 and steady > 0
+    assert since_construction + 0.05 >= first / 1e3  # printed to a tenth of a second
     assert ratio == pytest.approx(first / steady, rel=0.02, abs=0.01)
     assert "0 compiled by NVRTC" in out and "0 problems tuned" in out  # the NumPy path compiles and tunes nothing

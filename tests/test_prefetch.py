@@ -198,6 +198,44 @@ def test_the_choices_follow_the_phases_and_search_spaces_asked_for():
     assert single.selection.algorithm is get_algorithm("explicit_gemm")
 
 
+def candidate_modules(problems, phase: str) -> set:
+    return {source for problem in problems for algorithm, params in candidates(AlgorithmFilter(CONV, phase, "auto"),
+                                                                                 problem)
+            for source in algorithm.kernel_modules(phase, problem, params)}
+
+
+def network_problems() -> list[ConvProblem]:
+    """Each distinct convolution of NETWORK as a GPU problem, in the network's order."""
+    problems = [layer_problem(conv.in_channels, conv.out_channels, conv.kernel_volume(), 2**12, 2**12,
+                              (conv.stride,) * 3 if isinstance(conv.stride, int) else tuple(conv.stride),
+                              conv.transposed) for _, conv in networks.convolutions(NETWORK)]
+    return list(dict.fromkeys(problems))
+
+
+def test_the_modules_started_for_the_tuner_are_every_candidates_of_the_layers_the_caches_do_not_know(monkeypatch):
+    stem, *others = network_problems()
+    assert (stem.in_channels, stem.kernel_volume) == (3, 27)
+    ship([replace(stem, num_in=2**18, num_out=2**18)])
+    choices = prefetch.cached_choices(NETWORK, np.float16, 90)
+    started = prefetch.tuning_modules(NETWORK, np.float16, 90, choices)
+    assert len(started) == len(set(started))
+    assert set(started) == candidate_modules(others, "forward")
+    assert set(started[:len(candidate_modules(others[:1], "forward"))]) == candidate_modules(others[:1], "forward")
+    assert candidate_modules([stem], "forward") - set(started)  # the stem's own tiles, known: not started
+
+    both = prefetch.tuning_modules(NETWORK, np.float16, 90, choices, phases=("forward", "backward"))
+    assert both[:len(started)] == started
+    assert set(both) == set(started) | candidate_modules([stem, *others], "backward")
+
+    ship([replace(problem, num_in=2**18, num_out=2**18) for problem in [stem, *others]])
+    shipped_cache.forget_shipped_caches()
+    every_layer = prefetch.cached_choices(NETWORK, np.float16, 90)
+    assert prefetch.tuning_modules(NETWORK, np.float16, 90, every_layer) == []
+    assert prefetch.tuning_modules(NETWORK, np.float16, 90, [], algorithms={"forward": "explicit_gemm"}) == []
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
+    assert prefetch.tuning_modules(NETWORK, np.float16, 90, []) == []
+
+
 def test_prefetching_refuses_unknown_phases_and_can_be_turned_off(monkeypatch):
     with pytest.raises(ValueError, match="phases"):
         prefetch.prefetch_kernels(NETWORK, np.float16, phases=("sideways",))
@@ -283,3 +321,40 @@ def test_after_the_prefetch_the_first_forward_of_the_demo_scene_loads_and_measur
     assert report["choices"] > 0 and report["modules"] > 0 and report["rehearsed"]
     assert report["loaded_by_forward"] == 0
     assert report["measured"] == 0
+
+
+EMPTY_CACHES_PROCESS = textwrap.dedent("""
+    import json
+    from cupysparse import compile, networks
+    from cupysparse.demo import scene_tensor
+    from cupysparse.inference import InferenceNetwork
+    from cupysparse.scenes import INDOOR_CLASSES
+    from cupysparse.tuner import default_tuner
+
+    description = networks.minkunet(18, 3, len(INDOOR_CLASSES))
+    network = InferenceNetwork(description, networks.random_weights(description), "cuda", "float16")
+    done = network.prefetched.result()
+    _, tensor, _ = scene_tensor("indoor", 20_000, 0, "cuda", "float16")
+    compiled_by_forward = []
+    compile_for_forward = compile.nvrtc_compile
+    compile.nvrtc_compile = lambda source, option: compiled_by_forward.append(source.filename) or compile_for_forward(
+        source, option)
+    network(tensor)
+    print(json.dumps({"tuning_modules": done.tuning_modules, "compiled_by_forward": compiled_by_forward,
+                      "measured": default_tuner().measurements}))
+""")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+def test_with_empty_caches_the_first_forward_tunes_with_modules_the_prefetch_started(tmp_path):
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("CUPYSPARSE_")}
+    environment.update(CUPYSPARSE_BENCHMARK_CACHE_DIR=str(tmp_path / "user"), CUPYSPARSE_SHIPPED_CACHE="0",
+                       CUPY_CACHE_DIR=str(tmp_path / "kernels"))
+    result = subprocess.run([sys.executable, "-c", EMPTY_CACHES_PROCESS], env=environment, capture_output=True,
+                            text=True, check=True, timeout=600)
+    import json
+
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["tuning_modules"] > 0 and report["measured"] > 0
+    assert report["compiled_by_forward"] == []
