@@ -69,8 +69,10 @@ _FORMAT_KERNELS = KernelSource(
         _radix_scatter(_CARRIED_KEYS, False),
         _radix_scatter(_CARRIED_KEYS, True),
         _radix_scatter(_GATHERED_KEYS, False),
+        "wgrad_share_table",
     ),
 )
+_SHARE_TABLE_BLOCK = 256  # threads of a block of `wgrad_share_table`
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,17 @@ class CsrPairs:
     in_idx: object
     out_idx: object
     offsets: object
+
+
+@dataclass(frozen=True)
+class WgradShares:
+    """How the split-K wgrad kernels cut the per-offset pair lists among `kernel_volume x rounds` blocks
+    (`wgrad_shares`): `table` `[blocks, 4]` int32 holds block z's (offset, share, the offset's shares,
+    workspace slot), offset -1 for a block without a share; offset k's partials are the workspace slots
+    `slot_starts[k]:slot_starts[k + 1]`."""
+
+    table: object
+    slot_starts: object
 
 
 class KernelMap:
@@ -157,6 +170,16 @@ class KernelMap:
     def csr(self) -> CsrPairs:
         """Per-offset pair lists (computed once; on the GPU this synchronises for the pair count)."""
         return self._csr
+
+    def wgrad_shares(self, rounds: int, round_major: bool) -> WgradShares:
+        """The split-K wgrad blocks' shares of the pair lists for `rounds` blocks per offset (see
+        `wgrad_shares`), computed once per map and arguments: each is one small launch, no synchronisation."""
+        key = (rounds, round_major)
+        cached = self.__dict__.setdefault("_wgrad_shares", {})
+        if key not in cached:
+            with self.derive_in():
+                cached[key] = wgrad_shares(self.csr().offsets, rounds, round_major)
+        return cached[key]
 
     @functools.cached_property
     def _host_pair_offsets(self) -> np.ndarray:
@@ -326,6 +349,42 @@ def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
             grid=(kernel_volume * counts.num_chunks, 1, 1),
         )
     return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
+
+
+def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
+    """The shares of the per-offset pair lists (CSR offsets `pair_offsets` `[K + 1]`) among the
+    `K x rounds` blocks of a split-K wgrad launch. Offset k gets `1 + P_k (K rounds - K) // P` shares (P_k
+    its pairs, P all of them; none without pairs), so that every share holds about as many pairs whatever
+    its offset; the last blocks may get none. Offset-major, block z is workspace slot z; round-major, round
+    t holds the shares s of every offset with `s rounds // shares_k = t` (the same stretch of each pair
+    list, which runs by output row), offsets in order within it. As `wgrad_share_table` in
+    raw_kernels/kernel_map_formats.cu computes on the GPU."""
+    kernel_volume = len(pair_offsets) - 1
+    slots = kernel_volume * rounds
+    if is_cupy_array(pair_offsets):
+        import cupy
+
+        table = cupy.empty((slots, 4), dtype=np.int32)
+        slot_starts = cupy.empty(kernel_volume + 1, dtype=np.int32)
+        threads = max(slots, kernel_volume + 1)
+        _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6).launch(
+            cupy.cuda.get_current_stream().ptr, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major),
+            table.data.ptr, slot_starts.data.ptr, grid=(-(-threads // _SHARE_TABLE_BLOCK), 1, 1))
+        return WgradShares(table, slot_starts)
+    pairs = np.diff(np.asarray(pair_offsets, dtype=np.int64))
+    shares = np.where(pairs > 0, 1 + pairs * (slots - kernel_volume) // max(int(pairs.sum()), 1), 0)
+    slot_starts = np.zeros(kernel_volume + 1, dtype=np.int32)
+    np.cumsum(shares, out=slot_starts[1:])
+    used = int(slot_starts[-1])
+    offset = np.repeat(np.arange(kernel_volume), shares)
+    share = np.arange(used) - slot_starts[offset]
+    entries = np.stack([offset, share, shares[offset], np.arange(used)], axis=1)
+    if round_major:
+        entries = entries[np.lexsort((share, offset, share * rounds // shares[offset]))]
+    table = np.zeros((slots, 4), dtype=np.int32)
+    table[:, 0] = -1
+    table[:used] = entries
+    return WgradShares(table, slot_starts)
 
 
 def offset_mask(pair_table):

@@ -106,34 +106,31 @@ __device__ __forceinline__ void stage_tile(const T* __restrict__ src, int num_co
   }
 }
 
-// Share `share` of `split_k` of offset k's pairs in the wgrad kernels' compact pair lists (CSR offsets
-// `pair_offsets`): the pairs [first, last), the list cut into split_k shares of whole STEP_PAIRS-pair steps (the
+// Share `share` of `shares` of offset k's pairs in the wgrad kernels' compact pair lists (CSR offsets
+// `pair_offsets`): the pairs [first, last), the list cut into `shares` shares of whole STEP_PAIRS-pair steps (the
 // last ones shorter or empty), and its steps.
 template <int STEP_PAIRS>
 struct PairShare {
   long long first, last;
   int steps;
-  __device__ __forceinline__ PairShare(const long long* __restrict__ pair_offsets, int k, int share, int split_k) {
+  __device__ __forceinline__ PairShare(const long long* __restrict__ pair_offsets, int k, int share, int shares) {
     const long long begin = pair_offsets[k], end = pair_offsets[k + 1];
-    const long long share_pairs = ((end - begin + split_k - 1) / split_k + STEP_PAIRS - 1) / STEP_PAIRS * STEP_PAIRS;
+    const long long share_pairs = ((end - begin + shares - 1) / shares + STEP_PAIRS - 1) / STEP_PAIRS * STEP_PAIRS;
     first = begin + share * share_pairs;
     last = min(end, first + share_pairs);
     steps = first < last ? (int)((last - first + STEP_PAIRS - 1) / STEP_PAIRS) : 0;
   }
 };
 
-// The offset and share of this wgrad block, blockIdx.z of kernel_volume x split_k: share-major when
-// `share_major` (the share's blocks of every offset side by side), else offset-major. Each gathered row is
-// read once per offset that pairs it; the pair lists are sorted by output row, so share s of every offset
-// covers about the same rows, which share-major order reads while they are in L2 (the host's choice, see
-// WgradPlan.share_major).
-struct WgradBlock {
-  int k, share;
+// This wgrad block's share: entry blockIdx.z of the map's wgrad share table (KernelMap.wgrad_shares, written by
+// wgrad_share_table in kernel_map_formats.cu), share `share` of the `shares` of offset k's pairs, whose partial
+// dW_k goes to workspace slot `slot`; k = -1: no share, nothing to do.
+struct WgradShare {
+  int k, share, shares, slot;
 };
-__device__ __forceinline__ WgradBlock wgrad_block(int kernel_volume, int split_k, int share_major) {
-  const int z = blockIdx.z;
-  if (share_major) return {z % kernel_volume, z / kernel_volume};
-  return {z / split_k, z % split_k};
+__device__ __forceinline__ WgradShare wgrad_share(const int4* __restrict__ share_table) {
+  const int4 entry = share_table[blockIdx.z];
+  return {entry.x, entry.y, entry.z, entry.w};
 }
 
 // The pair indices (input and output rows) of a wgrad share's steps, copied into shared memory AHEAD steps

@@ -281,3 +281,56 @@ __global__ void __launch_bounds__(BLOCK)
     }
   }
 }
+
+// --- wgrad shares -----------------------------------------------------------------------------------
+// The split-K wgrad kernels' blocks over the per-offset pair lists (CSR offsets `pair_offsets` [K + 1]):
+// of `slots` = K x rounds blocks, offset k gets shares_k = 1 + P_k (slots - K) / P (none when it has no
+// pairs; their sum is at most `slots`), so a share holds about P / (slots - K) pairs whatever its offset.
+// With as many shares for every offset, the identity offset of a submanifold map (~2.7x the mean pairs)
+// left its blocks running alone at the end.
+__device__ __forceinline__ int offset_shares(const long long* __restrict__ pair_offsets, int k, int spare_slots,
+                                             unsigned long long total_pairs) {
+  const unsigned long long pairs = pair_offsets[k + 1] - pair_offsets[k];
+  return pairs ? 1 + (int)(pairs * spare_slots / total_pairs) : 0;
+}
+
+// One thread per slot (and at least K + 1 threads). slot_starts[k] = the shares of the offsets before k: offset k's partials are the
+// workspace slots slot_starts[k] .. slot_starts[k + 1] - 1, summed in that order. table[z] = {k, share,
+// shares_k, slot} of the block z, k = -1 for the blocks past the last share. In round-major order, round t
+// holds the shares s of every offset with floor(s rounds / shares_k) = t, offsets in order within it: the
+// pair lists run by output row, so a round's blocks read about the same rows while they are in L2.
+// Otherwise z is the slot (offset-major).
+__global__ void wgrad_share_table(const long long* __restrict__ pair_offsets, int kernel_volume, int rounds,
+                                  int round_major, int4* __restrict__ table, int* __restrict__ slot_starts) {
+  const int slots = kernel_volume * rounds, spare_slots = slots - kernel_volume;
+  const int slot = blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long total_pairs = pair_offsets[kernel_volume] - pair_offsets[0];
+  if (slot <= kernel_volume) {
+    int start = 0;
+    for (int j = 0; j < slot; ++j) start += offset_shares(pair_offsets, j, spare_slots, total_pairs);
+    slot_starts[slot] = start;
+  }
+  if (slot >= slots) return;
+  int k = 0, start = 0, shares = 0;
+  for (; k < kernel_volume; ++k, start += shares) {
+    shares = offset_shares(pair_offsets, k, spare_slots, total_pairs);
+    if (slot < start + shares) break;
+  }
+  if (k == kernel_volume) {  // past the last share: the slots from the total on are as many blocks
+    table[slot] = make_int4(-1, 0, 0, 0);
+    return;
+  }
+  const int share = slot - start;
+  int z = slot;
+  if (round_major) {
+    // The blocks before it: every offset's shares of the earlier rounds, the earlier offsets' of its round, and
+    // its offset's earlier shares.
+    const unsigned round = (unsigned)share * rounds / shares;
+    z = share;
+    for (int j = 0; j < kernel_volume; ++j)
+      if (j != k)
+        z += ((j < k ? round + 1 : round) * offset_shares(pair_offsets, j, spare_slots, total_pairs) + rounds - 1) /
+             rounds;
+  }
+  table[z] = make_int4(k, share, shares, slot);
+}

@@ -274,9 +274,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
 
 // Weight gradient, split-K over compact pair lists, as wmma_conv_wgrad (same workspace layout and
 // shares): dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over share s of offset k's pairs (z names both:
-// wgrad_block), for the TILE_M x TILE_N tile (blockIdx.x, blockIdx.y) of dW_k, written
-// unreduced in fp32 to workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded]
-// (zeros where the share is empty: no initialisation needed). Per stage, PAIRS (two k steps) gathered
+// wgrad_share), for the TILE_M x TILE_N tile (blockIdx.x, blockIdx.y) of dW_k, written unreduced in fp32
+// to the share's slot of the workspace [slots, in_channels_padded, out_channels_padded] (zeros where the
+// share is empty: no initialisation needed). Per stage, PAIRS (two k steps) gathered
 // rows of x and dy sit in shared memory as [PAIRS][channels]: both operands' fragments are read k-major
 // (transposed on load, or element by element for TF32).
 template <typename T, int TILE_M, int TILE_N, int STAGES>
@@ -293,9 +293,9 @@ struct WgradSharedLayout {
 template <typename T, int TILE_M, int TILE_N, int WARPS_M, int WARPS_N, int STAGES>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     mma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
-                   const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
-                   int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
-                   float* __restrict__ workspace, int share_major, int vector_rows) {
+                   const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets,
+                   int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
+                   const int4* __restrict__ share_table, float* __restrict__ workspace, int vector_rows) {
   constexpr int THREADS = WARPS_M * WARPS_N * WARP_SIZE;
   constexpr int WARP_M = TILE_M / WARPS_M, WARP_N = TILE_N / WARPS_N;
   constexpr int TILES_M = WARP_M / MMA_M, TILES_N = WARP_N / MMA_N;
@@ -307,16 +307,17 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   extern __shared__ __align__(128) unsigned char shared[];
   if (dynamic_shared_bytes() < Layout::BYTES) __trap();  // launched with the wrong size: refuse, loudly
 
-  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
-  const int k = block.k, share = block.share;
+  const WgradShare share = wgrad_share(share_table);
+  if (share.k < 0) return;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
 
   // run_pipeline stages a step's rows STAGES - 1 steps before multiplying it: its indices come STAGES - 1
   // steps before that.
-  const StagedPairIndices<PAIRS, STAGES - 1, THREADS> indices{reinterpret_cast<int*>(shared + Layout::INDICES), in_idx,
-                                                              out_idx, PairShare<PAIRS>(pair_offsets, k, share, split_k)};
+  const StagedPairIndices<PAIRS, STAGES - 1, THREADS> indices{
+      reinterpret_cast<int*>(shared + Layout::INDICES), in_idx, out_idx,
+      PairShare<PAIRS>(pair_offsets, share.k, share.share, share.shares)};
   indices.copy_first();
 
   float acc[TILES_M][TILES_N][4];
@@ -378,7 +379,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2;
   // rows and columns past the padded extents belong to no tile of dW_k.
-  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
+  float* partial = workspace + (long long)share.slot * in_channels_padded * out_channels_padded;
 #pragma unroll
   for (int i = 0; i < TILES_M; ++i)
 #pragma unroll

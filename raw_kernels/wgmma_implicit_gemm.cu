@@ -368,11 +368,11 @@ __device__ __forceinline__ void run_wgmma_pipeline(int steps, Stage stage, Multi
 // channel 8 j + 2 (lane % 4) + e; rows and columns past the padded extents belong to no tile of dW_k.
 template <int TILE_N>
 __device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 2], float* __restrict__ workspace,
-                                                    int kernel_volume, int k, int share, int in_channels_padded,
-                                                    int out_channels_padded, int row_base, int col_base) {
+                                                    int slot, int in_channels_padded, int out_channels_padded,
+                                                    int row_base, int col_base) {
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
+  float* partial = workspace + (long long)slot * in_channels_padded * out_channels_padded;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_base + warpgroup * WGMMA_M + (warp % 4) * 16 + lane / 4 + h * 8;
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 
 // Weight gradient of 16-bit operands, split-K over compact pair lists as mma_conv_wgrad (the same arguments,
 // shares and fp32 workspace): block (x, y, z) writes share s of offset k's partial (z names both:
-// wgrad_block) dW_k[row_base .., col_base ..] = sum over the share's pairs (i, o) of x[i]^T dy[o], TILE_M
+// wgrad_share) dW_k[row_base .., col_base ..] = sum over the share's pairs (i, o) of x[i]^T dy[o], TILE_M
 // input channels (warpgroup g the 64 from row_base + 64 g) by TILE_N output channels, 64 pairs a step. Both
 // operands are staged as their gathered rows lie in memory, pair-major, which the instruction reads through its
 // transpose flags (MN-major: stage_mn_major), in the forward's cp.async pipeline. (TF32 operands must be
@@ -535,9 +535,9 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 template <typename T, int TILE_M, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
-                     const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
-                     int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
-                     float* __restrict__ workspace, int share_major, int vector_rows) {
+                     const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets,
+                     int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
+                     const int4* __restrict__ share_table, float* __restrict__ workspace, int vector_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = TILE_M / WGMMA_M * WARPGROUP_THREADS;
   static_assert(sizeof(T) == 2, "MN-major operands are 16-bit");
@@ -550,11 +550,11 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
   const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
 
-  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
-  const int k = block.k, share = block.share;
+  const WgradShare share = wgrad_share(share_table);
+  if (share.k < 0) return;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
+  const PairShare<PAIRS> pairs(pair_offsets, share.k, share.share, share.shares);
 
   float acc[TILE_N / 2];
 #pragma unroll
@@ -603,8 +603,8 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   run_wgmma_pipeline<STAGES>(pairs.steps, stage_step, multiply_stage);
   pin_registers(acc);
 
-  write_wgrad_partial<TILE_N>(acc, workspace, kernel_volume, k, share, in_channels_padded, out_channels_padded,
-                              row_base, col_base);
+  write_wgrad_partial<TILE_N>(acc, workspace, share.slot, in_channels_padded, out_channels_padded, row_base,
+                              col_base);
 #endif
 }
 
@@ -618,9 +618,9 @@ template <int TILE_M, int TILE_N, int STAGES>
 __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_wgrad_tf32(const float* __restrict__ x, const float* __restrict__ dy, const int* __restrict__ in_idx,
                           const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets,
-                          int kernel_volume, int in_channels, int in_channels_padded, int out_channels,
-                          int out_channels_padded, int split_k, float* __restrict__ workspace, int share_major,
-                          int vector_rows) {
+                          int in_channels, int in_channels_padded, int out_channels,
+                          int out_channels_padded, const int4* __restrict__ share_table,
+                          float* __restrict__ workspace, int vector_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = TILE_M / WGMMA_M * WARPGROUP_THREADS;
   static_assert(TILE_M % WGMMA_M == 0 && (TILE_N == 128 || TILE_N == 256), "wgmma tile shapes");
@@ -632,12 +632,12 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   unsigned char* shared = atom_aligned<Layout::ALLOCATED>(shared_allocation);
   const unsigned shared_address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
 
-  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
-  const int k = block.k, share = block.share;
+  const WgradShare share = wgrad_share(share_table);
+  if (share.k < 0) return;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
-  const PairShare<PAIRS> pairs(pair_offsets, k, share, split_k);
+  const PairShare<PAIRS> pairs(pair_offsets, share.k, share.share, share.shares);
 
   float acc[TILE_N / 2];
 #pragma unroll
@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(TILE_M / WGMMA_M * WARPGROUP_THREADS)
   for (int k8 = 0; k8 < PAIRS / K_STEP; ++k8)
 #pragma unroll
     for (int e = 0; e < FRAGMENT; ++e) asm volatile("" : "+r"(a_even[k8][e]), "+r"(a_odd[k8][e])::"memory");
-  write_wgrad_partial<TILE_N>(acc, workspace, kernel_volume, k, share, in_channels_padded, out_channels_padded,
-                              row_base, col_base);
+  write_wgrad_partial<TILE_N>(acc, workspace, share.slot, in_channels_padded, out_channels_padded, row_base,
+                              col_base);
 #endif
 }

@@ -204,17 +204,17 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
 
 // Weight gradient, split-K over compact pair lists: dW_k = sum_p x[in_idx[p]]^T dy[out_idx[p]] over the
 // pairs p in [pair_offsets[k], pair_offsets[k + 1]). Block (x, y, z) computes the TILE_M x TILE_N tile
-// (blockIdx.x, blockIdx.y) of dW_k over share s of offset k's pairs (z names both: wgrad_block; the pairs
-// split evenly, on the device, into shares of whole stages), and writes it unreduced to
-// workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded] (fp32). Every block writes
-// its whole tile (zeros where its share is empty), so the workspace needs no initialisation.
+// (blockIdx.x, blockIdx.y) of dW_k over share s of offset k's pairs (z names both: wgrad_share; the pairs
+// split evenly, on the device, into shares of whole stages), and writes it unreduced to its slot of the
+// workspace [slots, in_channels_padded, out_channels_padded] (fp32). Every block with a share writes its
+// whole tile (zeros where the share is empty), so the workspace needs no initialisation.
 // x [num_in, in_channels]; dy [num_out, out_channels].
 template <typename T, int TILE_M, int TILE_N, int STAGES>
 __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_wgrad(const T* __restrict__ x, const T* __restrict__ dy, const int* __restrict__ in_idx,
-                    const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets, int kernel_volume,
-                    int in_channels, int in_channels_padded, int out_channels, int out_channels_padded, int split_k,
-                    float* __restrict__ workspace, int share_major) {
+                    const int* __restrict__ out_idx, const long long* __restrict__ pair_offsets,
+                    int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
+                    const int4* __restrict__ share_table, float* __restrict__ workspace) {
   static_assert(TILE_M % WARP_TILE == 0 && TILE_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(STAGES >= 1, "at least one stage");
   constexpr bool PIPELINED = STAGES > 1;
@@ -233,8 +233,8 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   // Per stage: x rows [ROWS x TILE_M], read as the col-major x^T, then dy rows [ROWS x TILE_N].
   __shared__ __align__(128) unsigned char shared[STAGES * STAGE_BYTES];
 
-  const WgradBlock block = wgrad_block(kernel_volume, split_k, share_major);
-  const int k = block.k, share = block.share;
+  const WgradShare share = wgrad_share(share_table);
+  if (share.k < 0) return;
   const int row_base = blockIdx.x * TILE_M, col_base = blockIdx.y * TILE_N;
   const int warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_TILE;
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   const int active_row_fragments = fragments_inside(in_channels_padded, row_base + warp_row);
   const int active_col_fragments = fragments_inside(out_channels_padded, col_base + warp_col);
 
-  const PairShare<ROWS> pairs(pair_offsets, k, share, split_k);
+  const PairShare<ROWS> pairs(pair_offsets, share.k, share.share, share.shares);
   const long long first = pairs.first, last = pairs.last;
   const int steps = pairs.steps;
 
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
   }
 
   // Fragments are whole inside the padded extents (multiples of 16) or skipped: no partial stores.
-  float* partial = workspace + ((long long)share * kernel_volume + k) * in_channels_padded * out_channels_padded;
+  float* partial = workspace + (long long)share.slot * in_channels_padded * out_channels_padded;
 #pragma unroll
   for (int i = 0; i < WARP_FRAGMENTS; ++i)
 #pragma unroll
@@ -350,24 +350,25 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
     }
 }
 
-// grad_weight [kernel_volume, in_channels, out_channels] = the sum over the split_k shares of the wgrad
-// workspace [split_k, kernel_volume, in_channels_padded, out_channels_padded], in share order (fp32,
-// deterministic), cropped to the unpadded channels and rounded once to T.
+// grad_weight [kernel_volume, in_channels, out_channels] = for each offset k, the sum of its shares' partials,
+// slots slot_starts[k] .. slot_starts[k + 1] - 1 of the wgrad workspace [slots, in_channels_padded,
+// out_channels_padded], in slot order (fp32, deterministic), cropped to the unpadded channels and rounded
+// once to T.
 template <typename T>
-__global__ void wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight, int split_k,
-                                        int kernel_volume, int in_channels, int in_channels_padded, int out_channels,
-                                        int out_channels_padded) {
+__global__ void wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight,
+                                        const int* __restrict__ slot_starts, int kernel_volume, int in_channels,
+                                        int in_channels_padded, int out_channels, int out_channels_padded) {
   const long long total = (long long)kernel_volume * in_channels * out_channels;
-  const long long share_stride = (long long)kernel_volume * in_channels_padded * out_channels_padded;
+  const long long slot_stride = (long long)in_channels_padded * out_channels_padded;
   const long long step = (long long)gridDim.x * blockDim.x;
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += step) {
     const int col = (int)(e % out_channels);
     const long long k_row = e / out_channels;
     const int row = (int)(k_row % in_channels);
     const long long k = k_row / in_channels;
-    const float* partial = workspace + (k * in_channels_padded + row) * out_channels_padded + col;
+    const float* partial = workspace + (long long)row * out_channels_padded + col;
     float sum = 0.0f;
-    for (int share = 0; share < split_k; ++share) sum += partial[share * share_stride];
+    for (int slot = slot_starts[k]; slot < slot_starts[k + 1]; ++slot) sum += partial[slot * slot_stride];
     grad_weight[e] = from_float<T>(sum);
   }
 }

@@ -42,8 +42,10 @@ def _pointer(address=0):
 def _kernel_map(kernel_volume):
     """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists."""
     csr = types.SimpleNamespace(in_idx=_pointer(), out_idx=_pointer(), offsets=_pointer())
+    shares = types.SimpleNamespace(table=_pointer(), slot_starts=_pointer())
     return types.SimpleNamespace(num_in=1000, num_out=1000, kernel_volume=kernel_volume, pair_table=_pointer(),
-                                 mirror_symmetric=True, mask_sorted_order=_pointer, csr=lambda: csr)
+                                 mirror_symmetric=True, mask_sorted_order=_pointer, csr=lambda: csr,
+                                 wgrad_shares=lambda rounds, round_major: shares)
 
 
 @pytest.fixture
@@ -139,14 +141,14 @@ def test_declared_modules_lie_within_the_algorithms_kernel_files_and_cpu_problem
     assert get_algorithm("explicit_gemm").kernel_modules("forward", _problem(FLOAT16, 32, 32), {}) == ()
 
 
-def test_wgrad_blocks_go_share_major_where_one_block_covers_dw_and_the_operands_outgrow_twice_the_l2(recorded):
+def test_wgrad_blocks_go_round_major_where_one_block_covers_dw_and_the_operands_outgrow_twice_the_l2(recorded):
     one_tile = wgmma_module._WgmmaWgradPlan(FLOAT32, 27, 128, 128, 32)
     several_tiles = wgmma_module._WgmmaWgradPlan(FLOAT16, 27, 256, 256, 32)
     assert one_tile.grid_xy == (1, 1) and several_tiles.grid_xy == (2, 1)
     # The fixture's L2: 50 MiB. 128 fp32 channels of input and output rows take 1 KiB a voxel.
-    assert one_tile.share_major(120_000, 120_000)  # 117 MiB
-    assert not one_tile.share_major(80_000, 80_000)  # 78 MiB
-    assert one_tile.share_major(200_000, 20_000)  # 107 MiB: the rows of both sides count
-    assert not several_tiles.share_major(1_000_000, 1_000_000)
+    assert one_tile.round_major(120_000, 120_000)  # 117 MiB
+    assert not one_tile.round_major(80_000, 80_000)  # 78 MiB
+    assert one_tile.round_major(200_000, 20_000)  # 107 MiB: the rows of both sides count
+    assert not several_tiles.round_major(1_000_000, 1_000_000)
     small = mma_module.MmaWgradPlan(FLOAT16, 27, 64, 64, 32)
-    assert small.grid_xy == (1, 1) and small.share_major(1_000_000, 1_000_000)
+    assert small.grid_xy == (1, 1) and small.round_major(1_000_000, 1_000_000)

@@ -11,9 +11,9 @@ dgrad is the same kernel reading the weight transposed (a template flag: no tran
 reversed map in its mask order (computed once per map and cached, like the forward's), or over a
 submanifold map itself, which is its own reverse with the offsets flipped, taking the weight's offsets
 in reverse (`dgrad_operands`): no reversed table to hold. wgrad runs over the
-per-offset pair lists (`KernelMap.csr`), each offset's list split into shares sized so that about
-`wgrad_warps_per_sm` warps per SM are launched; a second kernel sums their fp32 partial weight
-gradients in a fixed order.
+per-offset pair lists (`KernelMap.csr`), cut into shares of about equal pairs whatever their offset
+(`KernelMap.wgrad_shares`), as many blocks as put about `wgrad_warps_per_sm` warps per SM; a second
+kernel sums their fp32 partial weight gradients in a fixed order.
 
 `prepare_weight` pads the weight to multiples of 16 channels on both sides (the fragment size) when
 it is not already; features stay unpadded. The launches of a layer signature (dtype, kernel volume,
@@ -50,8 +50,8 @@ MAX_PAIRS_PER_SHARE = 2**17
 # 100K-voxel one, whose operands alone would allow 2.
 MIN_WORKSPACE_CAP_BYTES = 64 * 2**20
 WORKSPACE_OPERAND_FRACTION = 8
-# wgrad's blocks go share-major past this many times the L2 cache of operands (WgradPlan.share_major).
-SHARE_MAJOR_L2_MULTIPLE = 2
+# wgrad's blocks go round-major past this many times the L2 cache of operands (WgradPlan.round_major).
+ROUND_MAJOR_L2_MULTIPLE = 2
 
 # (rows, channels) of a forward / dgrad block's output tile.
 FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
@@ -346,22 +346,22 @@ class WgradPlan:
         self.wanted_warps = wgrad_warps_per_sm * _multiprocessors(current_device())
         self.warps_per_share = kernel_volume * self.grid_xy[0] * self.grid_xy[1] * self.threads(tile) // WARP_SIZE
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
-        # features, grad_output, the three pair lists, the share count, the workspace and the block order
-        # are per call.
-        self.prepare_gemm(dtype, tile, (None, None, None, None, None, *sizes, None, None, None))
+        # features, grad_output, the three pair lists, the share table and the workspace are per call.
+        self.prepare_gemm(dtype, tile, (None, None, None, None, None, *sizes[1:], None, None))
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
-        # workspace, grad_weight and the share count are per call.
+        # workspace, grad_weight and the offsets' first slots are per call.
         sum_kernel = _SUM_SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
         self.sum = PreparedLaunch(sum_kernel, *launch_config(kernel_volume * in_channels * out_channels),
                                   (None, None, None, *sizes))
 
     def shares(self, num_in: int, num_out: int) -> int:
-        """Shares per offset: enough blocks for the warps per SM asked for, none much smaller than
-        MIN_PAIRS_PER_SHARE pairs (an offset has at most `num_out`), partials within the workspace cap
-        (see MIN_WORKSPACE_CAP_BYTES); but enough for at most MAX_PAIRS_PER_SHARE pairs each, whatever
-        the cap; grid z in range. Their pair ranges are computed on the device from the CSR offsets: no
+        """Shares per offset on average (the rounds of `KernelMap.wgrad_shares`, which gives each offset
+        shares in proportion to its pairs): enough blocks for the warps per SM asked for, none much smaller
+        than MIN_PAIRS_PER_SHARE pairs (an offset has at most `num_out`), partials within the workspace cap
+        (see MIN_WORKSPACE_CAP_BYTES); but enough for at most MAX_PAIRS_PER_SHARE pairs each, whatever the
+        cap; grid z in range. Their pair ranges are computed on the device from the CSR offsets: no
         synchronisation."""
         share_bytes = self.kernel_volume * self.padded_sizes[0] * self.padded_sizes[1] * 4
         _, in_channels, out_channels = self.out_shape
@@ -369,24 +369,28 @@ class WgradPlan:
         cap_bytes = max(MIN_WORKSPACE_CAP_BYTES, operand_bytes // WORKSPACE_OPERAND_FRACTION)
         for_speed = min(-(-self.wanted_warps // self.warps_per_share), -(-num_out // MIN_PAIRS_PER_SHARE),
                         cap_bytes // share_bytes)
-        for_accuracy = -(-num_out // MAX_PAIRS_PER_SHARE)
+        # A share holds at most P / (K (shares - 1)) <= num_out / (shares - 1) pairs; one per offset, at
+        # most num_out.
+        for_accuracy = 1 if num_out <= MAX_PAIRS_PER_SHARE else -(-num_out // MAX_PAIRS_PER_SHARE) + 1
         return max(1, min(max(for_speed, for_accuracy), MAX_GRID_Z // self.kernel_volume))
 
-    def share_major(self, num_in: int, num_out: int) -> bool:
-        """Whether the GEMM's blocks go share-major (the kernels' `wgrad_block`). Where one block covers
+    def round_major(self, num_in: int, num_out: int) -> bool:
+        """Whether the GEMM's blocks go round-major (`KernelMap.wgrad_shares`). Where one block covers
         all of dW_k, each gathered row is read once per offset that pairs it, and where the operands
         outgrow the L2 cache those reads come from DRAM, unless the offsets that pair the same rows run
-        side by side: share-major ran faster there (H100, 1M voxels, wgrad: x 128 fp16 1.67 -> 1.19 ms,
-        TF32 3.66 -> 2.93; x 64 fp16 0.86 -> 0.76). Elsewhere offset-major did: with several tiles, a
-        share's tiles already read its rows side by side (1M x 256 fp16 3.76 against 3.98 ms), and
+        side by side: the same stretch of every offset's list side by side ran faster there (H100, 1M
+        voxels, wgrad: x 128 fp16 1.67 -> 1.19 ms, TF32 3.66 -> 2.93; x 64 fp16 0.86 -> 0.76, with as many
+        shares for every offset). Elsewhere offset-major did: with several tiles, a share's tiles already
+        read its rows side by side (1M x 256 fp16 3.76 against 3.98 ms), and
         operands up to about twice the L2 stay in it (100K x 64 fp32, 51 MB against the H100's 50: 0.140
         against 0.156 ms)."""
         _, in_channels, out_channels = self.out_shape
         operand_bytes = (num_in * in_channels + num_out * out_channels) * self.dtype.itemsize
-        return self.grid_xy == (1, 1) and operand_bytes > SHARE_MAJOR_L2_MULTIPLE * _l2_bytes(current_device())
+        return self.grid_xy == (1, 1) and operand_bytes > ROUND_MAJOR_L2_MULTIPLE * _l2_bytes(current_device())
 
-    def workspace_shape(self, kernel_map) -> tuple[int, int, int, int]:
-        return (self.shares(kernel_map.num_in, kernel_map.num_out), self.kernel_volume, *self.padded_sizes)
+    def workspace_shape(self, kernel_map) -> tuple[int, int, int]:
+        """The fp32 partials: one slot per block of the GEMM's grid z."""
+        return (self.shares(kernel_map.num_in, kernel_map.num_out) * self.kernel_volume, *self.padded_sizes)
 
     @staticmethod
     def tile_for(in_padded: int, out_padded: int) -> tuple:
@@ -423,12 +427,13 @@ class WgradPlan:
         """Launch over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
         workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle `stream`."""
         pairs = kernel_map.csr()
-        shares = self.shares(kernel_map.num_in, kernel_map.num_out)
+        rounds = self.shares(kernel_map.num_in, kernel_map.num_out)
+        shares = kernel_map.wgrad_shares(rounds, self.round_major(kernel_map.num_in, kernel_map.num_out))
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
         values = (features, grad_output, pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr,
-                  shares, workspace, int(self.share_major(kernel_map.num_in, kernel_map.num_out)))
-        self.launch_gemm(stream, (*self.grid_xy, self.kernel_volume * shares), values, vectors)
-        self.sum.launch(stream, workspace, grad_weight, shares)
+                  shares.table.data.ptr, workspace)
+        self.launch_gemm(stream, (*self.grid_xy, self.kernel_volume * rounds), values, vectors)
+        self.sum.launch(stream, workspace, grad_weight, shares.slot_starts.data.ptr)
 
     def __call__(self, kernel_map, features, grad_output):
         cupy = cupy_module()
