@@ -94,13 +94,27 @@ def test_forward_and_dgrad_have_its_own_tiles_and_namespaces():
 
 
 @pytest.mark.parametrize(("tile", "stages", "expected"), [
-    # stages x (rows + cols) x 128 B + 32 offsets x rows x 4 B (16 KB) + rows x 4 B + warps x 4 B + 1 KB
-    ((128, 128), 4, 4 * (16384 + 16384) + 16384 + 512 + 32 + 1024),
-    ((128, 256), 4, 4 * (16384 + 32768) + 16384 + 512 + 32 + 1024),
-    ((64, 64), 3, 3 * (8192 + 8192) + 8192 + 256 + 16 + 1024),
+    # stages x (rows + cols) x 128 B + 27 offsets x rows x 4 B + rows x 4 B + warps x 4 B + 1 KB
+    ((128, 128), 4, 4 * (16384 + 16384) + 13824 + 512 + 32 + 1024),
+    ((128, 128), 3, 3 * (16384 + 16384) + 13824 + 512 + 32 + 1024),
+    ((128, 256), 4, 4 * (16384 + 32768) + 13824 + 512 + 32 + 1024),
+    ((64, 64), 3, 3 * (8192 + 8192) + 6912 + 256 + 16 + 1024),
 ])
 def test_shared_memory_follows_the_kernel_layout(tile, stages, expected):
     assert wgmma_module.shared_bytes(tile, stages) == expected
+
+
+def test_dgrad_takes_the_deepest_pipeline_of_those_that_keep_the_most_blocks_on_an_sm():
+    sm_bytes = 228 * 1024
+
+    def blocks(tile, stages):
+        return sm_bytes // (wgmma_module.shared_bytes(tile, stages) + 1024)
+
+    assert blocks((128, 128), 4) == 1 and blocks((128, 128), 3) == 2
+    assert wgmma_module.dgrad_stages((128, 128)) == 3
+    for tile in ((128, 64), (64, 128), (64, 64), (128, 256)):
+        assert blocks(tile, 4) >= blocks(tile, 3)
+        assert wgmma_module.dgrad_stages(tile) == 4
 
 
 def test_its_wgrad_runs_on_layers_past_64_channels_and_mma_implicit_gemms_elsewhere():

@@ -288,7 +288,7 @@ class MmaImplicitGemm(WmmaImplicitGemm):
                       weight.out_channels)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         return self._run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
-                         self.dgrad_stages, True, reverse_weight_offsets)
+                         self.dgrad_stages_for(tile), True, reverse_weight_offsets)
 
     def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
         self.checked_tile(tile, "wgrad")

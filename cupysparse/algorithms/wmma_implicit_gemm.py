@@ -575,6 +575,10 @@ class WmmaImplicitGemm(Algorithm):
     # modules, and the pipeline depth dgrad runs it at; and its wgrad plan.
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
 
+    def dgrad_stages_for(self, tile) -> int:
+        """The pipeline depth dgrad runs the forward kernel at with `tile`."""
+        return self.dgrad_stages
+
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         """The wgrad plan (its GEMM kernel) for this dtype and these channel counts."""
         return WgradPlan
@@ -603,7 +607,7 @@ class WmmaImplicitGemm(Algorithm):
         if phase == "forward":
             return self.forward_sources(dtype, problem.in_channels, tile, params["stages"],
                                         self.forward_weight_transposed(dtype))
-        return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages, True),
+        return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages_for(tile), True),
                 *self.wgrad_plan_class_for(dtype, problem.in_channels, problem.out_channels).sources(
                     dtype, problem.in_channels, problem.out_channels))
 
@@ -632,7 +636,7 @@ class WmmaImplicitGemm(Algorithm):
         params = {**self.default_params("backward"), **params}
         tile = self.checked_tile(params["tile"], "dgrad")
         dgrad = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
-                               self.dgrad_stages, True, True)
+                               self.dgrad_stages_for(tile), True, True)
         wgrad = wgrad_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
                            problem.out_channels, params["wgrad_warps_per_sm"],
                            self.wgrad_plan_class_for(problem.dtype, problem.in_channels, problem.out_channels))
