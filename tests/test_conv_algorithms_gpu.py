@@ -356,3 +356,32 @@ def test_weight_gradient_over_many_pairs_stays_accurate(name, dtype):
     actual = run_phase(algorithm, "wgrad", kernel_map, x, w, dy, algorithm.default_params("backward"))
     expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
     assert_close(actual, expected, dtype, terms, a, b, f"{name} wgrad")
+
+
+@pytest.mark.parametrize("channels", ((64, 64), (128, 128)), ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize(
+    "name", [p.values[0] for p in supported(CONV) if p.values[1] == FLOAT16
+             and "wgrad_warps_per_sm" in get_algorithm(p.values[0]).backward_params]
+)
+def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channels):
+    """The largest wgrad occupancy target asks for more shares than the SMs hold, so they run in waves,
+    offset-major at 64 channels and, where one block covers dW_k, round-major at 128 (the operands pass
+    twice the L2 there): the sum over the shares still equals the reference."""
+    from cupysparse.algorithms.wmma_implicit_gemm import WGRAD_WARPS_PER_SM
+    from cupysparse.scenes import make_scene
+
+    voxels = make_scene("indoor", 260_000, seed=1).voxel_coordinates()
+    kernel_map = _gpu_map("submanifold", np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1))
+    algorithm = get_algorithm(name)
+    plan_class = algorithm.wgrad_plan_class_for(np.dtype(FLOAT16), *channels)
+    many, default = (plan_class(np.dtype(FLOAT16), kernel_map.kernel_volume, *channels, warps)
+                     for warps in (max(WGRAD_WARPS_PER_SM), WGRAD_WARPS_PER_SM[0]))
+    sizes = (kernel_map.num_in, kernel_map.num_out)
+    assert many.shares(*sizes) > default.shares(*sizes)
+    if many.grid_xy == (1, 1):  # one block covers dW_k: the blocks' order follows the operands' size
+        assert many.round_major(*sizes) == (channels == (128, 128))
+    x, w, dy = _inputs(kernel_map, *channels, FLOAT16, seed=5)
+    params = {**algorithm.default_params("backward"), "wgrad_warps_per_sm": max(WGRAD_WARPS_PER_SM)}
+    actual = run_phase(algorithm, "wgrad", kernel_map, x, w, dy, params)
+    expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
+    assert_close(actual, expected, FLOAT16, terms, a, b, f"{name} wgrad {channels} {params}")

@@ -48,6 +48,11 @@ MIN_COMPUTE_CAPABILITY = 80
 # largest.
 WGRAD_SIDES = (32, 64, 128)
 WGRAD_STAGES = 3
+# The wgrad occupancy targets `auto` tries. 128 and 256 ask for more shares than an SM holds at once:
+# at 1M voxels x 64 channels (TF32, round-major, H100, side by side) 40 shares an offset took 1.46 ms,
+# 79 1.23, 157 1.15 and 300 1.05 (DRAM reads 3.19 GB at 79, 2.33 at 300, for 5.15 GB of gathered
+# rows), while 128 channels ran fastest at 20 (2.55 ms against 2.77 at 40).
+AUTO_WGRAD_WARPS_PER_SM = (32, 64, 128, 256)
 FEATURE_DTYPES = tuple(dtype for dtype in (FLOAT16, BFLOAT16, FLOAT32) if dtype is not None)
 
 
@@ -239,12 +244,12 @@ class MmaImplicitGemm(WmmaImplicitGemm):
 
     def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
         """Sorted rows, every depth, and the tiles `auto_tiles` keeps for the padded output channels
-        (dgrad's are the layer's inputs); wgrad's occupancy targets the two that won on an H200."""
+        (dgrad's are the layer's inputs); wgrad's occupancy targets AUTO_WGRAD_WARPS_PER_SM."""
         tiles = self.auto_tiles(padded_channels(problem.out_channels if phase == "forward" else problem.in_channels))
         if phase == "forward":
             stages = self.forward_params["stages"]
             return [{"tile": tile, "sort_rows": True, "stages": depth} for tile in tiles for depth in stages]
-        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in (32, 64)]
+        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in AUTO_WGRAD_WARPS_PER_SM]
 
     def auto_tiles(self, channels: int) -> list[tuple]:
         """The tiles `auto` tries for `channels` padded output channels: none wider than they need."""

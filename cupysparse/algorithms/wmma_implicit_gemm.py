@@ -64,7 +64,10 @@ SYNCHRONOUS_STAGES = 1
 DGRAD_STAGES = PIPELINE_STAGES[0]
 WGRAD_STAGES = 3
 # Resident warps per SM the wgrad shares aim at (the gathers are latency-bound: more warps hide more).
-WGRAD_WARPS_PER_SM = (32, 16, 64, 128)
+# Past the warps an SM holds, the shares run in waves, round-major where the operands outgrow the L2
+# (WgradPlan.round_major); smaller shares then read more of their rows from the L2 (see
+# mma_implicit_gemm.AUTO_WGRAD_WARPS_PER_SM).
+WGRAD_WARPS_PER_SM = (32, 16, 64, 128, 256)
 # (C_in, C_out) of a wgrad block's dW_k tile, each side the smallest of these covering the padded
 # channels (or the largest), so small channel counts leave no warp idle.
 WGRAD_TILE_ROWS = (32, 64)
