@@ -400,8 +400,11 @@ __device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 
 // forward) stored transposed, [kernel_volume, out_channels_padded, in_channels_padded]: a K-major B; out
 // [num_out, out_channels];
 // `row_order` (or null: rows in order) the mask-sorted output rows. With `reverse_weight_offsets` offset k
-// takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands).
-template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED>
+// takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands). A step stages one 128-byte
+// channel chunk of one offset: every chunk of an offset before the next offset, or with CHUNK_MAJOR one
+// chunk of every offset of the batch before the next chunk (faster for 256-column tiles, see
+// CHUNK_MAJOR_COLUMNS in wgmma_implicit_gemm.py).
+template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED, bool CHUNK_MAJOR>
 __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                        const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
@@ -465,9 +468,18 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         read_offset_batch<BLOCK_M, THREADS>(pair_table, num_out, out_rows, batch_start, batch, in_rows, warp_masks);
     const int steps = __popc(offsets_to_stage) * chunks;
 
-    int offset = 0, c0 = chunks * CHANNELS;  // of the step staged last
+    int offset = 0, c0 = CHUNK_MAJOR ? -CHANNELS : chunks * CHANNELS;  // of the step staged last
+    const unsigned batch_offsets = offsets_to_stage;
+    unsigned chunk_offsets = 0;  // CHUNK_MAJOR: the offsets still to stage at channels c0
     const auto stage_next_step = [&](int buffer) {
-      if (c0 == chunks * CHANNELS) {
+      if constexpr (CHUNK_MAJOR) {
+        if (chunk_offsets == 0) {
+          chunk_offsets = batch_offsets;
+          c0 += CHANNELS;
+        }
+        offset = __ffs(chunk_offsets) - 1;
+        chunk_offsets &= chunk_offsets - 1;
+      } else if (c0 == chunks * CHANNELS) {
         offset = __ffs(offsets_to_stage) - 1;
         offsets_to_stage &= offsets_to_stage - 1;
         c0 = 0;
@@ -494,7 +506,7 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
         stage_mn_major<N_MAJOR_ROWS, BLOCK_N, THREADS, true>(weight_k, in_channels_padded, out_channels_padded,
                                                              col_base, weight_row, a_tile + Layout::A_BYTES);
       }
-      c0 += CHANNELS;
+      if constexpr (!CHUNK_MAJOR) c0 += CHANNELS;
     };
 
     run_wgmma_pipeline<STAGES>(steps, [&](int, int buffer) { stage_next_step(buffer); }, multiply_stage);
