@@ -7,7 +7,11 @@ one row: the first call (host clock, including the tuner's choice and kernel loa
 and torch, building their layer), then the median and quartiles of `--repeats` samples, each the
 mean of `--iterations` back-to-back calls (CUDA events on the GPU, the host clock on the CPU) after
 `--warmup` calls, TFLOP/s on the sparse work (2 · pairs · C_in · C_out per GEMM: forward, dgrad
-and wgrad one each, backward two, both three), and the peak memory of one call.
+and wgrad one each, backward two, both three), and the peak memory of one call. The backends and
+dtypes of one shape and phase take their samples in turns, one each round after round, so that what
+drifts during a run (clocks under the power cap, the host's load) reaches them alike and their ratios
+hold; under `--max-memory-gb` only one dtype's arrays are resident at a time, so only backends take
+turns. A layer's rows are written once all of its dtypes are measured.
 
     cupysparse-benchmark-memory-analysis --num-voxels 100K,1M --channels 32,32 64,64 --dtypes fp16
     cupysparse-benchmark-memory-analysis --backends auto,spconv,torch --phases forward,backward --max-memory-gb 40
@@ -59,7 +63,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -74,10 +78,10 @@ from cupysparse.precision import IEEE, TF32, fp32_precision
 from cupysparse.scenes import make_scene
 from cupysparse.scripts.benchmark_first_call import host_ms, synchronize
 from cupysparse.scripts.benchmarking import (
+    interleaved_samples_ms,
     memory_meter,
     spconv_layer,
     spconv_matches_geometry,
-    time_samples_ms,
     torch_cuda,
     torch_module,
     write_csv,
@@ -167,16 +171,30 @@ class Configuration:
 
 def configurations(args) -> list[Configuration]:
     """The grid in run order: voxel counts ascending and outermost (one scene at a time), then
-    kernel size and stride (one kernel map at a time), dtype, channels; small before large, so an
+    kernel size and stride (one kernel map at a time), channels, dtype; small before large, so an
     out-of-memory frontier is found before the layers beyond it."""
     return [
         Configuration(args.scene, args.batch_size, count, c_in, c_out, kernel_size, stride, dtype)
         for count in sorted(args.num_voxels)
         for kernel_size in args.kernel_sizes
         for stride in args.strides
-        for dtype in args.dtypes
         for c_in, c_out in args.channels
+        for dtype in args.dtypes
     ]
+
+
+def sampled_together(grid: list[Configuration], dtypes_together: bool) -> list[list[Configuration]]:
+    """The grid cut into groups whose measurements take their samples in turns: the dtypes of one
+    shape when `dtypes_together` (their ratios then see the same clocks), else one layer each (a
+    memory cap is checked one layer at a time, so no other dtype's arrays may be resident)."""
+    groups: list[list[Configuration]] = []
+    for config in grid:
+        previous = groups[-1][-1] if groups else None
+        if dtypes_together and previous is not None and replace(previous, dtype=config.dtype) == config:
+            groups[-1].append(config)
+        else:
+            groups.append([config])
+    return groups
 
 
 def _positive_ints(values, flag: str) -> tuple[int, ...]:
@@ -749,12 +767,24 @@ class Measurement:
     estimate: MemoryEstimate | None = None
 
 
+@dataclass
+class Started:
+    """A measurement whose first call ran: what its samples need."""
+
+    config: Configuration
+    name: str
+    runner: object
+    phase: str
+    fn: object
+    first_call_ms: float
+
+
 def not_tested(smaller: Configuration) -> Measurement:
     return Measurement(NOT_TESTED, f"at least as large as {smaller.label().strip()}, which ran out of memory")
 
 
 class Harness:
-    """Runs the grid: one measurement per configuration × backend × phase, rows as they finish."""
+    """Runs the grid: one measurement per configuration × backend × phase, rows as their layers finish."""
 
     def __init__(self, args, meter):
         self.args, self.meter = args, meter
@@ -784,29 +814,15 @@ class Harness:
         return next((smaller for smaller in self.out_of_memory.get((name, phase), ())
                      if config.at_least_as_large_as(smaller)), None)
 
-    def measure(self, name: str, runner, phase: str, config: Configuration) -> Measurement:
+    def start(self, name: str, runner, phase: str, config: Configuration):
+        """Check a measurement and make its first call: a `Started` to sample, or the `Measurement`
+        that ends it here (not supported, beyond a frontier, estimated too large, failed)."""
         reason = runner.unsupported_reason(phase)
         if reason:
             return Measurement(NOT_SUPPORTED, reason)
         smaller = self.skipped_by_frontier(name, phase, config)
         if smaller is not None:
             return not_tested(smaller)
-        try:
-            return self._run(name, runner, phase, config)
-        except Exception as error:  # noqa: BLE001 - one failing measurement must not stop the grid
-            status = OOM if is_out_of_memory(error) else ERROR
-            message = f"{type(error).__name__}: {error}".strip()
-        self.meter.release()  # here, once the traceback and the arrays its frames held are gone
-        if status == OOM:
-            self.out_of_memory.setdefault((name, phase), []).append(config)
-        return Measurement(status, message, runner.dispatched(phase))
-
-    def _run(self, name: str, runner, phase: str, config: Configuration) -> Measurement:
-        estimate = runner.estimate(phase)
-        if self.max_bytes is not None and estimate.total > self.max_bytes:
-            self.out_of_memory.setdefault((name, phase), []).append(config)
-            return Measurement(OOM, f"estimated {estimate.total / 2**30:.3g} GB > --max-memory-gb "
-                                    f"{self.args.max_memory_gb}", estimate=estimate)
         prepared = {}
 
         def first_call():
@@ -814,12 +830,50 @@ class Harness:
             prepared["fn"]()
             synchronize(self.device)
 
-        first_ms = host_ms(first_call)
-        fn = prepared["fn"]
-        samples = time_samples_ms(fn, self.device, self.args.warmup, self.args.repeats, self.args.iterations)
-        peak = None if runner.memory_note else self.meter.peak_extra_bytes(fn)
-        return Measurement(OK, "", runner.dispatched(phase), first_ms, tuple(samples), peak,
-                           runner.resident_bytes(phase), runner.estimate(phase))
+        try:
+            estimate = runner.estimate(phase)
+            if self.max_bytes is not None and estimate.total > self.max_bytes:
+                self.out_of_memory.setdefault((name, phase), []).append(config)
+                return Measurement(OOM, f"estimated {estimate.total / 2**30:.3g} GB > --max-memory-gb "
+                                        f"{self.args.max_memory_gb}", estimate=estimate)
+            first_ms = host_ms(first_call)
+        except Exception as error:  # noqa: BLE001 - one failing measurement must not stop the grid
+            failure = self.failed(error, name, runner, phase, config)
+        else:
+            return Started(config, name, runner, phase, prepared["fn"], first_ms)
+        self.meter.release()  # here, once the traceback and the arrays its frames held are gone
+        return failure
+
+    def failed(self, error: BaseException, name: str, runner, phase: str, config: Configuration) -> Measurement:
+        """The measurement that `error` ended; an out-of-memory one becomes a frontier."""
+        status = OOM if is_out_of_memory(error) else ERROR
+        if status == OOM:
+            self.out_of_memory.setdefault((name, phase), []).append(config)
+        return Measurement(status, f"{type(error).__name__}: {error}".strip(), runner.dispatched(phase))
+
+    def sample(self, started: list[Started]) -> list[Measurement]:
+        """The samples of every started measurement, taken in turns (`interleaved_samples_ms`), then
+        each one's peak memory."""
+        if not started:
+            return []
+        calls = [(item.fn, functools.partial(fp32_precision, item.config.fp32_precision)) for item in started]
+        sampled = interleaved_samples_ms(calls, self.device, self.args.warmup, self.args.repeats, self.args.iterations)
+        measured = []
+        for item, samples in zip(started, sampled):
+            runner, phase = item.runner, item.phase
+            try:
+                if isinstance(samples, Exception):
+                    raise samples
+                with fp32_precision(item.config.fp32_precision):
+                    peak = None if runner.memory_note else self.meter.peak_extra_bytes(item.fn)
+                measured.append(Measurement(OK, "", runner.dispatched(phase), item.first_call_ms, tuple(samples),
+                                            peak, runner.resident_bytes(phase), runner.estimate(phase)))
+            except Exception as error:  # noqa: BLE001 - one failing measurement must not stop the grid
+                measured.append(self.failed(error, item.name, runner, phase, item.config))
+        del sampled, samples
+        if any(result.status != OK for result in measured):
+            self.meter.release()  # here, once the failures' tracebacks and the arrays their frames held are gone
+        return measured
 
     def record(self, config: Configuration, name: str, phase: str, case: MapCase | None, measured: Measurement,
                runner) -> dict:
@@ -862,38 +916,56 @@ class Harness:
               f"phase(s) = {self.total} measurements on {self.described}; memory: {self.meter.source}", flush=True)
         count = coordinates_numpy = None
         cases = {}
-        for config in grid:
-            if config.num_voxels != count:
+        for group in sampled_together(grid, dtypes_together=self.max_bytes is None):
+            if group[0].num_voxels != count:
                 cases.clear()  # frees the previous voxel count's maps before building the next
-                count = config.num_voxels
-                coordinates_numpy = scene_coordinates(config.scene, count, config.batch_size)
-            with fp32_precision(config.fp32_precision):  # the layer's problems, their tuning and spconv's
-                self.run_configuration(config, coordinates_numpy, cases)
+                count = group[0].num_voxels
+                coordinates_numpy = scene_coordinates(group[0].scene, count, group[0].batch_size)
+            self.run_group(group, coordinates_numpy, cases)
 
-    def run_configuration(self, config: Configuration, coordinates_numpy, cases: dict) -> None:
-        """Every backend and phase of one layer, its map taken from `cases` (by kernel size and stride)
-        or built there."""
+    def run_group(self, group: list[Configuration], coordinates_numpy, cases: dict) -> None:
+        """Every backend and phase of the layers of `group` (one shape, its dtypes), their maps taken
+        from `cases` (by kernel size and stride) or built there; each phase's measurements sampled in
+        turns, the rows recorded in grid order once all are done."""
         measurements = list(itertools.product(self.args.backends, self.args.phases))
-        if all(self.skipped_by_frontier(name, phase, config) for name, phase in measurements):
-            self.record_failure(config, measurements, None)  # nothing left to run: not even the map
-            return
-        try:
-            map_key = (config.kernel_size, config.stride)
-            if map_key not in cases:
-                cases[map_key] = build_map(backend.to_device(coordinates_numpy, self.device), config.kernel_size,
-                                           config.stride, self.device, warmup=self.args.warmup > 0)
-            case = cases[map_key]
-            layer = LayerArrays(config, case, self.device)
-        except Exception as error:  # noqa: BLE001 - a layer too large to build is a result as well
-            failure = (OOM if is_out_of_memory(error) else ERROR,
-                       f"building the layer: {type(error).__name__}: {error}")
-            self.meter.release()
-            self.record_failure(config, measurements, failure)
-            return
-        for name, runner in self.runners(config, coordinates_numpy, layer, case):
-            for phase in self.args.phases:
-                row = self.record(config, name, phase, case, self.measure(name, runner, phase, config), runner)
-                print_row(len(self.full_rows), self.total, config, row)
+        layers = []
+        for config in group:
+            if all(self.skipped_by_frontier(name, phase, config) for name, phase in measurements):
+                self.record_failure(config, measurements, None)  # nothing left to run: not even the map
+                continue
+            try:
+                map_key = (config.kernel_size, config.stride)
+                if map_key not in cases:
+                    cases[map_key] = build_map(backend.to_device(coordinates_numpy, self.device),
+                                               config.kernel_size, config.stride, self.device,
+                                               warmup=self.args.warmup > 0)
+                case = cases[map_key]
+                layer = LayerArrays(config, case, self.device)
+            except Exception as error:  # noqa: BLE001 - a layer too large to build is a result as well
+                failure = (OOM if is_out_of_memory(error) else ERROR,
+                           f"building the layer: {type(error).__name__}: {error}")
+                self.meter.release()
+                self.record_failure(config, measurements, failure)
+                continue
+            layers.append((config, case, list(self.runners(config, coordinates_numpy, layer, case))))
+        results = {}
+        for phase in self.args.phases:
+            started = []
+            for config, _, runners in layers:
+                with fp32_precision(config.fp32_precision):  # the layer's problems, their tuning and spconv's
+                    for name, runner in runners:
+                        outcome = self.start(name, runner, phase, config)
+                        if isinstance(outcome, Started):
+                            started.append(outcome)
+                        else:
+                            results[config, name, phase] = outcome
+            for item, measured in zip(started, self.sample(started)):
+                results[item.config, item.name, phase] = measured
+        for config, case, runners in layers:
+            for name, runner in runners:
+                for phase in self.args.phases:
+                    row = self.record(config, name, phase, case, results[config, name, phase], runner)
+                    print_row(len(self.full_rows), self.total, config, row)
 
     def record_failure(self, config: Configuration, measurements, failure: tuple[str, str] | None) -> None:
         """Rows for a layer that was not built: `failure` (status, message) for each measurement not

@@ -3,6 +3,7 @@ on the CPU), peak-memory meters, spconv 2.x's layer as the external baseline, an
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
 import sys
@@ -24,14 +25,43 @@ def time_samples_ms(fn, device: str, warmup: int, repeats: int, iterations: int)
     """`repeats` samples of the mean time of one call, each timed over `iterations` back-to-back
     calls (CUDA events around the whole batch on the GPU, so short kernels are not dominated by
     the event resolution), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
+    (samples,) = interleaved_samples_ms([(fn, contextlib.nullcontext)], device, warmup, repeats, iterations)
+    if isinstance(samples, Exception):
+        raise samples
+    return samples
 
-    def batch():
-        for _ in range(iterations):
-            fn()
 
-    return [median_time_ms(batch, device == "cuda", warmup=0, repeats=1) / iterations for _ in range(repeats)]
+def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterations: int) -> list:
+    """`time_samples_ms` of several calls taking turns sample by sample, so that what drifts during a
+    run (clocks under the power cap, the host's load) reaches all of them alike and their ratios hold.
+    Each call is a pair `(fn, setting)`: `setting()` is a context manager entered around each of its
+    batches (an fp32 precision, say). Returns per call its samples, or the exception it raised: that
+    call then leaves the rotation and the others go on."""
+    results: list = [[] for _ in calls]
+
+    def batch(index: int, count: int, timed: bool) -> None:
+        fn, setting = calls[index]
+
+        def run():
+            for _ in range(count):
+                fn()
+
+        try:
+            with setting():
+                if timed:
+                    results[index].append(median_time_ms(run, device == "cuda", warmup=0, repeats=1) / count)
+                else:
+                    run()
+        except Exception as error:  # noqa: BLE001 - one failing call (out of memory, say) must not stop the rest
+            results[index] = error
+
+    for index in range(len(calls)):
+        batch(index, warmup, timed=False)
+    for _ in range(repeats):
+        for index in range(len(calls)):
+            if isinstance(results[index], list):
+                batch(index, iterations, timed=True)
+    return results
 
 
 def write_csv(rows: list[dict], path: str, fieldnames=None) -> None:

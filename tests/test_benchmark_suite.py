@@ -19,6 +19,7 @@ from cupysparse.dtypes import as_feature_dtype
 from cupysparse.scenes import make_scene
 from cupysparse.scripts import analyze_benchmarks as analysis
 from cupysparse.scripts import benchmark_memory_analysis as harness
+from cupysparse.scripts.benchmarking import interleaved_samples_ms
 from cupysparse.sparse_tensor import SparseTensor
 
 GRID = ["--device", "cpu", "--num-voxels", "1000,2000", "--channels", "8,16", "16,16", "--kernel-sizes", "3",
@@ -240,6 +241,63 @@ def test_the_memory_cap_marks_layers_estimated_too_large_as_out_of_memory(tmp_pa
     with open(tmp_path / "out" / "memory_breakdown.csv") as handle:
         breakdown = list(csv.DictReader(handle))
     assert [(row["num_voxels"], row["status"]) for row in breakdown] == [("1000", "oom")]
+
+
+def test_the_dtypes_of_one_layer_take_their_samples_in_turns(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "tuning"))
+    forward = ExplicitGemm.forward
+    called = []
+
+    def recording(self, features, weight, kernel_map):
+        called.append(np.dtype(features.dtype).name)
+        return forward(self, features, weight, kernel_map)
+
+    monkeypatch.setattr(ExplicitGemm, "forward", recording)
+    argv = ["--device", "cpu", "--num-voxels", "1000", "--channels", "8,8", "--dtypes", "fp32", "bf16", "--repeats",
+            "3", "--iterations", "2", "--warmup", "1", "--backends", "explicit_gemm", "--phases", "forward",
+            "--output-dir", str(tmp_path / "out")]
+    assert harness.main(argv) == 0
+    pair = ["float32", "bfloat16"]
+    warmups, timed, peaks = pair, ["float32"] * 2 + ["bfloat16"] * 2, pair
+    assert called[-16:] == warmups + timed * 3 + peaks
+    rows = read_csv(tmp_path / "out" / "benchmark_full.csv")[1]
+    assert [(row["dtype"], row["status"], row["samples"]) for row in rows] == [("fp32", "ok", "3"), ("bf16", "ok", "3")]
+
+
+def test_a_call_failing_while_sampled_leaves_the_turns_to_the_others():
+    entered = []
+
+    class Setting:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            entered.append(self.name)
+
+        def __exit__(self, *exc):
+            return False
+
+    failures = iter([None, None, MemoryError("out of memory (injected)")])
+
+    def failing_on_its_second_batch():
+        error = next(failures, None)
+        if error is not None:
+            raise error
+
+    calls = [(lambda: None, lambda: Setting("steady")), (failing_on_its_second_batch, lambda: Setting("failing"))]
+    steady, failing = interleaved_samples_ms(calls, "cpu", warmup=1, repeats=3, iterations=1)
+    assert len(steady) == 3 and all(sample >= 0 for sample in steady)
+    assert isinstance(failing, MemoryError)
+    assert entered == ["steady", "failing"] + ["steady", "failing"] * 2 + ["steady"]
+
+
+def test_layers_are_sampled_together_with_their_other_dtypes_unless_memory_is_capped():
+    argv = ["--num-voxels", "1000,2000", "--channels", "8,8", "16,16", "--dtypes", "fp32", "bf16"]
+    grid = harness.configurations(harness.parse_args(argv))
+    together = harness.sampled_together(grid, dtypes_together=True)
+    assert [[(config.num_voxels, config.in_channels, config.dtype) for config in group] for group in together] == [
+        [(count, channels, "fp32"), (count, channels, "bf16")] for count in (1000, 2000) for channels in (8, 16)]
+    assert harness.sampled_together(grid, dtypes_together=False) == [[config] for config in grid]
 
 
 def test_out_of_memory_errors_of_every_library_are_recognised():
