@@ -34,6 +34,9 @@ def time_samples_ms(fn, device: str, warmup: int, repeats: int, iterations: int)
 def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterations: int) -> list:
     """`time_samples_ms` of several calls taking turns sample by sample, so that what drifts during a
     run (clocks under the power cap, the host's load) reaches all of them alike and their ratios hold.
+    Each timed batch follows one untimed call of its own, finished before the batch starts: the batch
+    then finds the caches as its own calls left them, not as the previous call's batch did (after
+    spconv's, a 0.05 ms layer's batch took 10-20% longer), and starts on an idle GPU as it would alone.
     Each call is a pair `(fn, setting)`: `setting()` is a context manager entered around each of its
     batches (an fp32 precision, say). Returns per call its samples, or the exception it raised: that
     call then leaves the rotation and the others go on."""
@@ -49,6 +52,7 @@ def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterat
         try:
             with setting():
                 if timed:
+                    fn()
                     results[index].append(median_time_ms(run, device == "cuda", warmup=0, repeats=1) / count)
                 else:
                     run()

@@ -258,8 +258,8 @@ def test_the_dtypes_of_one_layer_take_their_samples_in_turns(tmp_path, monkeypat
             "--output-dir", str(tmp_path / "out")]
     assert harness.main(argv) == 0
     pair = ["float32", "bfloat16"]
-    warmups, timed, peaks = pair, ["float32"] * 2 + ["bfloat16"] * 2, pair
-    assert called[-16:] == warmups + timed * 3 + peaks
+    warmups, timed, peaks = pair, ["float32"] * 3 + ["bfloat16"] * 3, pair  # each batch after a call of its own
+    assert called[-22:] == warmups + timed * 3 + peaks
     rows = read_csv(tmp_path / "out" / "benchmark_full.csv")[1]
     assert [(row["dtype"], row["status"], row["samples"]) for row in rows] == [("fp32", "ok", "3"), ("bf16", "ok", "3")]
 
@@ -277,14 +277,14 @@ def test_a_call_failing_while_sampled_leaves_the_turns_to_the_others():
         def __exit__(self, *exc):
             return False
 
-    failures = iter([None, None, MemoryError("out of memory (injected)")])
+    failures = iter([None, None, None, MemoryError("out of memory (injected)")])
 
-    def failing_on_its_second_batch():
+    def failing_on_its_fourth_call():
         error = next(failures, None)
         if error is not None:
             raise error
 
-    calls = [(lambda: None, lambda: Setting("steady")), (failing_on_its_second_batch, lambda: Setting("failing"))]
+    calls = [(lambda: None, lambda: Setting("steady")), (failing_on_its_fourth_call, lambda: Setting("failing"))]
     steady, failing = interleaved_samples_ms(calls, "cpu", warmup=1, repeats=3, iterations=1)
     assert len(steady) == 3 and all(sample >= 0 for sample in steady)
     assert isinstance(failing, MemoryError)
