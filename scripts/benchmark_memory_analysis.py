@@ -5,14 +5,14 @@ For each configuration (voxel count, channel pair, kernel size, stride, dtype) i
 build), seeded random features, weight and output gradient, then for each backend and phase records
 one row: the first call (host clock, including the tuner's choice and kernel loading; for spconv
 and torch, building their layer), then the median and quartiles of `--repeats` samples, each the
-mean of `--iterations` back-to-back calls (CUDA events on the GPU, the host clock on the CPU) that
-follow one untimed call, after `--warmup` calls, TFLOP/s on the sparse work (2 · pairs · C_in · C_out
-per GEMM: forward, dgrad and wgrad one each, backward two, both three), and the peak memory of one
-call. The backends and
-dtypes of one shape and phase take their samples in turns, one each round after round, so that what
-drifts during a run (clocks under the power cap, the host's load) reaches them alike and their ratios
-hold; under `--max-memory-gb` only one dtype's arrays are resident at a time, so only backends take
-turns. A layer's rows are written once all of its dtypes are measured.
+mean of `--iterations` back-to-back calls queued behind one untimed call (CUDA events on the GPU,
+the host clock on the CPU; `benchmarking.batch_behind_a_call_ms`), after `--warmup` calls, TFLOP/s
+on the sparse work (2 · pairs · C_in · C_out per GEMM: forward, dgrad and wgrad one each, backward
+two, both three), and the peak memory of one call. The backends and dtypes of one shape and phase
+take their samples in turns, one each round after round, so that what drifts during a run (clocks
+under the power cap, the host's load) reaches them alike and their ratios hold; under
+`--max-memory-gb` only one dtype's arrays are resident at a time, so only backends take turns. A
+layer's rows are written once all of its dtypes are measured.
 
     cupysparse-benchmark-memory-analysis --num-voxels 100K,1M --channels 32,32 64,64 --dtypes fp16
     cupysparse-benchmark-memory-analysis --backends auto,spconv,torch --phases forward,backward --max-memory-gb 40

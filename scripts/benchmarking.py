@@ -23,8 +23,9 @@ def make_timer(device: str):
 
 def time_samples_ms(fn, device: str, warmup: int, repeats: int, iterations: int) -> list[float]:
     """`repeats` samples of the mean time of one call, each timed over `iterations` back-to-back
-    calls (CUDA events around the whole batch on the GPU, so short kernels are not dominated by
-    the event resolution), after `warmup` untimed calls."""
+    calls queued behind one untimed call (`batch_behind_a_call_ms`; CUDA events around the whole
+    batch on the GPU, so short kernels are not dominated by the event resolution), after `warmup`
+    untimed calls."""
     (samples,) = interleaved_samples_ms([(fn, contextlib.nullcontext)], device, warmup, repeats, iterations)
     if isinstance(samples, Exception):
         raise samples
@@ -34,9 +35,6 @@ def time_samples_ms(fn, device: str, warmup: int, repeats: int, iterations: int)
 def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterations: int) -> list:
     """`time_samples_ms` of several calls taking turns sample by sample, so that what drifts during a
     run (clocks under the power cap, the host's load) reaches all of them alike and their ratios hold.
-    Each timed batch follows one untimed call of its own, finished before the batch starts: the batch
-    then finds the caches as its own calls left them, not as the previous call's batch did (after
-    spconv's, a 0.05 ms layer's batch took 10-20% longer), and starts on an idle GPU as it would alone.
     Each call is a pair `(fn, setting)`: `setting()` is a context manager entered around each of its
     batches (an fp32 precision, say). Returns per call its samples, or the exception it raised: that
     call then leaves the rotation and the others go on."""
@@ -44,18 +42,13 @@ def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterat
 
     def batch(index: int, count: int, timed: bool) -> None:
         fn, setting = calls[index]
-
-        def run():
-            for _ in range(count):
-                fn()
-
         try:
             with setting():
                 if timed:
-                    fn()
-                    results[index].append(median_time_ms(run, device == "cuda", warmup=0, repeats=1) / count)
+                    results[index].append(batch_behind_a_call_ms(fn, count, device))
                 else:
-                    run()
+                    for _ in range(count):
+                        fn()
         except Exception as error:  # noqa: BLE001 - one failing call (out of memory, say) must not stop the rest
             results[index] = error
 
@@ -66,6 +59,32 @@ def interleaved_samples_ms(calls, device: str, warmup: int, repeats: int, iterat
             if isinstance(results[index], list):
                 batch(index, iterations, timed=True)
     return results
+
+
+def batch_behind_a_call_ms(fn, count: int, device: str) -> float:
+    """The mean time of `count` back-to-back calls of `fn` queued behind one untimed call of their own.
+    That call leaves the caches as `fn` itself leaves them, whatever ran before: after a batch of
+    spconv's, a 0.05 ms layer's batch took 10-20% longer without it on an H100. On the GPU the host
+    queues the first timed call while that one runs, so the events hold the calls' GPU work back to
+    back, plus whatever host time the GPU waits for beyond it; starting from an idle GPU instead added
+    the first launch's host time, which varied by 15-20 microseconds with what ran before."""
+    if device != "cuda":
+        fn()
+
+        def run():
+            for _ in range(count):
+                fn()
+
+        return median_time_ms(run, on_gpu=False, warmup=0, repeats=1) / count
+    cupy = backend.cupy_module()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    fn()
+    start.record()
+    for _ in range(count):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) / count
 
 
 def write_csv(rows: list[dict], path: str, fieldnames=None) -> None:
