@@ -361,7 +361,8 @@ class LayerArrays:
         self.features, self.weight, self.grad_output = (
             backend.to_device(self.host[name], device) for name in ("features", "weight", "grad_output"))
         self.kernel_map = kernel_map
-        self.problem = ConvProblem.of(self.features, kernel_map, config.out_channels)
+        with fp32_precision(config.fp32_precision):  # what the tuner is told: TF32 products or exact fp32
+            self.problem = ConvProblem.of(self.features, kernel_map, config.out_channels)
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,14 @@ def test_a_torch_layer_follows_the_precision_switch():
     assert_close(first_exact, exact, FLOAT32, terms, a, b, "torch, exact fp32")
     assert_tf32_forward(tf32_out, kernel_map, x, w, dy, "torch, tf32")
     assert_close(second_exact, exact, FLOAT32, terms, a, b, "torch, exact fp32 again")
+
+
+def test_the_benchmark_tunes_its_tf32_layers_as_tf32_problems():
+    from cupysparse.scripts import benchmark_memory_analysis as harness
+
+    coordinates = harness.scene_coordinates("indoor", 2_000, 1)
+    case = harness.build_map(cupy_module().asarray(coordinates), 3, 1, "cuda", warmup=False)
+    problems = {dtype: harness.LayerArrays(harness.Configuration("indoor", 1, 2_000, 8, 8, 3, 1, dtype), case,
+                                           "cuda").problem for dtype in ("tf32", "fp32")}
+    assert (problems["tf32"].tf32, problems["fp32"].tf32) == (True, False)
+    assert problems["tf32"].dtype == problems["fp32"].dtype == FLOAT32
