@@ -67,9 +67,9 @@ def batch_behind_a_call_ms(fn, count: int, device: str) -> float:
     spconv's, a 0.05 ms layer's batch took 10-20% longer without it on an H100. On the GPU the host
     queues the first timed call while that one runs, so the events hold the calls' GPU work back to
     back, plus whatever host time the GPU waits for beyond it; starting from an idle GPU instead added
-    the first launch's host time, which varied by 15-20 microseconds with what ran before."""
+    the first launch's host time, which moved by tens of microseconds with what ran before."""
+    fn()
     if device != "cuda":
-        fn()
 
         def run():
             for _ in range(count):
@@ -78,7 +78,6 @@ def batch_behind_a_call_ms(fn, count: int, device: str) -> float:
         return median_time_ms(run, on_gpu=False, warmup=0, repeats=1) / count
     cupy = backend.cupy_module()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    fn()
     start.record()
     for _ in range(count):
         fn()
