@@ -954,7 +954,7 @@ class Harness:
         for phase in self.args.phases:
             started = []
             for config, _, runners in layers:
-                with fp32_precision(config.fp32_precision):  # the layer's problems, their tuning and spconv's
+                with fp32_precision(config.fp32_precision):  # the first calls: their tuning and spconv's layer
                     for name, runner in runners:
                         outcome = self.start(name, runner, phase, config)
                         if isinstance(outcome, Started):
