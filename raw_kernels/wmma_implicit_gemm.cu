@@ -4,7 +4,7 @@
 // Forward (and dgrad, which is the forward over the reversed pair table reading the weight transposed):
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
-// offset's compact pair list, fp32 partials into a workspace that a second kernel sums in share order.
+// offset's compact pair list, fp32 partials into a workspace that a second kernel sums in a fixed order.
 //
 // STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
 // copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
@@ -352,23 +352,37 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
 
 // grad_weight [kernel_volume, in_channels, out_channels] = for each offset k, the sum of its shares' partials,
 // slots slot_starts[k] .. slot_starts[k + 1] - 1 of the wgrad workspace [slots, in_channels_padded,
-// out_channels_padded], in slot order (fp32, deterministic), cropped to the unpadded channels and rounded
-// once to T.
+// out_channels_padded], cropped to the unpadded channels and rounded once to T. `slot_groups` (1, 2, 4 or
+// 8) threads share an element, so that more loads are in flight where few elements have many shares:
+// group g adds slots slot_starts[k] + g, + g + slot_groups, ... and the groups' sums are added in group
+// order, a fixed order for a given slot_groups (fp32, deterministic). Block (x, k) sums
+// SUM_THREADS / slot_groups consecutive elements of dW_k (32-bit index arithmetic: 64-bit divisions cost
+// more than the loads).
+constexpr int SUM_THREADS = 256;
+
 template <typename T>
-__global__ void wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight,
-                                        const int* __restrict__ slot_starts, int kernel_volume, int in_channels,
-                                        int in_channels_padded, int out_channels, int out_channels_padded) {
-  const long long total = (long long)kernel_volume * in_channels * out_channels;
-  const long long slot_stride = (long long)in_channels_padded * out_channels_padded;
-  const long long step = (long long)gridDim.x * blockDim.x;
-  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < total; e += step) {
-    const int col = (int)(e % out_channels);
-    const long long k_row = e / out_channels;
-    const int row = (int)(k_row % in_channels);
-    const long long k = k_row / in_channels;
+__global__ void __launch_bounds__(SUM_THREADS)
+    wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight,
+                            const int* __restrict__ slot_starts, int in_channels, int in_channels_padded,
+                            int out_channels, int out_channels_padded, int slot_groups) {
+  __shared__ float group_sums[SUM_THREADS];
+  const int elements = SUM_THREADS / slot_groups;
+  const int element = threadIdx.x % elements, group = threadIdx.x / elements;
+  const int k = blockIdx.y, e = blockIdx.x * elements + element;
+  const bool inside = e < in_channels * out_channels;
+  float sum = 0.0f;
+  if (inside) {
+    const int row = e / out_channels, col = e - row * out_channels;
     const float* partial = workspace + (long long)row * out_channels_padded + col;
-    float sum = 0.0f;
-    for (int slot = slot_starts[k]; slot < slot_starts[k + 1]; ++slot) sum += partial[slot * slot_stride];
-    grad_weight[e] = from_float<T>(sum);
+    const long long slot_stride = (long long)in_channels_padded * out_channels_padded;
+    for (int slot = slot_starts[k] + group; slot < slot_starts[k + 1]; slot += slot_groups)
+      sum += partial[slot * slot_stride];
   }
+  if (slot_groups > 1) {  // the same for every thread of the block
+    group_sums[threadIdx.x] = sum;
+    __syncthreads();
+    if (group == 0)
+      for (int g = 1; g < slot_groups; ++g) sum += group_sums[g * elements + element];
+  }
+  if (group == 0 && inside) grad_weight[(long long)k * in_channels * out_channels + e] = from_float<T>(sum);
 }

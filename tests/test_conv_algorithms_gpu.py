@@ -385,3 +385,31 @@ def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channel
     actual = run_phase(algorithm, "wgrad", kernel_map, x, w, dy, params)
     expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
     assert_close(actual, expected, FLOAT16, terms, a, b, f"{name} wgrad {channels} {params}")
+
+
+@pytest.mark.parametrize("shares", (1, 3, 6, 40))
+@pytest.mark.parametrize(
+    "name", [p.values[0] for p in supported(CONV) if p.values[1] == FLOAT16
+             and "wgrad_warps_per_sm" in get_algorithm(p.values[0]).backward_params]
+)
+def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, shares):
+    """The sum of an offset's shares gives each weight-gradient element 1, 2, 4 or 8 threads (by the
+    shares per offset, where the GPU has threads to spare), each adding every slot_groups-th share:
+    with 1, 3, 6 and 40 shares an offset (so 1, 2, 4 and 8 groups, and shares the groups split
+    unevenly), on channels that leave every offset's last block part empty, every share is summed
+    once, and a repeated call is bitwise the same."""
+    from cupysparse.algorithms.wmma_implicit_gemm import WGRAD_WARPS_PER_SM
+
+    cupy = cupy_module()
+    kernel_map = gpu_map("submanifold")
+    channels = (12, 20)
+    algorithm = get_algorithm(name)
+    plan = algorithm.wgrad_plan_class_for(np.dtype(FLOAT16), *channels)(
+        np.dtype(FLOAT16), kernel_map.kernel_volume, *channels, WGRAD_WARPS_PER_SM[0])
+    plan.shares = lambda num_in, num_out: shares
+    assert plan.slot_groups(shares) == {1: 1, 3: 2, 6: 4, 40: 8}[shares]
+    x, w, dy = _inputs(kernel_map, *channels, FLOAT16, seed=6)
+    first, second = (plan(kernel_map, cupy.asarray(x), cupy.asarray(dy)).get() for _ in range(2))
+    expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
+    assert_close(first, expected, FLOAT16, terms, a, b, f"{name} wgrad over {shares} shares an offset")
+    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))

@@ -56,6 +56,7 @@ def recorded(monkeypatch):
         monkeypatch.setattr(module, "current_device", lambda: 0)
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
     monkeypatch.setattr(wmma_module, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(wmma_module, "_resident_threads", lambda device: 132 * 2048)
     monkeypatch.setattr(wmma_module, "_l2_bytes", lambda device: 50 * 2**20)
     monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
     monkeypatch.setattr(_RecordedLaunch, "launched", [])
@@ -152,3 +153,12 @@ def test_wgrad_blocks_go_round_major_where_one_block_covers_dw_and_the_operands_
     assert not several_tiles.round_major(1_000_000, 1_000_000)
     small = mma_module.MmaWgradPlan(FLOAT16, 27, 64, 64, 32)
     assert small.grid_xy == (1, 1) and small.round_major(1_000_000, 1_000_000)
+
+
+def test_the_wgrad_sum_shares_an_element_among_threads_only_where_the_gpu_has_room_for_them(recorded):
+    """The fixture's GPU holds 132 x 2048 threads at once: 27 x 32 x 32 elements leave room for 9
+    threads each (8 as a power of two), 27 x 64 x 64 for 3 (2), 27 x 128 x 128 for one."""
+    narrow, middle, wide = (mma_module.MmaWgradPlan(FLOAT16, 27, channels, channels, 32) for channels in (32, 64, 128))
+    assert [narrow.slot_groups(shares) for shares in (1, 2, 3, 5, 8, 156)] == [1, 2, 2, 4, 8, 8]
+    assert [middle.slot_groups(shares) for shares in (1, 3, 40)] == [1, 2, 2]
+    assert [wide.slot_groups(shares) for shares in (1, 40)] == [1, 1]

@@ -62,7 +62,7 @@ def test_auto_grid_keeps_sorted_rows_and_tiles_no_wider_than_the_channels_need()
     # dgrad's output channels are the layer's inputs.
     dgrad = algorithm.auto_param_grid("backward", _problem(in_channels=64, out_channels=256))
     assert {params["tile"] for params in dgrad} == {(128, 64), (64, 64)}
-    assert {params["wgrad_warps_per_sm"] for params in dgrad} == {32, 64, 128, 256}
+    assert {params["wgrad_warps_per_sm"] for params in dgrad} == {8, 16, 32, 64, 128, 256}
 
 
 def test_auto_leaves_it_out_below_64_channels(monkeypatch):

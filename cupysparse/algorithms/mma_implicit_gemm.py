@@ -23,6 +23,7 @@ from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from ..precision import ENVIRONMENT_VARIABLE as FP32_PRECISION_VARIABLE
 from .base import ConvProblem, gpu_only_reason, register
 from .wmma_implicit_gemm import (
+    AUTO_WGRAD_WARPS_PER_SM,
     VECTOR_BYTES,
     WGRAD_WARPS_PER_SM,
     WgradPlan,
@@ -48,11 +49,6 @@ MIN_COMPUTE_CAPABILITY = 80
 # largest.
 WGRAD_SIDES = (32, 64, 128)
 WGRAD_STAGES = 3
-# The wgrad occupancy targets `auto` tries. 128 and 256 ask for more shares than an SM holds at once:
-# at 1M voxels x 64 channels (TF32, round-major, H100, side by side) 40 shares an offset took 1.46 ms,
-# 79 1.23, 157 1.15 and 300 1.05 (DRAM reads 3.19 GB at 79, 2.33 at 300, for 5.15 GB of gathered
-# rows), while 128 channels ran fastest at 20 (2.55 ms against 2.77 at 40).
-AUTO_WGRAD_WARPS_PER_SM = (32, 64, 128, 256)
 FEATURE_DTYPES = tuple(dtype for dtype in (FLOAT16, BFLOAT16, FLOAT32) if dtype is not None)
 
 
@@ -238,8 +234,9 @@ class MmaImplicitGemm(WmmaImplicitGemm):
 
     def auto_priority(self, problem: ConvProblem) -> int:
         """wmma_implicit_gemm's tier, so `auto` measures both: on an H200 this one is ahead from 64
-        channels up (1M voxels x 256: forward 5.4 ms against 7.4, wgrad 6.2 against 9.6), while
-        wmma's wgrad stays ahead on 100K voxels x 64 (0.115-0.126 ms against 0.136)."""
+        channels up (1M voxels x 256: forward 5.4 ms against 7.4, wgrad 6.2 against 9.6), and on an
+        H100 at 100K voxels x 32 and x 64 too, at 16 warps per SM each (x 64 wgrad: fp16 0.065 ms
+        against 0.075, bf16 0.065 against 0.097, whose wmma fragments load element by element)."""
         return 2
 
     def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..backend import array_module, cupy_module, is_cupy_array
-from ..compile import KernelFamily, KernelSource, PreparedLaunch, launch_config
+from ..compile import KernelFamily, KernelSource, PreparedLaunch
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from .base import MAX_GRID_Z, Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
 
@@ -55,6 +55,12 @@ MIN_WORKSPACE_CAP_BYTES = 128 * 2**20
 WORKSPACE_OPERAND_FRACTION = 8
 # wgrad's blocks go round-major past this many times the L2 cache of operands (WgradPlan.round_major).
 ROUND_MAJOR_L2_MULTIPLE = 2
+# Threads of a block of the wgrad sum, and at most how many of them share an element (the sum of an
+# offset's shares, raw_kernels/wmma_implicit_gemm.cu). With one thread per element, 100K voxels x 32
+# channels (27,648 elements) summed their 156 shares an offset in 52 us, against 45 for the GEMM; 8 threads
+# an element took 13 (H100).
+SUM_THREADS = 256
+MAX_SLOT_GROUPS = 8
 
 # (rows, channels) of a forward / dgrad block's output tile.
 FORWARD_TILES = ((64, 64), (128, 64), (64, 128), (128, 32))
@@ -63,11 +69,16 @@ PIPELINE_STAGES = (3, 2)
 SYNCHRONOUS_STAGES = 1
 DGRAD_STAGES = PIPELINE_STAGES[0]
 WGRAD_STAGES = 3
-# Resident warps per SM the wgrad shares aim at (the gathers are latency-bound: more warps hide more).
-# Past the warps an SM holds, the shares run in waves, round-major where the operands outgrow the L2
-# (WgradPlan.round_major); smaller shares then read more of their rows from the L2 (see
-# mma_implicit_gemm.AUTO_WGRAD_WARPS_PER_SM).
-WGRAD_WARPS_PER_SM = (32, 16, 64, 128, 256)
+# Resident warps per SM the wgrad shares aim at. Past the warps an SM holds, the shares run in waves,
+# round-major where the operands outgrow the L2 (WgradPlan.round_major), and smaller shares then read
+# more of their rows from the L2: at 1M voxels x 64 channels (TF32, H100, side by side) 40 shares an
+# offset took 1.46 ms, 79 1.23, 157 1.15 and 300 1.05 (DRAM reads 3.19 GB at 79, 2.33 at 300, for
+# 5.15 GB of gathered rows), while 128 channels ran fastest at 20 (2.55 ms against 2.77 at 40).
+# Smaller layers often want fewer, longer shares (H100, fp16 and bf16 alike, 8 / 16 / 32 warps):
+# 500K voxels x 32 channels (mma_conv_wgrad) 0.187 / 0.207 / 0.210 ms, 100K x 64 0.087 / 0.066 /
+# 0.085, 500K x 128 (wgmma_conv_wgrad) 0.48 / 0.45 / 0.52. `auto` leaves out 4, which at best tied 8.
+WGRAD_WARPS_PER_SM = (32, 4, 8, 16, 64, 128, 256)
+AUTO_WGRAD_WARPS_PER_SM = (8, 16, 32, 64, 128, 256)
 # (C_in, C_out) of a wgrad block's dW_k tile, each side the smallest of these covering the padded
 # channels (or the largest), so small channel counts leave no warp idle.
 WGRAD_TILE_ROWS = (32, 64)
@@ -221,6 +232,13 @@ def _multiprocessors(device_id: int) -> int:
 
 
 @functools.cache
+def _resident_threads(device_id: int) -> int:
+    runtime = cupy_module().cuda.runtime
+    per_multiprocessor = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxThreadsPerMultiProcessor, device_id)
+    return _multiprocessors(device_id) * int(per_multiprocessor)
+
+
+@functools.cache
 def _l2_bytes(device_id: int) -> int:
     runtime = cupy_module().cuda.runtime
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrL2CacheSize, device_id))
@@ -348,6 +366,8 @@ class WgradPlan:
         self.dtype = dtype
         self.padded_sizes = (in_padded, out_padded)
         self.out_shape = (kernel_volume, in_channels, out_channels)
+        self.offset_elements = in_channels * out_channels
+        self.sum_elements = kernel_volume * self.offset_elements
         self.grid_xy = (-(-in_padded // tile[0]), -(-out_padded // tile[1]))
         self.wanted_warps = wgrad_warps_per_sm * _multiprocessors(current_device())
         self.warps_per_share = kernel_volume * self.grid_xy[0] * self.grid_xy[1] * self.threads(tile) // WARP_SIZE
@@ -357,10 +377,10 @@ class WgradPlan:
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
             out_channels * dtype.itemsize % VECTOR_BYTES == 0
         )
-        # workspace, grad_weight and the offsets' first slots are per call.
+        # workspace, grad_weight, the offsets' first slots and the slot groups are per call.
         sum_kernel = _SUM_SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
-        self.sum = PreparedLaunch(sum_kernel, *launch_config(kernel_volume * in_channels * out_channels),
-                                  (None, None, None, *sizes))
+        self.sum = PreparedLaunch(sum_kernel, (1,), (SUM_THREADS,), (None, None, None, *sizes[1:], None))
+        self.resident_threads = _resident_threads(current_device())
 
     def shares(self, num_in: int, num_out: int) -> int:
         """Shares per offset on average (the rounds of `KernelMap.wgrad_shares`, which gives each offset
@@ -379,6 +399,13 @@ class WgradPlan:
         # most num_out.
         for_accuracy = 1 if num_out <= MAX_PAIRS_PER_SHARE else -(-num_out // MAX_PAIRS_PER_SHARE) + 1
         return max(1, min(max(for_speed, for_accuracy), MAX_GRID_Z // self.kernel_volume))
+
+    def slot_groups(self, shares: int) -> int:
+        """Threads summing each element of the weight gradient for `shares` shares per offset on
+        average: the largest power of two up to MAX_SLOT_GROUPS, the shares, and the threads the GPU
+        holds at once per element (beyond those, threads only wait for a slot on an SM)."""
+        fill = -(-self.resident_threads // self.sum_elements)
+        return 1 << (max(1, min(MAX_SLOT_GROUPS, shares, fill)).bit_length() - 1)
 
     def round_major(self, num_in: int, num_out: int) -> bool:
         """Whether the GEMM's blocks go round-major (`KernelMap.wgrad_shares`). Where one block covers
@@ -439,7 +466,9 @@ class WgradPlan:
         values = (features, grad_output, pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr,
                   shares.table.data.ptr, workspace)
         self.launch_gemm(stream, (*self.grid_xy, self.kernel_volume * rounds), values, vectors)
-        self.sum.launch(stream, workspace, grad_weight, shares.slot_starts.data.ptr)
+        slot_groups = self.slot_groups(rounds)
+        self.sum.launch(stream, workspace, grad_weight, shares.slot_starts.data.ptr, slot_groups,
+                        grid=(-(-self.offset_elements * slot_groups // SUM_THREADS), self.kernel_volume, 1))
 
     def __call__(self, kernel_map, features, grad_output):
         cupy = cupy_module()
@@ -488,7 +517,7 @@ class WmmaImplicitGemm(Algorithm):
         tiles = ((128, 32),) if channels <= 32 else ((128, 64), (128, 32)) if channels <= 64 else ((64, 128), (128, 64))
         if phase == "forward":
             return [{"tile": tile, "sort_rows": True, "stages": stages} for tile in tiles for stages in PIPELINE_STAGES]
-        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in WGRAD_WARPS_PER_SM]
+        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in AUTO_WGRAD_WARPS_PER_SM]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem)
