@@ -57,7 +57,7 @@ WORKSPACE_OPERAND_FRACTION = 8
 ROUND_MAJOR_L2_MULTIPLE = 2
 # Threads of a block of the wgrad sum, and at most how many of them share an element (the sum of an
 # offset's shares, raw_kernels/wmma_implicit_gemm.cu). With one thread per element, 100K voxels x 32
-# channels (27,648 elements) summed their 156 shares an offset in 52 us, against 45 for the GEMM; 8 threads
+# channels (27,648 elements) summed their 157 shares an offset in 52 us, against 45 for the GEMM; 8 threads
 # an element took 13 (H100).
 SUM_THREADS = 256
 MAX_SLOT_GROUPS = 8
