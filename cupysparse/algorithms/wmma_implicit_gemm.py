@@ -74,7 +74,7 @@ WGRAD_STAGES = 3
 # more of their rows from the L2: at 1M voxels x 64 channels (TF32, H100, side by side) 40 shares an
 # offset took 1.46 ms, 79 1.23, 157 1.15 and 300 1.05 (DRAM reads 3.19 GB at 79, 2.33 at 300, for
 # 5.15 GB of gathered rows), while 128 channels ran fastest at 20 (2.55 ms against 2.77 at 40).
-# Smaller layers often want fewer, longer shares (H100, fp16 and bf16 alike, 8 / 16 / 32 warps):
+# Smaller layers often want fewer, longer shares (H100, fp16, 8 / 16 / 32 warps):
 # 500K voxels x 32 channels (mma_conv_wgrad) 0.187 / 0.207 / 0.210 ms, 100K x 64 0.087 / 0.066 /
 # 0.085, 500K x 128 (wgmma_conv_wgrad) 0.48 / 0.45 / 0.52. `auto` leaves out 4, which at best tied 8.
 WGRAD_WARPS_PER_SM = (32, 4, 8, 16, 64, 128, 256)
