@@ -358,11 +358,18 @@ def test_weight_gradient_over_many_pairs_stays_accurate(name, dtype):
     assert_close(actual, expected, dtype, terms, a, b, f"{name} wgrad")
 
 
+# The fp16 algorithms whose wgrad splits each offset's pairs into shares summed by a second kernel.
+SPLIT_WGRAD_ALGORITHMS = [p.values[0] for p in supported(CONV) if p.values[1] == FLOAT16
+                          and "wgrad_warps_per_sm" in get_algorithm(p.values[0]).backward_params]
+
+
+def _fp16_wgrad_plan(name, kernel_map, channels, warps_per_sm):
+    plan_class = get_algorithm(name).wgrad_plan_class_for(np.dtype(FLOAT16), *channels)
+    return plan_class(np.dtype(FLOAT16), kernel_map.kernel_volume, *channels, warps_per_sm)
+
+
 @pytest.mark.parametrize("channels", ((64, 64), (128, 128)), ids=lambda c: f"{c[0]}to{c[1]}")
-@pytest.mark.parametrize(
-    "name", [p.values[0] for p in supported(CONV) if p.values[1] == FLOAT16
-             and "wgrad_warps_per_sm" in get_algorithm(p.values[0]).backward_params]
-)
+@pytest.mark.parametrize("name", SPLIT_WGRAD_ALGORITHMS)
 def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channels):
     """The largest wgrad occupancy target asks for more shares than the SMs hold, so they run in waves,
     offset-major at 64 channels and, where one block covers dW_k, round-major at 128 (the operands pass
@@ -373,8 +380,7 @@ def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channel
     voxels = make_scene("indoor", 260_000, seed=1).voxel_coordinates()
     kernel_map = _gpu_map("submanifold", np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1))
     algorithm = get_algorithm(name)
-    plan_class = algorithm.wgrad_plan_class_for(np.dtype(FLOAT16), *channels)
-    many, default = (plan_class(np.dtype(FLOAT16), kernel_map.kernel_volume, *channels, warps)
+    many, default = (_fp16_wgrad_plan(name, kernel_map, channels, warps)
                      for warps in (max(WGRAD_WARPS_PER_SM), WGRAD_WARPS_PER_SM[0]))
     sizes = (kernel_map.num_in, kernel_map.num_out)
     assert many.shares(*sizes) > default.shares(*sizes)
@@ -388,10 +394,7 @@ def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channel
 
 
 @pytest.mark.parametrize("shares", (1, 3, 6, 40))
-@pytest.mark.parametrize(
-    "name", [p.values[0] for p in supported(CONV) if p.values[1] == FLOAT16
-             and "wgrad_warps_per_sm" in get_algorithm(p.values[0]).backward_params]
-)
+@pytest.mark.parametrize("name", SPLIT_WGRAD_ALGORITHMS)
 def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, shares):
     """The sum of an offset's shares gives each weight-gradient element 1, 2, 4 or 8 threads (by the
     shares per offset, where the GPU has threads to spare), each adding every slot_groups-th share:
@@ -403,9 +406,7 @@ def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, sh
     cupy = cupy_module()
     kernel_map = gpu_map("submanifold")
     channels = (12, 20)
-    algorithm = get_algorithm(name)
-    plan = algorithm.wgrad_plan_class_for(np.dtype(FLOAT16), *channels)(
-        np.dtype(FLOAT16), kernel_map.kernel_volume, *channels, WGRAD_WARPS_PER_SM[0])
+    plan = _fp16_wgrad_plan(name, kernel_map, channels, WGRAD_WARPS_PER_SM[0])
     plan.shares = lambda num_in, num_out: shares
     assert plan.slot_groups(shares) == {1: 1, 3: 2, 6: 4, 40: 8}[shares]
     x, w, dy = _inputs(kernel_map, *channels, FLOAT16, seed=6)

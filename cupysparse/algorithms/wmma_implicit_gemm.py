@@ -367,7 +367,9 @@ class WgradPlan:
         self.padded_sizes = (in_padded, out_padded)
         self.out_shape = (kernel_volume, in_channels, out_channels)
         self.offset_elements = in_channels * out_channels
-        self.sum_elements = kernel_volume * self.offset_elements
+        # Threads the GPU holds at once per element of the whole weight gradient (slot_groups).
+        self.resident_threads_per_element = -(-_resident_threads(current_device()) //
+                                               (kernel_volume * self.offset_elements))
         self.grid_xy = (-(-in_padded // tile[0]), -(-out_padded // tile[1]))
         self.wanted_warps = wgrad_warps_per_sm * _multiprocessors(current_device())
         self.warps_per_share = kernel_volume * self.grid_xy[0] * self.grid_xy[1] * self.threads(tile) // WARP_SIZE
@@ -380,7 +382,6 @@ class WgradPlan:
         # workspace, grad_weight, the offsets' first slots and the slot groups are per call.
         sum_kernel = _SUM_SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
         self.sum = PreparedLaunch(sum_kernel, (1,), (SUM_THREADS,), (None, None, None, *sizes[1:], None))
-        self.resident_threads = _resident_threads(current_device())
 
     def shares(self, num_in: int, num_out: int) -> int:
         """Shares per offset on average (the rounds of `KernelMap.wgrad_shares`, which gives each offset
@@ -404,8 +405,8 @@ class WgradPlan:
         """Threads summing each element of the weight gradient for `shares` shares per offset on
         average: the largest power of two up to MAX_SLOT_GROUPS, the shares, and the threads the GPU
         holds at once per element (beyond those, threads only wait for a slot on an SM)."""
-        fill = -(-self.resident_threads // self.sum_elements)
-        return 1 << (max(1, min(MAX_SLOT_GROUPS, shares, fill)).bit_length() - 1)
+        most = max(1, min(MAX_SLOT_GROUPS, shares, self.resident_threads_per_element))
+        return 1 << (most.bit_length() - 1)
 
     def round_major(self, num_in: int, num_out: int) -> bool:
         """Whether the GEMM's blocks go round-major (`KernelMap.wgrad_shares`). Where one block covers
