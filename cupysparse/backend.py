@@ -80,6 +80,11 @@ def is_cupy_array(array) -> bool:
     return cupy is not None and isinstance(array, cupy.ndarray)
 
 
+def current_device() -> int:
+    """The id of CuPy's current CUDA device."""
+    return cupy_module().cuda.runtime.getDevice()
+
+
 def array_module(array):
     """`cupy` for CuPy arrays, `numpy` for anything else."""
     return cupy_module() if is_cupy_array(array) else np

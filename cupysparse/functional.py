@@ -10,12 +10,16 @@ adapters wrap. Depthwise convolutions work on features and a map directly, as in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import numpy as np
 
 from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, DEPTHWISE, ConvProblem
-from .backend import is_cupy_array
+from .backend import cupy_module, current_device, is_cupy_array
 from .dtypes import FEATURE_DTYPES, accumulation_dtype
+from .layer_plans import algorithm_argument, algorithm_filter, kept_plan, map_plan_key
 from .out_of_memory import naming_sizes
 from .selection import Selection
 from .tuner import select_algorithm
@@ -114,17 +118,127 @@ def select_backward(grad_output, features, weight, kernel_map, algo=None) -> Sel
 
 def conv_forward(features, weight, kernel_map, algo=None):
     """Output features `[N_out, C_out]` of the convolution over `kernel_map` (see `algorithms.base`).
-    Out of memory, it raises the allocator's error naming the sizes (`out_of_memory`)."""
+    Out of memory, it raises the allocator's error naming the sizes (`out_of_memory`).
+
+    A layer's later calls on the GPU launch its kept plan (`layer_plans`): the selection and checks
+    of its first call hold for arguments that pass `_plannable`."""
+    argument = algorithm_argument(algo, CONV, "forward")
+    plan = _forward_plan(features, weight, kernel_map, argument) if _plannable(features, weight, kernel_map) else None
+    if plan is not None:
+        cupy = cupy_module()
+        with naming_sizes("forward", features, weight, kernel_map):
+            out = cupy.empty((kernel_map.num_out, weight.shape[2]), dtype=features.dtype)
+            padded = _plan_weight(weight, plan.weight_shape, plan.weight_transposed)
+            plan.launch(kernel_map, features.data.ptr, padded.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr)
+        return out
     selection = select_forward(features, weight, kernel_map, algo)
     with naming_sizes("forward", features, weight, kernel_map, selection.algorithm.name):
         return forward_runner(features, weight, kernel_map)(selection.algorithm, selection.params)
 
 
 def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
-    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed."""
+    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed. Later
+    calls of a layer launch its kept plan, as `conv_forward`'s."""
+    argument = algorithm_argument(algo, CONV, "backward")
+    plannable = _plannable(features, weight, kernel_map) and _plannable_gradient(grad_output, features, weight,
+                                                                                   kernel_map)
+    plan = _backward_plan(grad_output, features, weight, kernel_map, argument) if plannable else None
+    if plan is not None:
+        with naming_sizes("backward", features, weight, kernel_map):
+            return _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad,
+                                      needs_weight_grad)
     selection = select_backward(grad_output, features, weight, kernel_map, algo)
     with naming_sizes("backward", features, weight, kernel_map, selection.algorithm.name):
         return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
+
+
+def _plannable(features, weight, kernel_map) -> bool:
+    """Whether a launch plan can run these arguments: CuPy arrays on the current device (whose kernels
+    the plans hold) as `select_forward` accepts them, contiguous features, work to do. Anything else
+    takes the full path, which says what is wrong (or returns the zeros of an empty problem)."""
+    ndarray = _cupy_ndarray()
+    if not (type(features) is type(weight) is type(kernel_map.pair_table) is ndarray):
+        return False
+    if features.ndim != 2 or weight.ndim != 3:
+        return False
+    rows, channels = features.shape
+    kernel_volume, in_channels, out_channels = weight.shape
+    device = features.data.device_id
+    return (
+        features.dtype in _FEATURE_DTYPES and weight.dtype == features.dtype and rows == kernel_map.num_in
+        and kernel_volume == kernel_map.kernel_volume and in_channels == channels and features.flags.c_contiguous
+        and device == weight.data.device_id == kernel_map.pair_table.data.device_id == current_device()
+        and rows > 0 and kernel_map.num_out > 0 and channels > 0 and out_channels > 0
+    )
+
+
+def _plannable_gradient(grad_output, features, weight, kernel_map) -> bool:
+    return (
+        type(grad_output) is type(features) and grad_output.dtype == features.dtype
+        and grad_output.shape == (kernel_map.num_out, weight.shape[2]) and grad_output.flags.c_contiguous
+        and grad_output.data.device_id == features.data.device_id
+    )
+
+
+@functools.cache
+def _cupy_ndarray():
+    """CuPy's array type (None without CuPy): the only one the plans take, subclasses aside."""
+    cupy = cupy_module()
+    return None if cupy is None else cupy.ndarray
+
+
+_FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
+
+
+def _forward_plan(features, weight, kernel_map, argument: str):
+    def select():
+        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+        run = forward_runner(features, weight, kernel_map)
+        selection = select_algorithm(algorithm_filter(argument, CONV, "forward"), problem, run)
+        return selection.algorithm.forward_plan(problem, selection.params)
+
+    key = map_plan_key("forward", features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
+    return kept_plan(key, select)
+
+
+def _backward_plan(grad_output, features, weight, kernel_map, argument: str):
+    def select():
+        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+        run = backward_runner(grad_output, features, weight, kernel_map)
+        selection = select_algorithm(algorithm_filter(argument, CONV, "backward"), problem, run)
+        return selection.algorithm.backward_plan(problem, selection.params)
+
+    key = map_plan_key("backward", features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
+    return kept_plan(key, select)
+
+
+def _plan_weight(weight, shape: tuple, transposed: bool = False):
+    """`weight` `[K, A, B]` (read `[K, B, A]` when `transposed`: a forward plan's `weight_transposed`) in
+    the plan's layout: contiguous, zero-padded at the end of its last two dimensions to `shape`."""
+    if transposed:
+        weight = weight.transpose(0, 2, 1)
+    if weight.shape == shape and weight.flags.c_contiguous:
+        return weight
+    padded = cupy_module().zeros(shape, dtype=weight.dtype)
+    padded[:, : weight.shape[1], : weight.shape[2]] = weight
+    return padded
+
+
+def _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):
+    cupy = cupy_module()
+    stream = cupy.cuda.get_current_stream().ptr
+    grad_input = grad_weight = None
+    if needs_input_grad:
+        padded = _plan_weight(weight, plan.weight_shape)
+        grad_input = cupy.empty(features.shape, dtype=features.dtype)
+        plan.dgrad(kernel_map, grad_output.data.ptr, padded.data.ptr, grad_input.data.ptr, stream)
+    if needs_weight_grad:
+        # Every element of the workspace is written before it is read: no clearing.
+        workspace = cupy.empty(plan.workspace_shape(kernel_map), dtype=np.float32)
+        grad_weight = cupy.empty(weight.shape, dtype=weight.dtype)
+        plan.wgrad(kernel_map, features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
+                   stream)
+    return grad_input, grad_weight
 
 
 def _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):

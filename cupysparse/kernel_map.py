@@ -107,6 +107,8 @@ class KernelMap:
         # The kernels and plans read int32 rows; the builders make them so, and a table given already so
         # is kept as it is.
         self.pair_table = array_module(pair_table).ascontiguousarray(pair_table, dtype=np.int32)
+        # Plain attributes, not properties of the table: every convolution call reads them.
+        self.kernel_volume, self.num_out = (int(size) for size in self.pair_table.shape)
         if offset_mask is not None:  # already computed by the query: skip the derivation
             self._offset_mask = offset_mask
         if mask_sorted_order is not None:  # known without sorting (the identity map's: every row in place)
@@ -120,14 +122,6 @@ class KernelMap:
         # What the formats derived later (and the reversed map) are computed in: e.g. a framework's
         # stream and allocator, as the map itself was.
         self.derive_in = derive_in
-
-    @property
-    def kernel_volume(self) -> int:
-        return self.pair_table.shape[0]
-
-    @property
-    def num_out(self) -> int:
-        return self.pair_table.shape[1]
 
     @property
     def offsets(self) -> np.ndarray:

@@ -73,7 +73,7 @@ from cupysparse.algorithm_modes import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.algorithms.wmma_implicit_gemm import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
 from cupysparse.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
-from cupysparse.functional import backward_runner, forward_runner
+from cupysparse.functional import backward_runner, conv_backward, conv_forward, forward_runner
 from cupysparse.kernel_map import KernelMapCache
 from cupysparse.precision import IEEE, TF32, fp32_precision
 from cupysparse.scenes import make_scene
@@ -489,8 +489,8 @@ def describe_selection(selection) -> str:
 
 
 class OursRunner:
-    """One of our algorithms, or `auto`, on one layer: what `conv_forward` / `conv_backward` run with
-    `algo=name` (the tuner's choice, measured on this data when not cached)."""
+    """One of our algorithms, or `auto`, on one layer, called as a user calls it: `conv_forward` /
+    `conv_backward` with `algo=name` (the tuner's choice, measured on this data when not cached)."""
 
     memory_note = None
 
@@ -531,13 +531,15 @@ class OursRunner:
             parse_algorithm_filter(self.name, CONV, tuning_phase), self.layer.problem)
 
     def prepare(self, phase: str):
+        """The timed call: `conv_forward` / `conv_backward` themselves, as a user calls them (after the
+        first call, a layer's kept launch plan), except dgrad and wgrad alone, which call the tuner's
+        choice directly."""
         layer = self.layer
         if phase in ("forward", "both"):
-            forward = self.selection("forward")
-            run_forward = self._runner("forward")
+            self.selection("forward")
 
             def forward_call():
-                return run_forward(forward.algorithm, forward.params)
+                return conv_forward(layer.features, layer.weight, layer.kernel_map, self.name)
 
             if phase == "forward":
                 return forward_call
@@ -548,10 +550,13 @@ class OursRunner:
                                            layer.kernel_map, **params)
         if phase == "wgrad":
             return lambda: algorithm.wgrad(layer.features, layer.grad_output, layer.kernel_map, **params)
-        run_backward = self._runner("backward")
+
+        def backward_call():
+            return conv_backward(layer.grad_output, layer.features, layer.weight, layer.kernel_map, self.name)
+
         if phase == "backward":
-            return lambda: run_backward(algorithm, params)
-        return lambda: (forward_call(), run_backward(algorithm, params))
+            return backward_call
+        return lambda: (forward_call(), backward_call())
 
     def dispatched(self, phase: str) -> str:
         chosen = [(part, self._selections[part]) for part in TUNING_PHASES[phase] if part in self._selections]

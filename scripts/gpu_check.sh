@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one-call check: install offline, run the GPU tests, the benchmarks (arguments
-# go to the convolution benchmark, e.g. --channels 32,64), the demo and the network benchmark.
+# go to the convolution benchmark, e.g. --channels 32,64), the host-overhead benchmark, the demo and the
+# network benchmark.
 # Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
 # there (see the peer-wheels tool), so the benchmark compares against it.
 set -uo pipefail
@@ -23,6 +24,8 @@ tests_status=${PIPESTATUS[0]}
 python3 -m cupysparse.scripts.benchmark_kernel_map 2>&1 | tee "$out/benchmark_kernel_map.txt"
 bench_status=${PIPESTATUS[0]}
 python3 -m cupysparse.scripts.benchmark_conv --csv "$out/benchmark_conv.csv" "$@" 2>&1 | tee "$out/benchmark_conv.txt"
+bench_status=$(( bench_status || PIPESTATUS[0] ))
+python3 -m cupysparse.scripts.benchmark_host_overhead --csv "$out/benchmark_host_overhead.csv" 2>&1 | tee "$out/benchmark_host_overhead.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
 python3 -m cupysparse.demo --train-steps 3 2>&1 | tee "$out/demo.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))

@@ -176,7 +176,10 @@ def test_an_injected_out_of_memory_stops_that_backend_and_phase_at_its_frontier(
     monkeypatch.setattr(ExplicitGemm, "dgrad", broken)
     rows = run_small(tmp_path, "--backends", "explicit_gemm", "--phases", "forward,dgrad,wgrad")
     assert {key: (row["status"], row["error"]) for key, row in rows.items()} == {
-        (1000, "explicit_gemm", "forward"): ("oom", "MemoryError: out of memory (injected)"),
+        (1000, "explicit_gemm", "forward"): ("oom", "MemoryError: out of memory (injected) (cupysparse ran out of "
+                                                    "memory in the forward of a convolution running explicit_gemm: "
+                                                    "input 1,000 rows x 8 channels (31.2 KiB), output 1,000 rows x 8 "
+                                                    "channels (31.2 KiB), weight 27 x 8 x 8 (6.75 KiB), float32)"),
         (2000, "explicit_gemm", "forward"): ("not_tested", "at least as large as 1,000 vox   8->8   k3 s1 fp32, "
                                                            "which ran out of memory"),
         (1000, "explicit_gemm", "dgrad"): ("error", "ValueError: injected failure"),

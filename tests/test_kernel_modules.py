@@ -39,13 +39,25 @@ def _pointer(address=0):
     return types.SimpleNamespace(data=types.SimpleNamespace(ptr=address))
 
 
-def _kernel_map(kernel_volume):
-    """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists."""
-    csr = types.SimpleNamespace(in_idx=_pointer(), out_idx=_pointer(), offsets=_pointer())
-    shares = types.SimpleNamespace(table=_pointer(), slot_starts=_pointer())
-    return types.SimpleNamespace(num_in=1000, num_out=1000, kernel_volume=kernel_volume, pair_table=_pointer(),
-                                 mirror_symmetric=True, mask_sorted_order=_pointer, csr=lambda: csr,
-                                 wgrad_shares=lambda rounds, round_major: shares)
+class _KernelMap:
+    """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists (and, as of a
+    real map, a weak reference to it)."""
+
+    num_in = num_out = 1000
+    mirror_symmetric = True
+    pair_table = _pointer()
+
+    def __init__(self, kernel_volume):
+        self.kernel_volume = kernel_volume
+
+    def mask_sorted_order(self):
+        return _pointer()
+
+    def csr(self):
+        return types.SimpleNamespace(in_idx=_pointer(), out_idx=_pointer(), offsets=_pointer())
+
+    def wgrad_shares(self, rounds, round_major):
+        return types.SimpleNamespace(table=_pointer(), slot_starts=_pointer())
 
 
 @pytest.fixture
@@ -76,7 +88,7 @@ def _problem(dtype, in_channels, out_channels, kernel_volume=27):
 def _launched(algorithm, phase, problem, params):
     """(source, name expression) of every kernel one run of `phase` with `params` launches."""
     launched = []
-    kernel_map, stream = _kernel_map(problem.kernel_volume), 0
+    kernel_map, stream = _KernelMap(problem.kernel_volume), 0
     if phase == "forward":
         algorithm.forward_plan(problem, params).launch(kernel_map, 0, 0, 0, stream)
     else:

@@ -14,6 +14,7 @@ import torch
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.coords import as_tuple
+from cupysparse.layer_plans import algorithm_argument
 
 from . import ops
 from .tensor import SparseTensor
@@ -66,8 +67,8 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     _check_contiguous(features)
     if (not generative and _is_pointwise(kernel_size, stride, input.spatial_dims)
             and not _runs_on_our_kernels(features, weight, bias)):
-        ops.algorithm_argument(fwd_algo, CONV, "forward")  # checked all the same: a typo is an error
-        ops.algorithm_argument(bwd_algo, CONV, "backward")
+        algorithm_argument(fwd_algo, CONV, "forward")  # checked all the same: a typo is an error
+        algorithm_argument(bwd_algo, CONV, "backward")
         if weight.dim() != 3 or weight.shape[0] != 1 or weight.shape[1] != features.shape[1]:
             raise ValueError(f"weight must have shape [K=1, C_in={features.shape[1]}, C_out], got "
                              f"{tuple(weight.shape)}")
@@ -82,7 +83,7 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
                          f"got {tuple(weight.shape)}")
     out = ops.map_convolution(
         features, weight.contiguous(), kernel_map,
-        ops.algorithm_argument(fwd_algo, CONV, "forward"), ops.algorithm_argument(bwd_algo, CONV, "backward"),
+        algorithm_argument(fwd_algo, CONV, "forward"), algorithm_argument(bwd_algo, CONV, "backward"),
     )
     if bias is not None:
         out = out + bias.to(out.dtype)
@@ -125,7 +126,7 @@ def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size
                          f"got {tuple(weight.shape)}")
     out = ops.depthwise_forward(
         features, weight.contiguous(), ops.pair_table(kernel_map),
-        ops.algorithm_argument(fwd_algo, DEPTHWISE, "forward"), ops.algorithm_argument(bwd_algo, DEPTHWISE, "backward"),
+        algorithm_argument(fwd_algo, DEPTHWISE, "forward"), algorithm_argument(bwd_algo, DEPTHWISE, "backward"),
     )
     if bias is not None:
         out = out + bias.to(out.dtype)

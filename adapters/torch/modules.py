@@ -16,12 +16,12 @@ from torch import nn
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.coords import as_tuple
+from cupysparse.layer_plans import algorithm_argument
 from cupysparse.tuner import rehearsing
 from cupysparse.weight_conversion import from_spconv_weight
 
 from . import functional as F
 from .epilogue import batch_norm_epilogue
-from .ops import algorithm_argument
 from .tensor import SparseTensor
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from cupysparse import networks
 from cupysparse.algorithms import CONV
+from cupysparse.layer_plans import algorithm_argument
 from cupysparse.prefetch import prefetch_kernels
 from cupysparse.sparse_tensor import SparseTensor as CoreSparseTensor
 from cupysparse.weights_file import load_weights, save_weights as save_arrays
@@ -196,7 +197,7 @@ class SparseNetwork(SparseSequential):
                                                rehearse=None if self.training else self._rehearse)
 
     def _keep_plan(self, dtype: torch.dtype, device_index: int, choice, plan) -> None:
-        algo = ops.algorithm_argument(self._algorithms[choice.phase], CONV, choice.phase)
+        algo = algorithm_argument(self._algorithms[choice.phase], CONV, choice.phase)
         ops.keep_recalled_plan(choice, plan, dtype, device_index, algo)
 
     def _rehearse(self, tensor: CoreSparseTensor) -> None:

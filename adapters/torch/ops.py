@@ -24,18 +24,18 @@ full core call.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from cupysparse import functional
-from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
+from cupysparse.algorithm_modes import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
+from cupysparse.layer_plans import keep_plan, kept_plan, map_plan_key, plan_key
 from cupysparse.out_of_memory import naming_sizes
-from cupysparse.tuner import choices_version, select_algorithm, size_bucket
+from cupysparse.tuner import select_algorithm
 
 from .bridge import core_dtype, from_core, on_torch_stream, stream_handle, to_core
 
@@ -61,21 +61,6 @@ def _kernel_map(table: torch.Tensor) -> KernelMap:
     if kernel_map is None:
         raise ValueError("this pair table belongs to no live kernel map; pass tables from ops.pair_table(kernel_map)")
     return kernel_map
-
-
-def algorithm_argument(algo, kind: str, phase: str) -> str:
-    """The op's string form of an algorithm argument (validated now, so errors name the caller's value)."""
-    if algo is None:
-        return ""
-    return _algorithm_argument(tuple(algo) if isinstance(algo, list) else algo, kind, phase)
-
-
-@functools.lru_cache(maxsize=256)
-def _algorithm_argument(algo, kind: str, phase: str) -> str:
-    search_space = parse_algorithm_filter(algo, kind, phase)
-    if search_space.mode == "names":
-        return "[" + ",".join(search_space.names) + "]"
-    return search_space.mode
 
 
 def _algorithm(argument: str):
@@ -113,30 +98,11 @@ def _plannable_gradient(grad_output: torch.Tensor, features: torch.Tensor, weigh
     )
 
 
-_plans: dict[tuple, object] = {}  # launch plans (None: the layer runs through the core) by layer signature
-
-
 def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
-    """The launch plan of `phase` for this layer's signature, or None: selected (measuring on these
-    tensors the first time the tuner meets the problem) on first use and kept until the tuner's
-    choices or, for algo "", the environment variable change. The signature is what the tuner keys
-    its choices on (map geometry, sizes as `size_bucket`s, channels, dtype) plus the device: a new
-    kernel map of the same signature (the next scene) reuses the plan."""
-    key = _plan_key(phase, features.dtype, weight.shape, features.device.index, algo, kernel_map.kernel_volume,
-                    kernel_map.stride, kernel_map.transposed, kernel_map.generative, kernel_map.num_in,
-                    kernel_map.num_out)
-    try:
-        return _plans[key]
-    except KeyError:
-        plan = _plans[key] = select()
-        return plan
-
-
-def _plan_key(phase: str, dtype: torch.dtype, weight_shape, device_index: int, algo: str, kernel_volume: int,
-              stride: tuple, transposed: bool, generative: bool, num_in: int, num_out: int) -> tuple:
-    choice = algo or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
-    return (phase, dtype, weight_shape, device_index, choice, choices_version(), kernel_volume, stride, transposed,
-            generative, size_bucket(num_in), size_bucket(num_out))
+    """The launch plan of `phase` for this layer's signature (`layer_plans.map_plan_key`), or None:
+    selected on first use and kept."""
+    key = map_plan_key(phase, features.dtype, weight.shape, features.device.index, algo, kernel_map)
+    return kept_plan(key, select)
 
 
 def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:
@@ -145,9 +111,9 @@ def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo
     `algorithm_argument` gives it): their first call at the problem's sizes then selects nothing."""
     problem = choice.problem
     weight_shape = (problem.kernel_volume, problem.in_channels, problem.out_channels)
-    key = _plan_key(choice.phase, dtype, weight_shape, device_index, algo, problem.kernel_volume,
-                    tuple(problem.stride), problem.transposed, problem.generative, problem.num_in, problem.num_out)
-    _plans.setdefault(key, plan)
+    keep_plan(plan_key(choice.phase, dtype, weight_shape, device_index, algo, problem.kernel_volume,
+                       tuple(problem.stride), problem.transposed, problem.generative, problem.num_in,
+                       problem.num_out), plan)
 
 
 def _padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:

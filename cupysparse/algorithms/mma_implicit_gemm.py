@@ -17,21 +17,22 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..backend import cupy_module
+from ..backend import cupy_module, current_device
 from ..compile import KernelFamily, KernelSource, PreparedLaunch
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from ..precision import ENVIRONMENT_VARIABLE as FP32_PRECISION_VARIABLE
 from .base import ConvProblem, gpu_only_reason, register
 from .wmma_implicit_gemm import (
     AUTO_WGRAD_WARPS_PER_SM,
+    LastMapValues,
     VECTOR_BYTES,
     WGRAD_WARPS_PER_SM,
     WgradPlan,
     WmmaImplicitGemm,
     check_operand,
     check_weight,
-    current_device,
     dgrad_operands,
+    forward_map_values,
     padded_channels,
 )
 
@@ -178,22 +179,20 @@ class ForwardGemmPlan:
                  kernel: PreparedLaunch):
         self.dtype = dtype
         self.out_channels = out_channels
-        self.sort_rows = sort_rows
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
-        self.rows, self.column_tiles = rows, -(-padded_channels(out_channels) // cols)
         self.kernel = kernel
+        column_tiles = -(-padded_channels(out_channels) // cols)
+        self._map_values = LastMapValues(functools.partial(forward_map_values, rows, column_tiles, sort_rows))
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
                reverse_weight_offsets: int = 0) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major; the weight padded, in
         the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
         raw CUDA stream handle `stream`."""
-        num_out = kernel_map.num_out
-        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
+        table, order, num_out, grid = self._map_values(kernel_map)
         vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
-        self.kernel.launch(stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out,
-                           int(vector_rows), reverse_weight_offsets,
-                           grid=(-(-num_out // self.rows) * self.column_tiles, 1, 1))
+        self.kernel.launch(stream, features, table, order, weight, out, num_out, int(vector_rows),
+                           reverse_weight_offsets, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         cupy = cupy_module()

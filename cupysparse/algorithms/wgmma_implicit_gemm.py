@@ -27,12 +27,12 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-
+from ..backend import current_device
 from ..compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
 from .base import ConvProblem, gpu_only_reason, register
 from .mma_implicit_gemm import ForwardGemmPlan, MmaImplicitGemm, MmaWgradPlan, forward_arguments
-from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, WgradPlan, current_device, padded_channels
+from .wmma_implicit_gemm import WGRAD_WARPS_PER_SM, WgradPlan, padded_channels
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128

@@ -25,11 +25,12 @@ kernel.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+import weakref
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from ..backend import array_module, cupy_module, is_cupy_array
+from ..backend import array_module, cupy_module, current_device, is_cupy_array
 from ..compile import KernelFamily, KernelSource, PreparedLaunch
 from ..dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from .base import MAX_GRID_Z, Algorithm, BackwardPlan, ConvProblem, ForwardPlan, gpu_only_reason, register
@@ -255,8 +256,25 @@ def _current_stream() -> int:
     return cupy_module().cuda.get_current_stream().ptr
 
 
-def current_device() -> int:
-    return cupy_module().cuda.runtime.getDevice()
+class LastMapValues:
+    """What a plan's launches take from a kernel map (its arrays' addresses, its row counts), derived by
+    `derive(kernel_map)` and kept for the last map: the layers of a signature run over one map in turn.
+    The map is held by a weak reference, so that a plan never keeps a past scene's arrays alive."""
+
+    def __init__(self, derive):
+        self._derive = derive
+        self._last = (_no_map, None)
+
+    def __call__(self, kernel_map):
+        reference, values = self._last
+        if reference() is not kernel_map:
+            values = self._derive(kernel_map)
+            self._last = (weakref.ref(kernel_map), values)  # one assignment: readers see a matching pair
+        return values
+
+
+def _no_map():
+    return None
 
 
 class _LazyLaunches(dict):
@@ -282,8 +300,6 @@ class _GemmPlan:
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         self.dtype = dtype
         self.out_channels = out_channels
-        self.sort_rows = sort_rows
-        self.rows, self.column_tiles = tile[0], -(-out_padded // tile[1])
         block_k = _block_k(in_padded)
         type_name = cuda_type_name(dtype)
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
@@ -297,26 +313,33 @@ class _GemmPlan:
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
         self._launches = _LazyLaunches(prepared)
         self._stages = stages
+        self._map_values = LastMapValues(functools.partial(forward_map_values, tile[0], -(-out_padded // tile[1]),
+                                                           sort_rows))
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
                reverse_weight_offsets: int = 0) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major arrays; the weight padded,
         in the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
         raw CUDA stream handle `stream`."""
-        num_out = kernel_map.num_out
-        order = kernel_map.mask_sorted_order().data.ptr if self.sort_rows else 0
-        grid = (-(-num_out // self.rows) * self.column_tiles, 1, 1)
+        table, order, num_out, grid = self._map_values(kernel_map)
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
         pipelined = self.vector_rows and features % VECTOR_BYTES == 0
         self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(
-            stream, features, kernel_map.pair_table.data.ptr, order, weight, out, num_out, reverse_weight_offsets,
-            grid=grid)
+            stream, features, table, order, weight, out, num_out, reverse_weight_offsets, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         out = cupy_module().empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # all written once
         self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr, _current_stream(),
                     reverse_weight_offsets)
         return out
+
+
+def forward_map_values(rows: int, column_tiles: int, sort_rows: bool, kernel_map) -> tuple:
+    """(pair table, row order or 0, output rows, grid) of an output-stationary forward launch over
+    `kernel_map` with tiles of `rows` output rows and `column_tiles` tiles across the output channels."""
+    order = kernel_map.mask_sorted_order().data.ptr if sort_rows else 0
+    grid = (-(-kernel_map.num_out // rows) * column_tiles, 1, 1)
+    return kernel_map.pair_table.data.ptr, order, kernel_map.num_out, grid
 
 
 @functools.cache
@@ -352,6 +375,18 @@ def dgrad_operands(kernel_map):
     return kernel_map.reversed(), 0
 
 
+class _WgradMapValues(NamedTuple):
+    """What wgrad's launches take from a map: the addresses of its pair lists (in, out, offsets) and
+    share table, then of the offsets' first slots, and the sizes of the shares it is cut into."""
+
+    pair_lists: tuple[int, int, int, int]
+    slot_starts: int
+    gemm_grid: tuple[int, int, int]
+    slot_groups: int
+    sum_grid: tuple[int, int, int]
+    workspace_shape: tuple[int, int, int]
+
+
 class WgradPlan:
     """wgrad's two launches for one dtype, kernel volume, channel counts and occupancy target, over any
     map of that kernel volume: the split-K gather-gather GEMMs over the map's per-offset pair lists
@@ -382,6 +417,7 @@ class WgradPlan:
         # workspace, grad_weight, the offsets' first slots and the slot groups are per call.
         sum_kernel = _SUM_SOURCES[dtype].get(_sum_kernel_name(cuda_type_name(dtype)))
         self.sum = PreparedLaunch(sum_kernel, (1,), (SUM_THREADS,), (None, None, None, *sizes[1:], None))
+        self._map_values = LastMapValues(self._derive_map_values)
 
     def shares(self, num_in: int, num_out: int) -> int:
         """Shares per offset on average (the rounds of `KernelMap.wgrad_shares`, which gives each offset
@@ -424,7 +460,19 @@ class WgradPlan:
 
     def workspace_shape(self, kernel_map) -> tuple[int, int, int]:
         """The fp32 partials: one slot per block of the GEMM's grid z."""
-        return (self.shares(kernel_map.num_in, kernel_map.num_out) * self.kernel_volume, *self.padded_sizes)
+        return self._map_values(kernel_map).workspace_shape
+
+    def _derive_map_values(self, kernel_map) -> _WgradMapValues:
+        num_in, num_out = kernel_map.num_in, kernel_map.num_out
+        rounds = self.shares(num_in, num_out)
+        pairs = kernel_map.csr()
+        shares = kernel_map.wgrad_shares(rounds, self.round_major(num_in, num_out))
+        slot_groups = self.slot_groups(rounds)
+        return _WgradMapValues(
+            (pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr, shares.table.data.ptr),
+            shares.slot_starts.data.ptr, (*self.grid_xy, self.kernel_volume * rounds), slot_groups,
+            (-(-self.offset_elements * slot_groups // SUM_THREADS), self.kernel_volume, 1),
+            (rounds * self.kernel_volume, *self.padded_sizes))
 
     @staticmethod
     def tile_for(in_padded: int, out_padded: int) -> tuple:
@@ -460,16 +508,10 @@ class WgradPlan:
                stream: int) -> None:
         """Launch over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
         workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle `stream`."""
-        pairs = kernel_map.csr()
-        rounds = self.shares(kernel_map.num_in, kernel_map.num_out)
-        shares = kernel_map.wgrad_shares(rounds, self.round_major(kernel_map.num_in, kernel_map.num_out))
+        values = self._map_values(kernel_map)
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
-        values = (features, grad_output, pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr,
-                  shares.table.data.ptr, workspace)
-        self.launch_gemm(stream, (*self.grid_xy, self.kernel_volume * rounds), values, vectors)
-        slot_groups = self.slot_groups(rounds)
-        self.sum.launch(stream, workspace, grad_weight, shares.slot_starts.data.ptr, slot_groups,
-                        grid=(-(-self.offset_elements * slot_groups // SUM_THREADS), self.kernel_volume, 1))
+        self.launch_gemm(stream, values.gemm_grid, (features, grad_output, *values.pair_lists, workspace), vectors)
+        self.sum.launch(stream, workspace, grad_weight, values.slot_starts, values.slot_groups, grid=values.sum_grid)
 
     def __call__(self, kernel_map, features, grad_output):
         cupy = cupy_module()

@@ -1,0 +1,83 @@
+"""Launch plans kept per layer signature: a layer's selection made once, for all its later calls.
+
+A network calls each layer again and again with the same signature: the map's geometry, its sizes as
+the tuner tells them apart (`size_bucket`), the weight's shape, the dtype, the device and the
+algorithm argument. The selection of its first call (the tuner measuring on the call's own data the
+first time it meets the problem) therefore holds for the later ones, which need only the selected
+algorithm's launch plan (`Algorithm.forward_plan` / `backward_plan`): allocate the outputs, launch on
+device addresses. No argument conversion, problem description or selection per call: on a
+100K-voxel layer those took as long as its kernels.
+
+`kept_plan` selects on first use and keeps the plan (None for an algorithm without plans: such a
+layer takes the full path every call) until the tuner's choices (`choices_version`) or, for no
+algorithm argument, the environment variable change. The functional API and the framework adapters
+keep theirs here; a new kernel map of a kept signature (the next scene) reuses the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from .algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
+from .algorithms import CONV
+from .tuner import choices_version, size_bucket
+
+_plans: dict[tuple, object] = {}
+
+
+def algorithm_argument(algo, kind: str, phase: str) -> str:
+    """The canonical string of an algorithm argument, checked: "" for None (the environment variable
+    decides at each call), else `auto`, `all` or `[a,b]`. A typo raises here, naming the caller's value."""
+    if algo is None:
+        return ""
+    return _algorithm_argument(tuple(algo) if isinstance(algo, list) else algo, kind, phase)
+
+
+@functools.lru_cache(maxsize=256)
+def _algorithm_argument(algo, kind: str, phase: str) -> str:
+    search_space = parse_algorithm_filter(algo, kind, phase)
+    if search_space.mode == "names":
+        return "[" + ",".join(search_space.names) + "]"
+    return search_space.mode
+
+
+def algorithm_filter(argument: str, kind: str, phase: str):
+    """The `AlgorithmFilter` of an `algorithm_argument` string."""
+    return parse_algorithm_filter(argument or None, kind, phase)
+
+
+def plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument: str, kernel_volume: int,
+             stride: tuple, transposed: bool, generative: bool, num_in: int, num_out: int) -> tuple:
+    """The signature a kept plan serves: what the tuner keys its choices on (map geometry, sizes as
+    `size_bucket`s, channels, dtype), the device, the algorithm argument (the environment variable's
+    value for "") and the tuner's `choices_version`. `dtype` is the caller's own (NumPy's or a
+    framework's): each keeps its plans apart."""
+    choice = argument or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
+    return (phase, dtype, weight_shape, device_index, choice, choices_version(), kernel_volume, stride, transposed,
+            generative, size_bucket(num_in), size_bucket(num_out))
+
+
+def map_plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument: str, kernel_map) -> tuple:
+    """`plan_key` of a layer over `kernel_map`."""
+    return plan_key(phase, dtype, weight_shape, device_index, argument, kernel_map.kernel_volume, kernel_map.stride,
+                    kernel_map.transposed, kernel_map.generative, kernel_map.num_in, kernel_map.num_out)
+
+
+def kept_plan(key: tuple, select):
+    """The plan kept for `key`, or `select()`'s (kept for the next call; an exception keeps nothing)."""
+    try:
+        return _plans[key]
+    except KeyError:
+        plan = _plans[key] = select()
+        return plan
+
+
+def keep_plan(key: tuple, plan) -> None:
+    """Keep `plan` for `key` unless one is kept already (a choice recalled ahead of the first call)."""
+    _plans.setdefault(key, plan)
+
+
+def forget_plans() -> None:
+    """Drop every kept plan: the next call of each layer selects again."""
+    _plans.clear()

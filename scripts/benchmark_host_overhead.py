@@ -1,0 +1,181 @@
+"""Host time per convolution call: what Python and the driver spend before the GPU has the work.
+
+On the indoor scene (default 100K voxels, one batch item), submanifold 3³, C → C channels, with the
+kernel map built and the tuner's choice made, every call is queued --calls times behind a wait kernel
+that keeps the GPU busy meanwhile: the host clock then counts the host alone, and the GPU never
+waits for it. Per call, the median of --repeats such batches. Beside it, the GPU time per call of the
+same calls back to back (CUDA events): where the host time passes it, the layer is host-bound, and
+faster kernels would not make it faster.
+
+Rows: the core's `conv_forward` and `conv_backward` (dgrad and wgrad) on CuPy arrays; with PyTorch,
+the adapter's `SubMConv3d` forward and its forward + backward through autograd; and the floor every
+call pays per output and per kernel: one allocation from CuPy's pool and one launch of an empty
+kernel through a prepared launch (`compile.PreparedLaunch`). `launches` counts the prepared launches
+of one call (torch's own kernels, e.g. autograd's, are not counted).
+
+    cupysparse-benchmark-host-overhead --num-voxels 100000 --channels 32 --dtype float16 --csv host.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from cupysparse import backend, compile
+from cupysparse.device_timing import WAIT_KERNELS
+from cupysparse.dtypes import as_feature_dtype
+from cupysparse.functional import conv_backward, conv_forward, select_backward, select_forward
+from cupysparse.kernel_map import submanifold_map
+from cupysparse.scenes import make_scene
+from cupysparse.scripts.benchmarking import time_samples_ms, write_csv
+
+# The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.
+WAIT_NS_PER_CALL = 2_000_000
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-voxels", type=int, default=100_000)
+    parser.add_argument("--channels", type=int, default=32, help="input = output channels")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
+    parser.add_argument("--repeats", type=int, default=15, help="batches per row")
+    parser.add_argument("--csv", metavar="FILE")
+    return parser.parse_args(argv)
+
+
+def host_us_per_call(fn, calls: int, repeats: int) -> list[float]:
+    """Host microseconds per call of `fn`, one sample per batch of `calls` calls queued behind a wait
+    kernel (so the GPU never holds the host back), after two untimed calls."""
+    cupy = backend.cupy_module()
+    wait = WAIT_KERNELS.get("wait_nanoseconds")
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        cupy.cuda.get_current_stream().synchronize()
+        wait((1,), (1,), (np.uint64(WAIT_NS_PER_CALL * calls),))
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - began) * 1e6 / calls)
+    cupy.cuda.get_current_stream().synchronize()
+    return samples
+
+
+def launches_per_call(fn) -> int:
+    """The prepared launches one call of `fn` makes."""
+    counted = []
+    launch = compile.PreparedLaunch.launch
+
+    def counting(self, *arguments, **keywords):
+        counted.append(self)
+        return launch(self, *arguments, **keywords)
+
+    compile.PreparedLaunch.launch = counting
+    try:
+        fn()
+    finally:
+        compile.PreparedLaunch.launch = launch
+    return len(counted)
+
+
+def core_calls(coordinates, channels: int, dtype):
+    """The core's forward and backward over a submanifold map of `coordinates`, selected already."""
+    cupy = backend.cupy_module()
+    kernel_map = submanifold_map(cupy.asarray(coordinates), 3).derive_formats()
+    rng = np.random.default_rng(0)
+    features = cupy.asarray(rng.standard_normal((kernel_map.num_in, channels)).astype(dtype))
+    weight = cupy.asarray((rng.standard_normal((27, channels, channels)) / np.sqrt(27 * channels)).astype(dtype))
+    grad_output = cupy.asarray(rng.standard_normal((kernel_map.num_out, channels)).astype(dtype))
+    chosen = (select_forward(features, weight, kernel_map).algorithm.name,
+              select_backward(grad_output, features, weight, kernel_map).algorithm.name)
+    return chosen, {
+        "core conv_forward": lambda: conv_forward(features, weight, kernel_map),
+        "core conv_backward": lambda: conv_backward(grad_output, features, weight, kernel_map),
+    }
+
+
+def adapter_calls(torch, coordinates, channels: int, dtype_name: str) -> dict:
+    from cupysparse.adapters import torch as cst
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    coordinates = torch.from_numpy(coordinates).cuda()
+    features = torch.randn(len(coordinates), channels, device="cuda", dtype=dtype, requires_grad=True)
+    x = cst.SparseTensor(coordinates, features)
+    conv = cst.SubMConv3d(channels, channels, 3, bias=False).cuda().to(dtype)
+    grad_output = torch.randn(len(coordinates), channels, device="cuda", dtype=dtype)
+
+    def forward():
+        with torch.no_grad():
+            return conv(x).features
+
+    def step():
+        features.grad = conv.weight.grad = None  # as after `optimizer.zero_grad()`
+        conv(x).features.backward(grad_output)
+
+    return {"adapter forward": forward, "adapter forward + backward": step}
+
+
+def floor_calls(channels: int, num_voxels: int, dtype) -> dict:
+    cupy = backend.cupy_module()
+    empty_launch = compile.PreparedLaunch(WAIT_KERNELS.get("wait_nanoseconds"), (1,), (1,), (np.uint64(0),))
+    stream = cupy.cuda.get_current_stream().ptr
+    return {
+        "floor: one allocation": lambda: cupy.empty((num_voxels, channels), dtype=dtype),
+        "floor: one launch": lambda: empty_launch.launch(stream),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not backend.gpu_available():
+        print("this benchmark needs a CUDA GPU: host time per call is what a call costs before the GPU runs it",
+              file=sys.stderr)
+        return 2
+    torch = None
+    try:
+        import torch
+    except ImportError:
+        print("PyTorch is not installed: the adapter's rows are left out", file=sys.stderr)
+    dtype = as_feature_dtype(args.dtype)
+    voxels = make_scene("indoor", args.num_voxels, seed=0).voxel_coordinates()[: args.num_voxels]
+    coordinates = np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
+    chosen, calls = core_calls(coordinates, args.channels, dtype)
+    if torch is not None and torch.cuda.is_available():
+        calls |= adapter_calls(torch, coordinates, args.channels, args.dtype)
+    floors = floor_calls(args.channels, len(coordinates), dtype)
+    calls |= floors
+    print(f"{len(coordinates):,} voxels, {args.channels} -> {args.channels}, {args.dtype}, on "
+          f"{backend.describe_device('cuda')}; forward runs {chosen[0]}, backward {chosen[1]}")
+    print(f"{'call':<28} {'launches':>8} {'host us':>9} {'quartiles':>15} {'GPU us':>8} {'host / GPU':>10}")
+    rows = []
+    for name, fn in calls.items():
+        host = host_us_per_call(fn, args.calls, args.repeats)
+        quartiles = statistics.quantiles(host, n=4)
+        host_us = statistics.median(host)
+        launches = launches_per_call(fn)
+        # The floor's rows do no work worth timing on the GPU.
+        floor = name in floors
+        gpu_us = None if floor else 1000 * float(np.median(time_samples_ms(fn, "cuda", 2, args.repeats, args.calls)))
+        rows.append({"call": name, "num_voxels": len(coordinates), "channels": args.channels, "dtype": args.dtype,
+                     "launches": launches, "host_us": round(host_us, 2), "host_us_q1": round(quartiles[0], 2),
+                     "host_us_q3": round(quartiles[2], 2), "gpu_us": None if floor else round(gpu_us, 2),
+                     "host_over_gpu": None if floor else round(host_us / gpu_us, 3)})
+        gpu = ("-", "-") if floor else (f"{gpu_us:.1f}", f"{host_us / gpu_us:.2f}")
+        print(f"{name:<28} {launches:>8} {host_us:>9.1f} {f'{quartiles[0]:.1f}-{quartiles[2]:.1f}':>15} "
+              f"{gpu[0]:>8} {gpu[1]:>10}", flush=True)
+    if args.csv:
+        write_csv(rows, args.csv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The functional API's kept launch plans on the GPU (`pytest -m gpu`): a layer's calls after its first
+launch the plan its first call selected. They must give what the selected algorithm gives through its
+own entry points (bitwise) and what the fp64 reference gives, over any map of the signature, and
+arguments a plan cannot run must still take the full path, with its errors."""
+
+import numpy as np
+import pytest
+
+from cupysparse import functional
+from cupysparse.algorithms import CONV, Algorithm, get_algorithm
+from cupysparse.backend import cupy_module, gpu_available
+from cupysparse.layer_plans import forget_plans
+from cupysparse.tuner import size_bucket
+from test_conv_algorithms_gpu import _coordinates, _gpu_map, _inputs, gpu_map, reference_phase, supported
+from tolerances import assert_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")]
+
+
+def _planned_cases():
+    return [case for case in supported(CONV)
+            if type(get_algorithm(case.values[0])).forward_plan is not Algorithm.forward_plan]
+
+
+@pytest.fixture
+def selections(monkeypatch):
+    """The phases the functional API selects an algorithm for, in order, starting with no kept plans."""
+    forget_plans()
+    selected = []
+    select = functional.select_algorithm
+
+    def recording(search_space, problem, run=None):
+        selected.append(search_space.phase)
+        return select(search_space, problem, run)
+
+    monkeypatch.setattr(functional, "select_algorithm", recording)
+    yield selected
+    forget_plans()
+
+
+def _on_gpu(*arrays):
+    return tuple(cupy_module().asarray(array) for array in arrays)
+
+
+@pytest.mark.parametrize("channels", ((64, 64), (24, 40), (3, 17)), ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize(("name", "dtype"), _planned_cases())
+def test_a_planned_layer_gives_its_algorithms_results_over_every_map_of_its_signature(name, dtype, channels,
+                                                                                      selections):
+    """Two maps of one signature (the same size buckets): the first call of each phase selects and the
+    rest launch the kept plan; every result is bitwise the selected algorithm's own and within the
+    fp64 reference's tolerance."""
+    algorithm = get_algorithm(name)
+    coordinates = _coordinates(seed=3)
+    maps = (_gpu_map("submanifold", coordinates), _gpu_map("submanifold", coordinates[: len(coordinates) - 40]))
+    assert maps[0].num_in != maps[1].num_in and size_bucket(maps[0].num_in) == size_bucket(maps[1].num_in)
+    for seed, kernel_map in enumerate(maps):
+        x, w, dy = _inputs(kernel_map, *channels, dtype, seed=20 + seed)
+        x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
+        out = functional.conv_forward(x_gpu, w_gpu, kernel_map, name)
+        grad_input, grad_weight = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
+        forward = functional.select_forward(x_gpu, w_gpu, kernel_map, name)
+        backward = functional.select_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
+        assert (forward.algorithm, backward.algorithm) == (algorithm, algorithm)
+        own = {
+            "forward": algorithm.forward(x_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **forward.params),
+            "dgrad": algorithm.dgrad(dy_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **backward.params),
+            "wgrad": algorithm.wgrad(x_gpu, dy_gpu, kernel_map, **backward.params),
+        }
+        for phase, actual in (("forward", out), ("dgrad", grad_input), ("wgrad", grad_weight)):
+            np.testing.assert_array_equal(actual.get().view(np.uint8), own[phase].get().view(np.uint8))
+            expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
+            assert_close(actual.get(), expected, dtype, terms, a, b, f"{name} planned {phase} map {seed}")
+    # The first map's calls selected; after that only the select_* calls above did.
+    assert selections == ["forward", "backward"] + ["forward", "backward"] * len(maps)
+
+
+@pytest.mark.parametrize(("name", "dtype"), _planned_cases())
+def test_a_planned_layer_reads_its_weight_anew_at_every_call(name, dtype, selections):
+    """A weight padded per call (24 -> 40 channels is no whole number of fragments) and one read in place
+    (64 -> 64), each changed in place between two calls."""
+    kernel_map = gpu_map("submanifold")
+    for channels in ((24, 40), (64, 64)):
+        x, w, dy = _inputs(kernel_map, *channels, dtype, seed=31)
+        x_gpu, w_gpu = _on_gpu(x, w)
+        functional.conv_forward(x_gpu, w_gpu, kernel_map, name)
+        doubled = (2 * w.astype(np.float64)).astype(dtype)
+        w_gpu[...] = cupy_module().asarray(doubled)
+        actual = functional.conv_forward(x_gpu, w_gpu, kernel_map, name).get()
+        expected, (terms, a, b) = reference_phase("forward", kernel_map, x, doubled, dy)
+        assert_close(actual, expected, dtype, terms, a, b, f"{name} {channels} after the weight changed")
+    assert selections == ["forward", "forward"]  # once per signature: the second calls ran the kept plans
+
+
+@pytest.mark.parametrize(("name", "dtype"), _planned_cases())
+def test_only_the_gradients_asked_for_are_computed(name, dtype, selections):
+    kernel_map = gpu_map("strided")
+    x, w, dy = _inputs(kernel_map, 16, 32, dtype, seed=41)
+    x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
+    both = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
+    grad_input, none = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name, needs_weight_grad=False)
+    none_too, grad_weight = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name, needs_input_grad=False)
+    assert none is None and none_too is None
+    np.testing.assert_array_equal(grad_input.get(), both[0].get())
+    np.testing.assert_array_equal(grad_weight.get(), both[1].get())
+    assert selections == ["backward"]
+
+
+def test_arguments_a_plan_cannot_run_take_the_full_path_with_its_checks(selections):
+    cupy = cupy_module()
+    kernel_map = gpu_map("submanifold")
+    x, w, dy = _inputs(kernel_map, 32, 32, np.float16, seed=51)
+    x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
+    planned = functional.conv_forward(x_gpu, w_gpu, kernel_map, "auto")
+    assert selections == ["forward"]
+    # Every other column of a wider array: not contiguous, so the full path (which selects) runs it.
+    strided = cupy.zeros((kernel_map.num_in, 64), dtype=np.float16)
+    strided[:, ::2] = x_gpu
+    np.testing.assert_array_equal(functional.conv_forward(strided[:, ::2], w_gpu, kernel_map, "auto").get(),
+                                  planned.get())
+    assert selections == ["forward", "forward"]
+    with pytest.raises(TypeError, match="dtype"):
+        functional.conv_forward(x_gpu, w_gpu.astype(np.float32), kernel_map, "auto")
+    with pytest.raises(ValueError, match="input channels"):
+        functional.conv_forward(x_gpu[:, :16].copy(), w_gpu, kernel_map, "auto")
+    with pytest.raises(ValueError, match="grad_output must have 32 channels"):
+        functional.conv_backward(dy_gpu[:, :16].copy(), x_gpu, w_gpu, kernel_map, "auto")
+    with pytest.raises(ValueError, match="not_an_algorithm"):
+        functional.conv_forward(x_gpu, w_gpu, kernel_map, "not_an_algorithm")
