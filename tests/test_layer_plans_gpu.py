@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from cupysparse import functional
-from cupysparse.algorithms import CONV, Algorithm, get_algorithm
+from cupysparse.algorithms import CONV, Algorithm, ConvProblem, get_algorithm
 from cupysparse.backend import cupy_module, gpu_available
+from cupysparse.dtypes import FLOAT32
+from cupysparse.precision import fp32_precision
 from cupysparse.layer_plans import forget_plans
 from cupysparse.tuner import size_bucket
 from test_conv_algorithms_gpu import _coordinates, _gpu_map, _inputs, gpu_map, reference_phase, supported
@@ -42,6 +44,26 @@ def _on_gpu(*arrays):
     return tuple(cupy_module().asarray(array) for array in arrays)
 
 
+def _planned_calls_match_the_algorithms_own(algorithm, kernel_map, x, w, dy) -> dict:
+    """forward, dgrad and wgrad through `conv_forward` / `conv_backward` with `algo=algorithm.name`, each
+    checked bitwise against the algorithm's own entry point with the selected parameters."""
+    x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
+    out = functional.conv_forward(x_gpu, w_gpu, kernel_map, algorithm.name)
+    grad_input, grad_weight = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, algorithm.name)
+    forward = functional.select_forward(x_gpu, w_gpu, kernel_map, algorithm.name)
+    backward = functional.select_backward(dy_gpu, x_gpu, w_gpu, kernel_map, algorithm.name)
+    assert (forward.algorithm, backward.algorithm) == (algorithm, algorithm)
+    own = {
+        "forward": algorithm.forward(x_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **forward.params),
+        "dgrad": algorithm.dgrad(dy_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **backward.params),
+        "wgrad": algorithm.wgrad(x_gpu, dy_gpu, kernel_map, **backward.params),
+    }
+    results = {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
+    for phase, actual in results.items():
+        np.testing.assert_array_equal(actual.view(np.uint8), own[phase].get().view(np.uint8))
+    return results
+
+
 @pytest.mark.parametrize("channels", ((64, 64), (24, 40), (3, 17)), ids=lambda c: f"{c[0]}to{c[1]}")
 @pytest.mark.parametrize(("name", "dtype"), _planned_cases())
 def test_a_planned_layer_gives_its_algorithms_results_over_every_map_of_its_signature(name, dtype, channels,
@@ -55,23 +77,27 @@ def test_a_planned_layer_gives_its_algorithms_results_over_every_map_of_its_sign
     assert maps[0].num_in != maps[1].num_in and size_bucket(maps[0].num_in) == size_bucket(maps[1].num_in)
     for seed, kernel_map in enumerate(maps):
         x, w, dy = _inputs(kernel_map, *channels, dtype, seed=20 + seed)
-        x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
-        out = functional.conv_forward(x_gpu, w_gpu, kernel_map, name)
-        grad_input, grad_weight = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
-        forward = functional.select_forward(x_gpu, w_gpu, kernel_map, name)
-        backward = functional.select_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
-        assert (forward.algorithm, backward.algorithm) == (algorithm, algorithm)
-        own = {
-            "forward": algorithm.forward(x_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **forward.params),
-            "dgrad": algorithm.dgrad(dy_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **backward.params),
-            "wgrad": algorithm.wgrad(x_gpu, dy_gpu, kernel_map, **backward.params),
-        }
-        for phase, actual in (("forward", out), ("dgrad", grad_input), ("wgrad", grad_weight)):
-            np.testing.assert_array_equal(actual.get().view(np.uint8), own[phase].get().view(np.uint8))
+        results = _planned_calls_match_the_algorithms_own(algorithm, kernel_map, x, w, dy)
+        for phase, actual in results.items():
             expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
-            assert_close(actual.get(), expected, dtype, terms, a, b, f"{name} planned {phase} map {seed}")
+            assert_close(actual, expected, dtype, terms, a, b, f"{name} planned {phase} map {seed}")
     # The first map's calls selected; after that only the select_* calls above did.
     assert selections == ["forward", "backward"] + ["forward", "backward"] * len(maps)
+
+
+@pytest.mark.parametrize("name", ["mma_implicit_gemm", "wgmma_implicit_gemm"])
+def test_a_planned_tf32_layer_gives_its_algorithms_results(name, selections):
+    """fp32 features in TF32, where wgmma's forward reads the weight transposed (K-major): the plan's
+    weight is transposed and padded per call. The TF32 results themselves are checked in test_tf32_gpu."""
+    algorithm = get_algorithm(name)
+    kernel_map = gpu_map("strided")
+    with fp32_precision("tf32"):
+        problem = ConvProblem.over(kernel_map, 24, 40, FLOAT32, on_gpu=True)
+        if not algorithm.supports(problem):
+            pytest.skip(algorithm.unsupported_reason(problem))
+        x, w, dy = _inputs(kernel_map, 24, 40, FLOAT32, seed=61)
+        _planned_calls_match_the_algorithms_own(algorithm, kernel_map, x, w, dy)
+    assert selections == ["forward", "backward", "forward", "backward"]
 
 
 @pytest.mark.parametrize(("name", "dtype"), _planned_cases())
