@@ -123,7 +123,10 @@ def conv_forward(features, weight, kernel_map, algo=None):
     A layer's later calls on the GPU launch its kept plan (`layer_plans`): the selection and checks
     of its first call hold for arguments that pass `_plannable`."""
     argument = algorithm_argument(algo, CONV, "forward")
-    plan = _forward_plan(features, weight, kernel_map, argument) if _plannable(features, weight, kernel_map) else None
+    plan = None
+    if _plannable(features, weight, kernel_map):
+        plan = _kept_plan("forward", features, weight, kernel_map, argument,
+                          forward_runner(features, weight, kernel_map))
     if plan is not None:
         cupy = cupy_module()
         with naming_sizes("forward", features, weight, kernel_map):
@@ -142,7 +145,10 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
     argument = algorithm_argument(algo, CONV, "backward")
     plannable = _plannable(features, weight, kernel_map) and _plannable_gradient(grad_output, features, weight,
                                                                                    kernel_map)
-    plan = _backward_plan(grad_output, features, weight, kernel_map, argument) if plannable else None
+    plan = None
+    if plannable:
+        plan = _kept_plan("backward", features, weight, kernel_map, argument,
+                          backward_runner(grad_output, features, weight, kernel_map))
     if plan is not None:
         with naming_sizes("backward", features, weight, kernel_map):
             return _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad,
@@ -190,25 +196,16 @@ def _cupy_ndarray():
 _FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
 
 
-def _forward_plan(features, weight, kernel_map, argument: str):
+def _kept_plan(phase: str, features, weight, kernel_map, argument: str, run):
+    """The layer's kept plan of `phase` ("forward" or "backward"), or None: on first use, the tuner
+    selects (measuring with `run` the first time it meets the problem) and the choice's plan is kept."""
     def select():
         problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-        run = forward_runner(features, weight, kernel_map)
-        selection = select_algorithm(algorithm_filter(argument, CONV, "forward"), problem, run)
-        return selection.algorithm.forward_plan(problem, selection.params)
+        selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
+        planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
+        return planner(problem, selection.params)
 
-    key = map_plan_key("forward", features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
-    return kept_plan(key, select)
-
-
-def _backward_plan(grad_output, features, weight, kernel_map, argument: str):
-    def select():
-        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-        run = backward_runner(grad_output, features, weight, kernel_map)
-        selection = select_algorithm(algorithm_filter(argument, CONV, "backward"), problem, run)
-        return selection.algorithm.backward_plan(problem, selection.params)
-
-    key = map_plan_key("backward", features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
+    key = map_plan_key(phase, features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
     return kept_plan(key, select)
 
 

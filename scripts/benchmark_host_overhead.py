@@ -30,8 +30,7 @@ from cupysparse.device_timing import WAIT_KERNELS
 from cupysparse.dtypes import as_feature_dtype
 from cupysparse.functional import conv_backward, conv_forward, select_backward, select_forward
 from cupysparse.kernel_map import submanifold_map
-from cupysparse.scenes import make_scene
-from cupysparse.scripts.benchmarking import time_samples_ms, write_csv
+from cupysparse.scripts.benchmarking import add_layer_arguments, indoor_layer_coordinates, time_samples_ms, write_csv
 
 # The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.
 WAIT_NS_PER_CALL = 2_000_000
@@ -41,9 +40,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-voxels", type=int, default=100_000)
-    parser.add_argument("--channels", type=int, default=32, help="input = output channels")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    add_layer_arguments(parser, channels=32)
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
     parser.add_argument("--csv", metavar="FILE")
@@ -146,8 +143,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("PyTorch is not installed: the adapter's rows are left out", file=sys.stderr)
     dtype = as_feature_dtype(args.dtype)
-    voxels = make_scene("indoor", args.num_voxels, seed=0).voxel_coordinates()[: args.num_voxels]
-    coordinates = np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
+    coordinates = indoor_layer_coordinates(args.num_voxels)
     chosen, calls = core_calls(coordinates, args.channels, dtype)
     if torch is not None and torch.cuda.is_available():
         calls |= adapter_calls(torch, coordinates, args.channels, args.dtype)

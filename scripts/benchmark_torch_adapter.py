@@ -28,17 +28,20 @@ import numpy as np
 from cupysparse import backend
 from cupysparse.dtypes import as_feature_dtype
 from cupysparse.functional import conv_backward, conv_forward
-from cupysparse.scenes import make_scene
-from cupysparse.scripts.benchmarking import make_timer, time_samples_ms, write_csv
+from cupysparse.scripts.benchmarking import (
+    add_layer_arguments,
+    indoor_layer_coordinates,
+    make_timer,
+    time_samples_ms,
+    write_csv,
+)
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-voxels", type=int, default=100_000)
-    parser.add_argument("--channels", type=int, default=64, help="input = output channels")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    add_layer_arguments(parser, channels=64)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--calls", type=int, default=20, help="calls per steady sample")
@@ -69,8 +72,7 @@ def main(argv=None) -> int:
     from cupysparse.adapters import torch as cst
 
     cupy = backend.cupy_module()
-    voxels = make_scene("indoor", args.num_voxels, seed=0).voxel_coordinates()[: args.num_voxels]
-    coords = torch.from_numpy(np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)).cuda()
+    coords = torch.from_numpy(indoor_layer_coordinates(args.num_voxels)).cuda()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     features = torch.randn(len(coords), args.channels, device="cuda", dtype=dtype, requires_grad=True)

@@ -12,8 +12,23 @@ import tracemalloc
 import numpy as np
 
 from cupysparse import backend
+from cupysparse.scenes import make_scene
 from cupysparse.tuner import median_time_ms
 from cupysparse.weight_conversion import to_spconv_weight
+
+
+def add_layer_arguments(parser, channels: int) -> None:
+    """The options of a one-layer benchmark: --num-voxels of the indoor scene, --channels (in = out,
+    default `channels`) and --dtype."""
+    parser.add_argument("--num-voxels", type=int, default=100_000)
+    parser.add_argument("--channels", type=int, default=channels, help="input = output channels")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+
+
+def indoor_layer_coordinates(num_voxels: int) -> np.ndarray:
+    """int32 `[N, 4]`, N ≤ num_voxels: one indoor scene (seed 0), batch index first."""
+    voxels = make_scene("indoor", num_voxels, seed=0).voxel_coordinates()[:num_voxels]
+    return np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
 
 
 def make_timer(device: str):
