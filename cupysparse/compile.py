@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
@@ -595,7 +596,8 @@ class PreparedLaunch:
     argument again on every launch, about a microsecond each; this costs one driver call.
 
     Every argument sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes, which
-    is all the kernel reads of it), with a second buffer holding the slots' addresses, which is what
+    is all the kernel reads of it), the per-call ones first, so that one `struct` call writes them
+    all, with a second buffer holding the slots' addresses in argument order, which is what
     cuLaunchKernel takes; it copies the values before it returns, so the buffers are refilled under
     a lock and reused. Arrays among `arguments` (e.g. a pair table) are kept alive with the launch."""
 
@@ -610,18 +612,21 @@ class PreparedLaunch:
                                     shared_bytes)
             _SHARED_OPT_INS.add((self._function, shared_bytes))
         self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
-        self._free = tuple(i for i, argument in enumerate(arguments) if argument is None)
+        free = [i for i, argument in enumerate(arguments) if argument is None]
+        fixed = [i for i, argument in enumerate(arguments) if argument is not None]
+        self._num_free = len(free)
         self._arrays = [argument for argument in arguments if is_cupy_array(argument)]
-        self._values = np.array([_slot_value(argument) for argument in arguments], dtype=np.uint64)
-        self._slots = self._values.ctypes.data + 8 * np.arange(len(arguments), dtype=np.uint64)
+        self._values = np.array([0] * len(free) + [_slot_value(arguments[i]) for i in fixed], dtype=np.uint64)
+        slot_of_argument = np.argsort(np.array(free + fixed, dtype=np.int64))
+        self._slots = (self._values.ctypes.data + 8 * slot_of_argument).astype(np.uint64)
         self._slots_address = self._slots.ctypes.data
+        self._write_free = struct.Struct(f"<{len(free)}Q").pack_into
         self._lock = threading.Lock()
 
     def launch(self, stream: int, *values: int, grid: tuple[int, int, int] | None = None) -> None:
-        if len(values) != len(self._free):
-            raise TypeError(f"this launch takes {len(self._free)} values, got {len(values)}")
+        if len(values) != self._num_free:
+            raise TypeError(f"this launch takes {self._num_free} values, got {len(values)}")
         dims = self._dims if grid is None else (*grid, *self._dims[3:])
         with self._lock:
-            for slot, value in zip(self._free, values):
-                self._values[slot] = value
+            self._write_free(self._values, 0, *values)
             self._launch_kernel(self._function, *dims, self._shared_bytes, stream, self._slots_address, 0)

@@ -19,7 +19,7 @@ from .algorithm_modes import parse_algorithm_filter
 from .algorithms import CONV, DEPTHWISE, ConvProblem
 from .backend import cupy_module, current_device, is_cupy_array
 from .dtypes import FEATURE_DTYPES, accumulation_dtype
-from .layer_plans import algorithm_argument, algorithm_filter, kept_plan, map_plan_key
+from .layer_plans import algorithm_argument, algorithm_filter, kept_plan, map_layer_plan, map_plan_key
 from .out_of_memory import naming_sizes
 from .selection import Selection
 from .tuner import select_algorithm
@@ -121,12 +121,9 @@ def conv_forward(features, weight, kernel_map, algo=None):
     Out of memory, it raises the allocator's error naming the sizes (`out_of_memory`).
 
     A layer's later calls on the GPU launch its kept plan (`layer_plans`): the selection and checks
-    of its first call hold for arguments that pass `_plannable`."""
+    of its first call hold for later calls of the same signature (`_layer_plan`)."""
     argument = algorithm_argument(algo, CONV, "forward")
-    plan = None
-    if _plannable(features, weight, kernel_map):
-        plan = _kept_plan("forward", features, weight, kernel_map, argument,
-                          forward_runner(features, weight, kernel_map))
+    plan = _layer_plan("forward", argument, features, weight, kernel_map)
     if plan is not None:
         cupy = cupy_module()
         with naming_sizes("forward", features, weight, kernel_map):
@@ -143,12 +140,7 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
     """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed. Later
     calls of a layer launch its kept plan, as `conv_forward`'s."""
     argument = algorithm_argument(algo, CONV, "backward")
-    plannable = _plannable(features, weight, kernel_map) and _plannable_gradient(grad_output, features, weight,
-                                                                                   kernel_map)
-    plan = None
-    if plannable:
-        plan = _kept_plan("backward", features, weight, kernel_map, argument,
-                          backward_runner(grad_output, features, weight, kernel_map))
+    plan = _layer_plan("backward", argument, features, weight, kernel_map, grad_output)
     if plan is not None:
         with naming_sizes("backward", features, weight, kernel_map):
             return _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad,
@@ -158,31 +150,58 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
         return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
 
 
-def _plannable(features, weight, kernel_map) -> bool:
-    """Whether a launch plan can run these arguments: CuPy arrays on the current device (whose kernels
-    the plans hold) as `select_forward` accepts them, contiguous features, work to do. Anything else
-    takes the full path, which says what is wrong (or returns the zeros of an empty problem)."""
+def _layer_plan(phase: str, argument: str, features, weight, kernel_map, grad_output=None):
+    """The kept plan of `phase` ("forward", or "backward" with `grad_output`) for these arguments, or
+    None where a plan cannot run them or the selected algorithm has none (the full path then checks,
+    selects and runs). Plans take CuPy arrays in one dtype on the current device (whose kernels the plans
+    hold), the features (and output gradient) contiguous: checked every call. What a call's shapes,
+    dtype, device and algorithm argument decide (`_fits`, the selection) is remembered on the map."""
     ndarray = _cupy_ndarray()
-    if not (type(features) is type(weight) is type(kernel_map.pair_table) is ndarray):
-        return False
+    if type(features) is not ndarray or type(weight) is not ndarray or weight.dtype != features.dtype:
+        return None
+    device = features.data.device_id
+    if not features.flags.c_contiguous or weight.data.device_id != device or device != current_device():
+        return None
+    call = (phase, argument, features.dtype, features.shape, weight.shape, device)
+    if grad_output is not None:
+        if (type(grad_output) is not ndarray or grad_output.dtype != features.dtype
+                or not grad_output.flags.c_contiguous or grad_output.data.device_id != device):
+            return None
+        call += (grad_output.shape,)
+
+    def select():
+        if not _fits(features, weight, kernel_map, grad_output):
+            return None
+        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+        if phase == "forward":
+            run = forward_runner(features, weight, kernel_map)
+        else:
+            run = backward_runner(grad_output, features, weight, kernel_map)
+
+        def selected_plan():
+            selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
+            planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
+            return planner(problem, selection.params)
+
+        key = map_plan_key(phase, features.dtype, weight.shape, device, argument, kernel_map)
+        return kept_plan(key, selected_plan)
+
+    return map_layer_plan(kernel_map, call, phase, argument, select)
+
+
+def _fits(features, weight, kernel_map, grad_output=None) -> bool:
+    """Whether arrays of these shapes and dtype fit a plan over `kernel_map` (a CuPy map on their
+    device) as `select_forward` (`select_backward`) accepts them, with work to do."""
     if features.ndim != 2 or weight.ndim != 3:
         return False
     rows, channels = features.shape
     kernel_volume, in_channels, out_channels = weight.shape
-    device = features.data.device_id
+    table = kernel_map.pair_table
     return (
-        features.dtype in _FEATURE_DTYPES and weight.dtype == features.dtype and rows == kernel_map.num_in
-        and kernel_volume == kernel_map.kernel_volume and in_channels == channels and features.flags.c_contiguous
-        and device == weight.data.device_id == kernel_map.pair_table.data.device_id == current_device()
+        features.dtype in _FEATURE_DTYPES and rows == kernel_map.num_in and kernel_volume == kernel_map.kernel_volume
+        and in_channels == channels and type(table) is type(features) and table.data.device_id == current_device()
         and rows > 0 and kernel_map.num_out > 0 and channels > 0 and out_channels > 0
-    )
-
-
-def _plannable_gradient(grad_output, features, weight, kernel_map) -> bool:
-    return (
-        type(grad_output) is type(features) and grad_output.dtype == features.dtype
-        and grad_output.shape == (kernel_map.num_out, weight.shape[2]) and grad_output.flags.c_contiguous
-        and grad_output.data.device_id == features.data.device_id
+        and (grad_output is None or grad_output.shape == (kernel_map.num_out, out_channels))
     )
 
 
@@ -194,19 +213,6 @@ def _cupy_ndarray():
 
 
 _FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
-
-
-def _kept_plan(phase: str, features, weight, kernel_map, argument: str, run):
-    """The layer's kept plan of `phase` ("forward" or "backward"), or None: on first use, the tuner
-    selects (measuring with `run` the first time it meets the problem) and the choice's plan is kept."""
-    def select():
-        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-        selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
-        planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
-        return planner(problem, selection.params)
-
-    key = map_plan_key(phase, features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
-    return kept_plan(key, select)
 
 
 def _plan_weight(weight, shape: tuple, transposed: bool = False):

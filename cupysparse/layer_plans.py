@@ -12,6 +12,11 @@ device addresses. No argument conversion, problem description or selection per c
 layer takes the full path every call) until the tuner's choices (`choices_version`) or, for no
 algorithm argument, the environment variable change. The functional API and the framework adapters
 keep theirs here; a new kernel map of a kept signature (the next scene) reuses the plan.
+
+`map_layer_plan` remembers a call's plan on its kernel map too, under the call's own signature (what
+the caller tells calls apart by: shapes, dtype, device, algorithm argument), so that the later calls
+over that map, a network's every step, skip the signature's sizes and geometry: one dictionary lookup
+and the settings the plan was selected under, compared.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from .algorithms import CONV
 from .tuner import choices_version, size_bucket
 
 _plans: dict[tuple, object] = {}
+# How many times `forget_plans` ran: the plans remembered on maps before it are stale.
+_forgotten = 0
 
 
 def algorithm_argument(algo, kind: str, phase: str) -> str:
@@ -53,9 +60,14 @@ def plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument
     `size_bucket`s, channels, dtype), the device, the algorithm argument (the environment variable's
     value for "") and the tuner's `choices_version`. `dtype` is the caller's own (NumPy's or a
     framework's): each keeps its plans apart."""
-    choice = argument or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], "")
-    return (phase, dtype, weight_shape, device_index, choice, choices_version(), kernel_volume, stride, transposed,
-            generative, size_bucket(num_in), size_bucket(num_out))
+    return (phase, dtype, weight_shape, device_index, *_selection_settings(phase, argument), kernel_volume, stride,
+            transposed, generative, size_bucket(num_in), size_bucket(num_out))
+
+
+def _selection_settings(phase: str, argument: str) -> tuple[str, tuple]:
+    """What a selection depends on beyond the layer: the algorithm choice (the environment variable's
+    for "") and the tuner's `choices_version`."""
+    return argument or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], ""), choices_version()
 
 
 def map_plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument: str, kernel_map) -> tuple:
@@ -73,11 +85,27 @@ def kept_plan(key: tuple, select):
         return plan
 
 
+def map_layer_plan(kernel_map, call: tuple, phase: str, argument: str, select):
+    """The plan of a layer's `call` over `kernel_map` (`call` the signature the caller tells its calls
+    apart by, holding `phase` and the algorithm argument, `argument`), remembered on the map with the
+    settings it was selected under while they hold; else `select()`'s (a `kept_plan`, or None for a call
+    no plan runs), remembered likewise. An exception remembers nothing."""
+    settings = (_forgotten, _selection_settings(phase, argument))
+    remembered = kernel_map.layer_plans.get(call)
+    if remembered is not None and remembered[0] == settings:
+        return remembered[1]
+    plan = select()
+    kernel_map.layer_plans[call] = (settings, plan)
+    return plan
+
+
 def keep_plan(key: tuple, plan) -> None:
     """Keep `plan` for `key` unless one is kept already (a choice recalled ahead of the first call)."""
     _plans.setdefault(key, plan)
 
 
 def forget_plans() -> None:
-    """Drop every kept plan: the next call of each layer selects again."""
+    """Drop every kept plan, and those remembered on maps: the next call of each layer selects again."""
+    global _forgotten
+    _forgotten += 1
     _plans.clear()

@@ -2,12 +2,14 @@
 
 import collections
 import concurrent.futures
+import ctypes
 import importlib
 import pkgutil
 import time
 import types
 import warnings
 
+import numpy as np
 import pytest
 
 import cupysparse
@@ -433,3 +435,29 @@ def test_prepare_without_a_usable_gpu_compiles_nothing_and_raises_nothing(counte
         cuda=types.SimpleNamespace(Device=no_device)))
     kernel_compile.prepare(family.sources)  # the launch that needs a kernel raises, not the tuner's preparation
     assert not counts and not kernel_compile.module_loads()
+
+
+def test_a_prepared_launch_hands_the_driver_every_argument_in_order(monkeypatch):
+    """The slots cuLaunchKernel reads, through the address array it is given: fixed arguments as
+    prepared (a scalar in its slot's first bytes, an integer as it is), per-call values where the
+    arguments were None, in the kernel's argument order."""
+    launched = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        addresses = (ctypes.c_uint64 * 5).from_address(params)
+        launched.append(((gx, gy, gz, bx, by, bz), stream,
+                         [ctypes.c_uint64.from_address(address).value for address in addresses]))
+
+    driver = types.SimpleNamespace(launchKernel=launch_kernel)
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        driver=driver)))
+    kernel = types.SimpleNamespace(ptr=1234)
+    launch = kernel_compile.PreparedLaunch(kernel, (3,), (128,), (None, np.int32(7), None, 2**40, None))
+    launch.launch(99, 11, 2**48 + 5, 13)
+    launch.launch(98, 21, 22, 23, grid=(4, 5, 6))
+    assert launched == [
+        ((3, 1, 1, 128, 1, 1), 99, [11, 7, 2**48 + 5, 2**40, 13]),
+        ((4, 5, 6, 128, 1, 1), 98, [21, 7, 22, 2**40, 23]),
+    ]
+    with pytest.raises(TypeError, match="takes 3 values, got 2"):
+        launch.launch(99, 1, 2)

@@ -22,7 +22,7 @@ def no_kept_plans(monkeypatch):
 
 def _map(num_in: int, num_out: int | None = None, stride=(1, 1, 1)):
     return types.SimpleNamespace(kernel_volume=27, stride=stride, transposed=False, generative=False, num_in=num_in,
-                                 num_out=num_in if num_out is None else num_out)
+                                 num_out=num_in if num_out is None else num_out, layer_plans={})
 
 
 def _key(kernel_map, argument: str = "", phase: str = "forward", channels=(32, 32)) -> tuple:
@@ -97,6 +97,55 @@ def test_a_recalled_plan_is_kept_unless_one_already_is():
     layer_plans.keep_plan(key, "recalled")
     layer_plans.keep_plan(key, "later")
     assert _kept(key, []) == "recalled"
+
+
+def _remembered(kernel_map, selected: list, argument: str = "", call: tuple = ("forward", (27, 32, 32))):
+    """`map_layer_plan` of `call` (the caller's signature) over `kernel_map`, selecting through the kept
+    plans as the functional API does; `selected` gains a key per selection made."""
+    def select():
+        return _kept(_key(kernel_map, argument), selected)
+
+    return layer_plans.map_layer_plan(kernel_map, (*call, argument), "forward", argument, select)
+
+
+def test_a_map_remembers_its_layers_plans_until_the_settings_they_were_selected_under_change(monkeypatch):
+    selected = []
+    kernel_map = _map(1500)
+    first = _remembered(kernel_map, selected)
+    assert _remembered(kernel_map, selected) == first and len(kernel_map.layer_plans) == 1
+    assert _remembered(kernel_map, selected, "auto") == "plan 2"  # another signature on the same map
+    tuner.default_tuner().forget_choices()
+    assert _remembered(kernel_map, selected) == "plan 3"
+    monkeypatch.setenv(ENVIRONMENT_VARIABLES[(CONV, "forward")], "wmma_implicit_gemm")
+    assert _remembered(kernel_map, selected) == "plan 4"
+    assert _remembered(kernel_map, selected, "auto") == "plan 5"  # the tuner's generation moved on
+    monkeypatch.setenv(ENVIRONMENT_VARIABLES[(CONV, "forward")], "mma_implicit_gemm")
+    assert _remembered(kernel_map, selected, "auto") == "plan 5"  # an explicit argument does not read it
+    monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
+    assert _remembered(kernel_map, selected, "auto") == "plan 6"
+    layer_plans.forget_plans()
+    assert _remembered(kernel_map, selected, "auto") == "plan 7"
+    assert len(selected) == 7
+
+
+def test_a_new_map_of_a_kept_signature_reuses_the_plan_and_remembers_it_itself():
+    selected = []
+    first, second = _map(1500), _map(2000)
+    assert _remembered(first, selected) == _remembered(second, selected) == "plan 1" and len(selected) == 1
+    assert second.layer_plans == first.layer_plans
+
+
+def test_a_map_remembers_nothing_from_a_selection_that_raises():
+    kernel_map = _map(1500)
+
+    def failing():
+        raise ValueError("no algorithm can run this problem")
+
+    with pytest.raises(ValueError):
+        layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", failing)
+    assert kernel_map.layer_plans == {}
+    assert layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", lambda: None) is None
+    assert layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", lambda: "a plan") is None
 
 
 def test_the_host_overhead_benchmark_says_it_needs_a_gpu(capsys):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cupysparse import functional
+from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES
 from cupysparse.algorithms import CONV, Algorithm, ConvProblem, get_algorithm
 from cupysparse.backend import cupy_module, gpu_available
 from cupysparse.dtypes import FLOAT32
@@ -129,6 +130,36 @@ def test_only_the_gradients_asked_for_are_computed(name, dtype, selections):
     np.testing.assert_array_equal(grad_input.get(), both[0].get())
     np.testing.assert_array_equal(grad_weight.get(), both[1].get())
     assert selections == ["backward"]
+
+
+def test_a_maps_later_calls_select_nothing_yet_follow_the_algorithm_variable(selections, monkeypatch):
+    """The plan a call keeps on its map serves the layer's later calls over it without a selection; the
+    variable behind `algo=None`, changed, switches the algorithm on the same map (the signature's plan for
+    that value, kept from before, selects nothing either)."""
+    names = sorted({case.values[0] for case in _planned_cases() if case.values[1] == np.float16})[:2]
+    if len(names) < 2:
+        pytest.skip("needs two planned algorithms for fp16 on this GPU")
+    kernel_map = _gpu_map("submanifold", _coordinates(seed=52))  # a map of its own: no other test's plans on it
+    x, w, _ = _inputs(kernel_map, 32, 32, np.float16, seed=52)
+    x_gpu, w_gpu = _on_gpu(x, w)
+    own, plans = {}, {}
+    problem = ConvProblem.of(x_gpu, kernel_map, 32)
+    for name in names:
+        algorithm = get_algorithm(name)
+        selection = functional.select_forward(x_gpu, w_gpu, kernel_map, name)
+        own[name] = algorithm.forward(x_gpu, algorithm.prepare_weight(w_gpu), kernel_map, **selection.params).get()
+        plans[name] = algorithm.forward_plan(problem, selection.params)
+    assert plans[names[0]] != plans[names[1]]
+    selections.clear()
+    for name, selects in ((names[0], 1), (names[1], 1), (names[0], 0)):
+        monkeypatch.setenv(ENVIRONMENT_VARIABLES[(CONV, "forward")], name)
+        for _ in range(3):
+            out = functional.conv_forward(x_gpu, w_gpu, kernel_map)
+            np.testing.assert_array_equal(out.get().view(np.uint16), own[name].view(np.uint16))
+        assert selections == ["forward"] * selects
+        (_, remembered), = kernel_map.layer_plans.values()
+        assert remembered == plans[name]
+        selections.clear()
 
 
 def test_arguments_a_plan_cannot_run_take_the_full_path_with_its_checks(selections):

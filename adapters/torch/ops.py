@@ -33,7 +33,7 @@ from cupysparse import functional
 from cupysparse.algorithm_modes import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.kernel_map import KernelMap
-from cupysparse.layer_plans import keep_plan, kept_plan, map_plan_key, plan_key
+from cupysparse.layer_plans import keep_plan, kept_plan, map_layer_plan, map_plan_key, plan_key
 from cupysparse.out_of_memory import naming_sizes
 from cupysparse.tuner import select_algorithm
 
@@ -100,9 +100,13 @@ def _plannable_gradient(grad_output: torch.Tensor, features: torch.Tensor, weigh
 
 def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
     """The launch plan of `phase` for this layer's signature (`layer_plans.map_plan_key`), or None:
-    selected on first use and kept."""
-    key = map_plan_key(phase, features.dtype, weight.shape, features.device.index, algo, kernel_map)
-    return kept_plan(key, select)
+    selected on first use and kept, and remembered on the map for the layer's later calls over it."""
+    device_index = features.device.index
+
+    def kept():
+        return kept_plan(map_plan_key(phase, features.dtype, weight.shape, device_index, algo, kernel_map), select)
+
+    return map_layer_plan(kernel_map, (phase, algo, features.dtype, weight.shape, device_index), phase, algo, kept)
 
 
 def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:
