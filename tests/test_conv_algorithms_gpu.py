@@ -153,15 +153,17 @@ def _has_launch_plans(algorithm) -> bool:
     return type(algorithm).forward_plan is not Algorithm.forward_plan
 
 
+def _filled_with_nan(shape, dtype):
+    """A GPU array of `shape` whose every element is NaN: a value a launch left unwritten shows."""
+    out = cupy_module().empty(shape, dtype=dtype)
+    out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(0x7FFF if out.itemsize == 2 else 0x7FC00000)
+    return out
+
+
 def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
     """forward, dgrad and wgrad through launch plans over `kernel_map` on hand-allocated buffers.
     `misaligned` shifts the feature and gradient buffers by one element."""
     cupy = cupy_module()
-
-    def filled_with_nan(shape, dtype):
-        out = cupy.empty(shape, dtype=dtype)
-        out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(0x7FFF if out.itemsize == 2 else 0x7FC00000)
-        return out
 
     def buffer(array):
         shift = 1 if misaligned else 0
@@ -182,12 +184,12 @@ def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
     x_gpu, dy_gpu = buffer(x), buffer(dy)
     forward_weight = padded(w, forward.weight_shape, forward.weight_transposed)
     backward_weight = padded(w, backward.weight_shape)
-    out = filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
+    out = _filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
     forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream)
-    grad_input = filled_with_nan(x.shape, x.dtype)
+    grad_input = _filled_with_nan(x.shape, x.dtype)
     backward.dgrad(kernel_map, dy_gpu.data.ptr, backward_weight.data.ptr, grad_input.data.ptr, stream)
-    workspace = filled_with_nan(backward.workspace_shape(kernel_map), np.float32)
-    grad_weight = filled_with_nan(w.shape, x.dtype)
+    workspace = _filled_with_nan(backward.workspace_shape(kernel_map), np.float32)
+    grad_weight = _filled_with_nan(w.shape, x.dtype)
     backward.wgrad(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
     return {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
 
@@ -393,24 +395,45 @@ def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channel
     assert_close(actual, expected, FLOAT16, terms, a, b, f"{name} wgrad {channels} {params}")
 
 
+def _plane_map() -> KernelMap:
+    """A submanifold map of voxels in one plane: the offsets that leave it have no pairs."""
+    coords = _coordinates(seed=7)
+    coords[:, 3] = 0
+    return _gpu_map("submanifold", np.unique(coords, axis=0))
+
+
 @pytest.mark.parametrize("shares", (1, 3, 6, 40))
+@pytest.mark.parametrize("channels", ((12, 20), (72, 136)), ids=lambda c: f"{c[0]}to{c[1]}")
+@pytest.mark.parametrize("voxels", ("space", "plane"))
 @pytest.mark.parametrize("name", SPLIT_WGRAD_ALGORITHMS)
-def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, shares):
+def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, voxels, channels, shares):
     """The sum of an offset's shares gives each weight-gradient element 1, 2, 4 or 8 threads (by the
-    shares per offset, where the GPU has threads to spare), each adding every slot_groups-th share:
-    with 1, 3, 6 and 40 shares an offset (so 1, 2, 4 and 8 groups, and shares the groups split
-    unevenly), on channels that leave every offset's last block part empty, every share is summed
-    once, and a repeated call is bitwise the same."""
+    shares per offset, where the GPU has threads to spare), each adding every slot_groups-th share: so
+    at 12 x 20 channels with 1, 3, 6 and 40 shares an offset, shares the groups split unevenly. With
+    channels that leave the last tile part empty (one tile at 12 x 20, several at 72 x 136, where
+    wgmma_implicit_gemm runs its own wgrad) and offsets without pairs (voxels in one plane), every share
+    is summed once and an offset without pairs gets exact zeros; a second launch, into a weight gradient
+    and workspace filled with NaN again, is bitwise the same."""
     from cupysparse.algorithms.wmma_implicit_gemm import WGRAD_WARPS_PER_SM
 
     cupy = cupy_module()
-    kernel_map = gpu_map("submanifold")
-    channels = (12, 20)
+    kernel_map = _plane_map() if voxels == "plane" else gpu_map("submanifold")
     plan = _fp16_wgrad_plan(name, kernel_map, channels, WGRAD_WARPS_PER_SM[0])
     plan.shares = lambda num_in, num_out: shares
-    assert plan.slot_groups(shares) == {1: 1, 3: 2, 6: 4, 40: 8}[shares]
+    if channels == (12, 20):
+        assert plan.slot_groups(shares) == {1: 1, 3: 2, 6: 4, 40: 8}[shares]
     x, w, dy = _inputs(kernel_map, *channels, FLOAT16, seed=6)
-    first, second = (plan(kernel_map, cupy.asarray(x), cupy.asarray(dy)).get() for _ in range(2))
+    x_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(dy)
+    stream = cupy.cuda.get_current_stream().ptr
+    results = []
+    for _ in range(2):
+        workspace = _filled_with_nan(plan.workspace_shape(kernel_map), np.float32)
+        grad_weight = _filled_with_nan(w.shape, np.dtype(FLOAT16))
+        plan.launch(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
+        results.append(grad_weight.get())
     expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
-    assert_close(first, expected, FLOAT16, terms, a, b, f"{name} wgrad over {shares} shares an offset")
-    assert np.array_equal(first.view(np.uint16), second.view(np.uint16))
+    assert_close(results[0], expected, FLOAT16, terms, a, b, f"{name} wgrad over {shares} shares an offset")
+    empty = np.diff(kernel_map.csr().offsets.get()) == 0
+    assert empty.any() == (voxels == "plane")
+    assert not results[0][empty].any()
+    assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
