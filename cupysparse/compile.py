@@ -612,6 +612,7 @@ class PreparedLaunch:
                                     shared_bytes)
             _SHARED_OPT_INS.add((self._function, shared_bytes))
         self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
+        self.block_threads = self._dims[3] * self._dims[4] * self._dims[5]
         free = [i for i, argument in enumerate(arguments) if argument is None]
         fixed = [i for i, argument in enumerate(arguments) if argument is not None]
         self._num_free = len(free)

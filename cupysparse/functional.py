@@ -229,18 +229,19 @@ def _plan_weight(weight, shape: tuple, transposed: bool = False):
 
 def _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):
     cupy = cupy_module()
-    stream = cupy.cuda.get_current_stream().ptr
     grad_input = grad_weight = None
+    weight_address = grad_input_address = workspace_address = grad_weight_address = 0  # 0: not computed
     if needs_input_grad:
         padded = _plan_weight(weight, plan.weight_shape)
         grad_input = cupy.empty(features.shape, dtype=features.dtype)
-        plan.dgrad(kernel_map, grad_output.data.ptr, padded.data.ptr, grad_input.data.ptr, stream)
+        weight_address, grad_input_address = padded.data.ptr, grad_input.data.ptr
     if needs_weight_grad:
         # Every element of the workspace is written before it is read: no clearing.
         workspace = cupy.empty(plan.workspace_shape(kernel_map), dtype=np.float32)
         grad_weight = cupy.empty(weight.shape, dtype=weight.dtype)
-        plan.wgrad(kernel_map, features.data.ptr, grad_output.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
-                   stream)
+        workspace_address, grad_weight_address = workspace.data.ptr, grad_weight.data.ptr
+    plan.launch(kernel_map, grad_output.data.ptr, features.data.ptr, weight_address, grad_input_address,
+                workspace_address, grad_weight_address, cupy.cuda.get_current_stream().ptr)
     return grad_input, grad_weight
 
 

@@ -20,6 +20,7 @@
 // Shared memory is dynamic, sized by the host with the same formula as `shared_bytes` below.
 #include "float_conversion.cuh"
 #include "gather_tiles.cuh"
+#include "wgrad_sum.cuh"
 
 constexpr int MMA_M = 16, MMA_N = 8;
 // The k of one mma: 16 for 16-bit operands, 8 for TF32. An 8 x 8 matrix of ldmatrix is 8 rows of 16
@@ -122,13 +123,16 @@ struct ForwardSharedLayout {
 // [kernel_volume, out_channels_padded, in_channels_padded] read as its transpose; out [num_out,
 // out_channels]. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is
 // its own reverse with the offsets flipped (a submanifold map), without a reversed table.
+// The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
+// (wgrad_sum.cuh).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int WARPS_M, int WARPS_N, int STAGES,
           bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
     mma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                      const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume, int in_channels,
                      int in_channels_padded, int out_channels, int out_channels_padded, int vector_rows,
-                     int reverse_weight_offsets) {
+                     int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
+                     T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups) {
   constexpr int WARPS = WARPS_M * WARPS_N;
   constexpr int THREADS = WARPS * WARP_SIZE;
   constexpr int WARP_M = BLOCK_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
@@ -147,6 +151,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
 
   const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
+  static_assert(Layout::IN_ROWS >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the stages");
+  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
+  if ((int)blockIdx.x >= tiles) {
+    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
+                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles,
+                                   reinterpret_cast<float*>(shared));
+    return;
+  }
   const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
   const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;

@@ -39,6 +39,7 @@
 // stub, and the host never launches it off compute capability 9.0.
 #include "float_conversion.cuh"
 #include "gather_tiles.cuh"
+#include "wgrad_sum.cuh"
 
 constexpr int WARPGROUP_THREADS = 4 * WARP_SIZE;
 constexpr int WGMMA_M = 64;
@@ -403,13 +404,16 @@ __device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 
 // takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands). A step stages one 128-byte
 // channel chunk of one offset: every chunk of an offset before the next offset, or with CHUNK_MAJOR one
 // chunk of every offset of the batch before the next chunk (faster for 256-column tiles, see
-// CHUNK_MAJOR_COLUMNS in wgmma_implicit_gemm.py).
+// CHUNK_MAJOR_COLUMNS in wgmma_implicit_gemm.py). The blocks past the tiles (a dgrad launch's, none in a
+// forward) sum wgrad's partials instead (wgrad_sum.cuh).
 template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED, bool CHUNK_MAJOR>
 __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                        const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
                        int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
-                       int vector_rows, int reverse_weight_offsets) {
+                       int vector_rows, int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
+                       T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts,
+                       int wgrad_slot_groups) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = BLOCK_M / WGMMA_M * WARPGROUP_THREADS, WARPS = THREADS / WARP_SIZE;
   static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256, "wgmma tile shapes");
@@ -424,6 +428,14 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
   unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
 
   const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
+  static_assert(Layout::IN_ROWS >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the stages");
+  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
+  if ((int)blockIdx.x >= tiles) {
+    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
+                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles,
+                                   reinterpret_cast<float*>(shared));
+    return;
+  }
   const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
   const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;

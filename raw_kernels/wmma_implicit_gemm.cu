@@ -4,7 +4,8 @@
 // Forward (and dgrad, which is the forward over the reversed pair table reading the weight transposed):
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
-// offset's compact pair list, fp32 partials into a workspace that a second kernel sums in a fixed order.
+// offset's compact pair list, fp32 partials into a workspace summed in a fixed order by the dgrad launch
+// or, where dgrad is not wanted, a kernel of its own (wgrad_sum.cuh).
 //
 // STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
 // copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
@@ -18,6 +19,7 @@
 
 #include "float_conversion.cuh"
 #include "gather_tiles.cuh"
+#include "wgrad_sum.cuh"
 
 namespace wmma = nvcuda::wmma;
 
@@ -60,12 +62,15 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // reads the layer's weight as it is); out [num_out, out_channels]. in_channels_padded is a multiple of
 // BLOCK_K. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is its own
 // reverse with the offsets flipped (a submanifold map), without a reversed table.
+// The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
+// (wgrad_sum.cuh).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
                       int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
-                      int reverse_weight_offsets) {
+                      int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
+                      T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups) {
   static_assert(BLOCK_M % WARP_TILE == 0 && BLOCK_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(BLOCK_K % FRAGMENT == 0, "BLOCK_K is a multiple of the fragment size");
   static_assert(STAGES >= 1, "at least one stage");
@@ -96,6 +101,13 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   float* c_tile = reinterpret_cast<float*>(shared);
 
   const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
+  static_assert(SHARED_BYTES >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the operand buffers");
+  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
+  if ((int)blockIdx.x >= tiles) {
+    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
+                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles, c_tile);
+    return;
+  }
   const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
   const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int warp = threadIdx.x / WARP_SIZE;
@@ -350,14 +362,8 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
     }
 }
 
-// grad_weight [kernel_volume, in_channels, out_channels] = for each offset k, the sum of its shares' partials,
-// slots slot_starts[k] .. slot_starts[k + 1] - 1 of the wgrad workspace [slots, in_channels_padded,
-// out_channels_padded], cropped to the unpadded channels and rounded once to T. `slot_groups` (1, 2, 4 or
-// 8) threads share an element, so that more loads are in flight where few elements have many shares:
-// group g adds slots slot_starts[k] + g, + g + slot_groups, ... and the groups' sums are added in group
-// order, a fixed order for a given slot_groups (fp32, deterministic). Block (x, k) sums
-// SUM_THREADS / slot_groups consecutive elements of dW_k (32-bit index arithmetic: 64-bit divisions cost
-// more than the loads).
+// The sum of wgrad's partials where only the weight gradient is wanted (wgrad_sum.cuh): block (x, k) sums
+// block x of offset k's elements.
 constexpr int SUM_THREADS = 256;
 
 template <typename T>
@@ -366,23 +372,7 @@ __global__ void __launch_bounds__(SUM_THREADS)
                             const int* __restrict__ slot_starts, int in_channels, int in_channels_padded,
                             int out_channels, int out_channels_padded, int slot_groups) {
   __shared__ float group_sums[SUM_THREADS];
-  const int elements = SUM_THREADS / slot_groups;
-  const int element = threadIdx.x % elements, group = threadIdx.x / elements;
-  const int k = blockIdx.y, e = blockIdx.x * elements + element;
-  const bool inside = e < in_channels * out_channels;
-  float sum = 0.0f;
-  if (inside) {
-    const int row = e / out_channels, col = e - row * out_channels;
-    const float* partial = workspace + (long long)row * out_channels_padded + col;
-    const long long slot_stride = (long long)in_channels_padded * out_channels_padded;
-    for (int slot = slot_starts[k] + group; slot < slot_starts[k + 1]; slot += slot_groups)
-      sum += partial[slot * slot_stride];
-  }
-  if (slot_groups > 1) {  // the same for every thread of the block
-    group_sums[threadIdx.x] = sum;
-    __syncthreads();
-    if (group == 0)
-      for (int g = 1; g < slot_groups; ++g) sum += group_sums[g * elements + element];
-  }
-  if (group == 0 && inside) grad_weight[(long long)k * in_channels * out_channels + e] = from_float<T>(sum);
+  const WgradSum sum{workspace,    slot_starts,         in_channels, in_channels_padded,
+                     out_channels, out_channels_padded, slot_groups};
+  sum_wgrad_partials<T, SUM_THREADS>(sum, grad_weight, blockIdx.y, blockIdx.x, group_sums);
 }

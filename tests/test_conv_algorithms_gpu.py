@@ -161,8 +161,10 @@ def _filled_with_nan(shape, dtype):
 
 
 def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
-    """forward, dgrad and wgrad through launch plans over `kernel_map` on hand-allocated buffers.
-    `misaligned` shifts the feature and gradient buffers by one element."""
+    """forward, dgrad and wgrad through launch plans over `kernel_map` on hand-allocated buffers, the
+    gradients both in one backward (wgrad's sum in dgrad's launch), checked bitwise against each gradient
+    alone (the sum in a launch of its own). `misaligned` shifts the feature and gradient buffers by one
+    element."""
     cupy = cupy_module()
 
     def buffer(array):
@@ -186,12 +188,20 @@ def _planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
     backward_weight = padded(w, backward.weight_shape)
     out = _filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
     forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream)
-    grad_input = _filled_with_nan(x.shape, x.dtype)
-    backward.dgrad(kernel_map, dy_gpu.data.ptr, backward_weight.data.ptr, grad_input.data.ptr, stream)
-    workspace = _filled_with_nan(backward.workspace_shape(kernel_map), np.float32)
-    grad_weight = _filled_with_nan(w.shape, x.dtype)
-    backward.wgrad(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
-    return {"forward": out.get(), "dgrad": grad_input.get(), "wgrad": grad_weight.get()}
+    gradients = {}
+    for wanted in (("dgrad", "wgrad"), ("dgrad",), ("wgrad",)):
+        grad_input = _filled_with_nan(x.shape, x.dtype)
+        workspace = _filled_with_nan(backward.workspace_shape(kernel_map), np.float32)
+        grad_weight = _filled_with_nan(w.shape, x.dtype)
+        backward.launch(kernel_map, dy_gpu.data.ptr, x_gpu.data.ptr, backward_weight.data.ptr,
+                        grad_input.data.ptr if "dgrad" in wanted else 0, workspace.data.ptr,
+                        grad_weight.data.ptr if "wgrad" in wanted else 0, stream)
+        for phase, array in (("dgrad", grad_input), ("wgrad", grad_weight)):
+            if phase in wanted:
+                gradients.setdefault(phase, []).append(array.get())
+    for phase, (both, alone) in gradients.items():
+        assert np.array_equal(both.view(np.uint8), alone.view(np.uint8)), f"{phase} alone differs from both at once"
+    return {"forward": out.get(), "dgrad": gradients["dgrad"][0], "wgrad": gradients["wgrad"][0]}
 
 
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
@@ -412,9 +422,10 @@ def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, vo
     at 12 x 20 channels with 1, 3, 6 and 40 shares an offset, shares the groups split unevenly. With
     channels that leave the last tile part empty (one tile at 12 x 20, several at 72 x 136, where
     wgmma_implicit_gemm runs its own wgrad) and offsets without pairs (voxels in one plane), every share
-    is summed once and an offset without pairs gets exact zeros; a second launch, into a weight gradient
-    and workspace filled with NaN again, is bitwise the same."""
-    from cupysparse.algorithms.wmma_implicit_gemm import WGRAD_WARPS_PER_SM
+    is summed once and an offset without pairs gets exact zeros. The sum in dgrad's launch (the backward
+    of both gradients), whose blocks are the dgrad kernel's size, and a second launch of its own, each
+    into a weight gradient and workspace filled with NaN again, are bitwise the same."""
+    from cupysparse.algorithms.wmma_implicit_gemm import WGRAD_WARPS_PER_SM, backward_plan
 
     cupy = cupy_module()
     kernel_map = _plane_map() if voxels == "plane" else gpu_map("submanifold")
@@ -425,15 +436,32 @@ def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, vo
     x, w, dy = _inputs(kernel_map, *channels, FLOAT16, seed=6)
     x_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(dy)
     stream = cupy.cuda.get_current_stream().ptr
+    algorithm = get_algorithm(name)
+    problem = ConvProblem.of(x_gpu, kernel_map, channels[1])
+    dgrad_tile = algorithm.default_params("backward")["tile"]
+    dgrad = algorithm.gemm_plan(np.dtype(FLOAT16), kernel_map.kernel_volume, channels[1], channels[0], dgrad_tile,
+                                algorithm.dgrad_stages_for(dgrad_tile), True, True)
+    backward = backward_plan(problem, dgrad, plan)
+    weight = cupy.zeros(backward.weight_shape, dtype=FLOAT16)
+    weight[:, : channels[0], : channels[1]] = cupy.asarray(w)
     results = []
-    for _ in range(2):
+    for in_dgrad in (False, True, False):
         workspace = _filled_with_nan(plan.workspace_shape(kernel_map), np.float32)
         grad_weight = _filled_with_nan(w.shape, np.dtype(FLOAT16))
-        plan.launch(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr, stream)
+        if in_dgrad:
+            grad_input = _filled_with_nan(x.shape, np.dtype(FLOAT16))
+            backward.launch(kernel_map, dy_gpu.data.ptr, x_gpu.data.ptr, weight.data.ptr, grad_input.data.ptr,
+                            workspace.data.ptr, grad_weight.data.ptr, stream)
+            expected, (terms, a, b) = reference_phase("dgrad", kernel_map, x, w, dy)
+            assert_close(grad_input.get(), expected, FLOAT16, terms, a, b, f"{name} dgrad carrying the wgrad sum")
+        else:
+            plan.launch(kernel_map, x_gpu.data.ptr, dy_gpu.data.ptr, workspace.data.ptr, grad_weight.data.ptr,
+                        stream)
         results.append(grad_weight.get())
     expected, (terms, a, b) = reference_phase("wgrad", kernel_map, x, w, dy)
     assert_close(results[0], expected, FLOAT16, terms, a, b, f"{name} wgrad over {shares} shares an offset")
     empty = np.diff(kernel_map.csr().offsets.get()) == 0
     assert empty.any() == (voxels == "plane")
     assert not results[0][empty].any()
-    assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
+    for again in results[1:]:
+        assert np.array_equal(results[0].view(np.uint16), again.view(np.uint16))

@@ -30,6 +30,7 @@ class _RecordedLaunch:
 
     def __init__(self, kernel, grid, block, arguments, shared_bytes=0):
         self.kernel = kernel
+        self.block_threads = block[0]
 
     def launch(self, stream, *values, grid=None):
         _RecordedLaunch.launched.append(self.kernel)
@@ -85,6 +86,10 @@ def _problem(dtype, in_channels, out_channels, kernel_volume=27):
                        (1, 1, 1), tf32=dtype == FLOAT32)
 
 
+# (grad_input, grad_weight) addresses that ask for both gradients.
+_BOTH = (1, 2)
+
+
 def _launched(algorithm, phase, problem, params):
     """(source, name expression) of every kernel one run of `phase` with `params` launches."""
     launched = []
@@ -93,8 +98,8 @@ def _launched(algorithm, phase, problem, params):
         algorithm.forward_plan(problem, params).launch(kernel_map, 0, 0, 0, stream)
     else:
         plan = algorithm.backward_plan(problem, params)
-        plan.dgrad(kernel_map, 0, 0, 0, stream)
-        plan.wgrad(kernel_map, 0, 0, 0, 0, stream)
+        plan.launch(kernel_map, 0, 0, 0, _BOTH[0], 0, _BOTH[1], stream)
+        plan.launch(kernel_map, 0, 0, 0, 0, 0, _BOTH[1], stream)  # the weight gradient alone has its own sum
     launched.extend(_RecordedLaunch.launched)
     _RecordedLaunch.launched.clear()
     return launched
@@ -174,3 +179,24 @@ def test_the_wgrad_sum_shares_an_element_among_threads_only_where_the_gpu_has_ro
     assert [narrow.slot_groups(shares) for shares in (1, 2, 3, 5, 8, 156)] == [1, 2, 2, 4, 8, 8]
     assert [middle.slot_groups(shares) for shares in (1, 3, 40)] == [1, 2, 2]
     assert [wide.slot_groups(shares) for shares in (1, 40)] == [1, 1]
+
+
+@pytest.mark.parametrize("name", sorted(TENSOR_CORE_DTYPES))
+def test_a_backward_of_both_gradients_is_two_launches_the_wgrad_gemm_then_dgrad_with_the_sum(recorded, name):
+    """Either gradient alone: dgrad's forward kernel, or wgrad's GEMM and its sum kernel. Both: the GEMM,
+    then dgrad, whose launch sums the GEMM's partials (raw_kernels/wgrad_sum.cuh)."""
+    algorithm = get_algorithm(name)
+    kernel_map = _KernelMap(27)
+    for dtype, channels in itertools.product(TENSOR_CORE_DTYPES[name], ((3, 47), (32, 32), (64, 128), (256, 256))):
+        plan = algorithm.backward_plan(_problem(dtype, *channels), algorithm.default_params("backward"))
+
+        def kernels(grad_input, grad_weight):
+            plan.launch(kernel_map, 0, 0, 0, grad_input, 0, grad_weight, 0)
+            names = [expression.split("<")[0] for _, expression in recorded]
+            recorded.clear()
+            return names
+
+        (dgrad,) = kernels(_BOTH[0], 0)
+        gemm, wgrad_sum = kernels(0, _BOTH[1])
+        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wmma_sum_wgrad_partials"
+        assert kernels(*_BOTH) == [gemm, dgrad], (dtype, channels)

@@ -240,18 +240,19 @@ def _map_backward(grad_output, features, weight, kernel_map: KernelMap, bwd_algo
 
 def _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad: bool,
                       needs_weight_grad: bool):
-    stream = stream_handle(features.device)
     grad_input = grad_weight = None
+    weight_address = grad_input_address = workspace_address = grad_weight_address = 0  # 0: not computed
     if needs_input_grad:
         padded = _padded(weight, plan.weight_shape)
         grad_input = torch.empty_like(features)
-        plan.dgrad(kernel_map, grad_output.data_ptr(), padded.data_ptr(), grad_input.data_ptr(), stream)
+        weight_address, grad_input_address = padded.data_ptr(), grad_input.data_ptr()
     if needs_weight_grad:
         # Every element of the workspace is written before it is read: no clearing.
         workspace = torch.empty(plan.workspace_shape(kernel_map), dtype=torch.float32, device=features.device)
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
-        plan.wgrad(kernel_map, features.data_ptr(), grad_output.data_ptr(), workspace.data_ptr(),
-                   grad_weight.data_ptr(), stream)
+        workspace_address, grad_weight_address = workspace.data_ptr(), grad_weight.data_ptr()
+    plan.launch(kernel_map, grad_output.data_ptr(), features.data_ptr(), weight_address, grad_input_address,
+                workspace_address, grad_weight_address, stream_handle(features.device))
     return grad_input, grad_weight
 
 

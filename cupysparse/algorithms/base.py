@@ -103,16 +103,15 @@ class ForwardPlan:
 @dataclass(frozen=True)
 class BackwardPlan:
     """dgrad and wgrad of one layer signature on device addresses, as `ForwardPlan`:
-    `dgrad(kernel_map, grad_output, weight, grad_input, stream)` with the weight in `weight_shape` (as
-    the forward's: `[K, C_in, C_out]` zero-padded at the end of both channel dimensions), and
-    `wgrad(kernel_map, features, grad_output, workspace, grad_weight, stream)` with an fp32 workspace
-    of `workspace_shape(kernel_map)` (no initialisation needed). Arrays row-major, in the features'
-    dtype."""
+    `launch(kernel_map, grad_output, features, weight, grad_input, workspace, grad_weight, stream)` with
+    the weight in `weight_shape` (as the forward's: `[K, C_in, C_out]` zero-padded at the end of both
+    channel dimensions) and an fp32 workspace of `workspace_shape(kernel_map)` (no initialisation
+    needed); a gradient whose address is 0 is not computed (nor are its operands read: `weight` for
+    dgrad, `features` and `workspace` for wgrad). Arrays row-major, in the features' dtype."""
 
     weight_shape: tuple[int, int, int]
     workspace_shape: Callable[..., tuple[int, ...]]
-    dgrad: Callable[..., None]
-    wgrad: Callable[..., None]
+    launch: Callable[..., None]
 
 
 class Algorithm:

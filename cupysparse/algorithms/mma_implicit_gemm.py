@@ -26,14 +26,17 @@ from .wmma_implicit_gemm import (
     AUTO_WGRAD_WARPS_PER_SM,
     LastMapValues,
     VECTOR_BYTES,
+    WGRAD_SUM_ARGUMENTS,
     WGRAD_WARPS_PER_SM,
     WgradPlan,
+    WgradSum,
     WmmaImplicitGemm,
     check_operand,
     check_weight,
     dgrad_operands,
     forward_map_values,
     padded_channels,
+    with_wgrad_sum,
 )
 
 WARP_SIZE = 32
@@ -164,9 +167,9 @@ class MmaWgradPlan(WgradPlan):
 def forward_arguments(kernel_volume: int, in_channels: int, out_channels: int) -> tuple:
     """The fixed arguments of an output-stationary forward kernel (`mma_conv_forward`,
     `wgmma_conv_forward`): features, pair table, row order, weight, out and the row count, then
-    vector_rows and the offset order, are per call."""
+    vector_rows, the offset order and the wgrad sum's four, are per call."""
     sizes = (kernel_volume, in_channels, padded_channels(in_channels), out_channels, padded_channels(out_channels))
-    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None)
+    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None, *WGRAD_SUM_ARGUMENTS)
 
 
 class ForwardGemmPlan:
@@ -185,14 +188,15 @@ class ForwardGemmPlan:
         self._map_values = LastMapValues(functools.partial(forward_map_values, rows, column_tiles, sort_rows))
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0) -> None:
+               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major; the weight padded, in
         the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
-        raw CUDA stream handle `stream`."""
+        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
         table, order, num_out, grid = self._map_values(kernel_map)
+        grid, sum_arguments = with_wgrad_sum(grid, self.kernel.block_threads, wgrad_sum)
         vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
         self.kernel.launch(stream, features, table, order, weight, out, num_out, int(vector_rows),
-                           reverse_weight_offsets, grid=grid)
+                           reverse_weight_offsets, *sum_arguments, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         cupy = cupy_module()

@@ -12,8 +12,9 @@ reversed map in its mask order (computed once per map and cached, like the forwa
 submanifold map itself, which is its own reverse with the offsets flipped, taking the weight's offsets
 in reverse (`dgrad_operands`): no reversed table to hold. wgrad runs over the
 per-offset pair lists (`KernelMap.csr`), cut into shares of about equal pairs whatever their offset
-(`KernelMap.wgrad_shares`), as many blocks as put about `wgrad_warps_per_sm` warps per SM; a second
-kernel sums their fp32 partial weight gradients in a fixed order.
+(`KernelMap.wgrad_shares`), as many blocks as put about `wgrad_warps_per_sm` warps per SM; their fp32
+partial weight gradients are summed in a fixed order by the last blocks of the dgrad launch, which runs
+after them (a backward of two launches), or by a kernel of their own where dgrad is not wanted.
 
 `prepare_weight` pads the weight to multiples of 16 channels on both sides (the fragment size) when
 it is not already; features stay unpadded. The launches of a layer signature (dtype, kernel volume,
@@ -57,7 +58,7 @@ WORKSPACE_OPERAND_FRACTION = 8
 # wgrad's blocks go round-major past this many times the L2 cache of operands (WgradPlan.round_major).
 ROUND_MAJOR_L2_MULTIPLE = 2
 # Threads of a block of the wgrad sum, and at most how many of them share an element (the sum of an
-# offset's shares, raw_kernels/wmma_implicit_gemm.cu). With one thread per element, 100K voxels x 32
+# offset's shares, raw_kernels/wgrad_sum.cuh). With one thread per element, 100K voxels x 32
 # channels (27,648 elements) summed their 157 shares an offset in 52 us, against 45 for the GEMM; 8 threads
 # an element took 13 (H100).
 SUM_THREADS = 256
@@ -300,15 +301,17 @@ class _GemmPlan:
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
         self.dtype = dtype
         self.out_channels = out_channels
+        self.threads = _threads(tile)
         block_k = _block_k(in_padded)
         type_name = cuda_type_name(dtype)
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
-        # features, pair table, row order, weight, out, the row count and the offset order are per call.
-        arguments = (None, None, None, None, None, None, *sizes, None)
+        # features, pair table, row order, weight, out, the row count, the offset order and the wgrad sum's
+        # four are per call.
+        arguments = (None, None, None, None, None, None, *sizes, None, *WGRAD_SUM_ARGUMENTS)
 
         def prepared(kernel_stages: int) -> PreparedLaunch:
             name = _forward_kernel_name(type_name, tile, block_k, kernel_stages, weight_transposed)
-            return PreparedLaunch(_SOURCES[dtype].get(name), (1,), (_threads(tile),), arguments)
+            return PreparedLaunch(_SOURCES[dtype].get(name), (1,), (self.threads,), arguments)
 
         self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
         self._launches = _LazyLaunches(prepared)
@@ -317,15 +320,16 @@ class _GemmPlan:
                                                            sort_rows))
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0) -> None:
+               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major arrays; the weight padded,
         in the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
-        raw CUDA stream handle `stream`."""
+        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
         table, order, num_out, grid = self._map_values(kernel_map)
+        grid, sum_arguments = with_wgrad_sum(grid, self.threads, wgrad_sum)
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
         pipelined = self.vector_rows and features % VECTOR_BYTES == 0
         self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(
-            stream, features, table, order, weight, out, num_out, reverse_weight_offsets, grid=grid)
+            stream, features, table, order, weight, out, num_out, reverse_weight_offsets, *sum_arguments, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         out = cupy_module().empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # all written once
@@ -375,6 +379,37 @@ def dgrad_operands(kernel_map):
     return kernel_map.reversed(), 0
 
 
+class WgradSum(NamedTuple):
+    """What a dgrad launch takes to sum wgrad's partials in blocks past its tiles
+    (raw_kernels/wgrad_sum.cuh): the four kernel arguments (workspace, weight gradient, the offsets'
+    first slots, threads per element), then the offsets and elements per offset, which size the blocks."""
+
+    workspace: int
+    grad_weight: int
+    slot_starts: int
+    slot_groups: int
+    kernel_volume: int
+    offset_elements: int
+
+    def blocks(self, threads: int) -> int:
+        """Blocks of `threads` the sum takes (`wgrad_sum_blocks_per_offset` for each offset)."""
+        return self.kernel_volume * -(-self.offset_elements * self.slot_groups // threads)
+
+
+# The forward kernels' wgrad-sum arguments, per call: a forward passes NO_WGRAD_SUM, and no blocks past
+# its tiles.
+WGRAD_SUM_ARGUMENTS = (None, None, None, None)
+NO_WGRAD_SUM = (0, 0, 0, 0)
+
+
+def with_wgrad_sum(grid: tuple[int, int, int], threads: int, wgrad_sum: WgradSum | None) -> tuple[tuple, tuple]:
+    """The grid of a forward kernel's launch of blocks of `threads`, with the blocks of `wgrad_sum` past
+    its tiles, and the kernel's four wgrad-sum arguments."""
+    if wgrad_sum is None:
+        return grid, NO_WGRAD_SUM
+    return (grid[0] + wgrad_sum.blocks(threads), 1, 1), wgrad_sum[:4]
+
+
 class _WgradMapValues(NamedTuple):
     """What wgrad's launches take from a map: the addresses of its pair lists (in, out, offsets) and
     share table, then of the offsets' first slots, and the sizes of the shares it is cut into."""
@@ -388,11 +423,11 @@ class _WgradMapValues(NamedTuple):
 
 
 class WgradPlan:
-    """wgrad's two launches for one dtype, kernel volume, channel counts and occupancy target, over any
-    map of that kernel volume: the split-K gather-gather GEMMs over the map's per-offset pair lists
-    into an fp32 workspace, then the sum of its shares into the weight gradient. The GEMM kernels are
-    wmma_conv_wgrad's; a subclass swaps them (`tile_for`, `threads`, `prepare_gemm`, `launch_gemm`) and
-    keeps the shares and the sum."""
+    """wgrad's launches for one dtype, kernel volume, channel counts and occupancy target, over any map
+    of that kernel volume: the split-K gather-gather GEMMs over the map's per-offset pair lists into an
+    fp32 workspace, then the sum of its shares into the weight gradient, in a launch of its own or in
+    dgrad's (`wgrad_sum`). The GEMM kernels are wmma_conv_wgrad's; a subclass swaps them (`tile_for`,
+    `threads`, `prepare_gemm`, `launch_gemm`) and keeps the shares and the sum."""
 
     def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
@@ -504,13 +539,24 @@ class WgradPlan:
     def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
         self._gemms[WGRAD_STAGES if vectors else SYNCHRONOUS_STAGES].launch(stream, *values, grid=grid)
 
-    def launch(self, kernel_map, features: int, grad_output: int, workspace: int, grad_weight: int,
-               stream: int) -> None:
-        """Launch over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
+    def launch_partials(self, kernel_map, features: int, grad_output: int, workspace: int, stream: int) -> None:
+        """Launch the GEMMs over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
         workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle `stream`."""
         values = self._map_values(kernel_map)
         vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
         self.launch_gemm(stream, values.gemm_grid, (features, grad_output, *values.pair_lists, workspace), vectors)
+
+    def wgrad_sum(self, kernel_map, workspace: int, grad_weight: int) -> WgradSum:
+        """The sum of `launch_partials`' workspace into `grad_weight` for a dgrad launch to carry."""
+        values = self._map_values(kernel_map)
+        return WgradSum(workspace, grad_weight, values.slot_starts, values.slot_groups, self.kernel_volume,
+                        self.offset_elements)
+
+    def launch(self, kernel_map, features: int, grad_output: int, workspace: int, grad_weight: int,
+               stream: int) -> None:
+        """`launch_partials`, then the sum of the workspace into `grad_weight` in a launch of its own."""
+        self.launch_partials(kernel_map, features, grad_output, workspace, stream)
+        values = self._map_values(kernel_map)
         self.sum.launch(stream, workspace, grad_weight, values.slot_starts, values.slot_groups, grid=values.sum_grid)
 
     def __call__(self, kernel_map, features, grad_output):
@@ -728,10 +774,19 @@ def padded_weight_shape(problem: ConvProblem, transposed: bool = False) -> tuple
 
 
 def backward_plan(problem: ConvProblem, dgrad, wgrad: WgradPlan) -> BackwardPlan:
-    """The `BackwardPlan` of a dgrad plan (launched over `dgrad_operands`) and a wgrad plan."""
+    """The `BackwardPlan` of a dgrad plan (launched over `dgrad_operands`) and a wgrad plan: for both
+    gradients, wgrad's GEMMs, then dgrad summing their partials too."""
 
-    def launch_dgrad(kernel_map, grad_output: int, weight: int, grad_input: int, stream: int) -> None:
+    def launch(kernel_map, grad_output: int, features: int, weight: int, grad_input: int, workspace: int,
+               grad_weight: int, stream: int) -> None:
+        wgrad_sum = None
+        if grad_weight:
+            if not grad_input:
+                wgrad.launch(kernel_map, features, grad_output, workspace, grad_weight, stream)
+                return
+            wgrad.launch_partials(kernel_map, features, grad_output, workspace, stream)
+            wgrad_sum = wgrad.wgrad_sum(kernel_map, workspace, grad_weight)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
-        dgrad.launch(table_map, grad_output, weight, grad_input, stream, reverse_weight_offsets)
+        dgrad.launch(table_map, grad_output, weight, grad_input, stream, reverse_weight_offsets, wgrad_sum)
 
-    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch_dgrad, wgrad.launch)
+    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch)
