@@ -22,10 +22,10 @@ and the settings the plan was selected under, compared.
 from __future__ import annotations
 
 import functools
-import os
 
 from .algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
 from .algorithms import CONV
+from .environment import variable
 from .tuner import choices_version, size_bucket
 
 _plans: dict[tuple, object] = {}
@@ -67,7 +67,7 @@ def plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument
 def _selection_settings(phase: str, argument: str) -> tuple[str, tuple]:
     """What a selection depends on beyond the layer: the algorithm choice (the environment variable's
     for "") and the tuner's `choices_version`."""
-    return argument or os.environ.get(ENVIRONMENT_VARIABLES[(CONV, phase)], ""), choices_version()
+    return argument or variable(ENVIRONMENT_VARIABLES[(CONV, phase)]), choices_version()
 
 
 def map_plan_key(phase: str, dtype, weight_shape: tuple, device_index: int, argument: str, kernel_map) -> tuple:

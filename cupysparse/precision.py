@@ -14,9 +14,10 @@ from those of exact fp32 ones.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
+
+from .environment import variable
 
 IEEE = "ieee"
 TF32 = "tf32"
@@ -37,7 +38,7 @@ def get_fp32_precision() -> str:
     """"ieee" or "tf32": set_fp32_precision's choice, else CUPYSPARSE_FP32_PRECISION, else "ieee"."""
     if _chosen is not None:
         return _chosen
-    text = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
+    text = variable(ENVIRONMENT_VARIABLE).strip()
     return _checked(text, f"environment variable {ENVIRONMENT_VARIABLE}") if text else IEEE
 
 

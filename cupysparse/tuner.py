@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -51,6 +50,7 @@ from .backend import all_true, array_module, cupy_module, is_cupy_array
 from .compile import prepare, source_digest
 from .device_timing import WAIT_KERNELS, QueuedTimer
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
+from .environment import variable
 from .out_of_memory import is_out_of_memory
 from .precision import TF32, get_fp32_precision
 from .selection import Selection, describe_problem, rule_based_selection
@@ -83,7 +83,7 @@ SUBNORMAL_STEPS_ALLOWED = 16
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get("CUPYSPARSE_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+    return variable("CUPYSPARSE_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def size_bucket(count: int) -> int:
