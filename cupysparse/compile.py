@@ -611,8 +611,9 @@ class PreparedLaunch:
             driver.funcSetAttribute(self._function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     shared_bytes)
             _SHARED_OPT_INS.add((self._function, shared_bytes))
-        self._dims = (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3])
-        self.block_threads = self._dims[3] * self._dims[4] * self._dims[5]
+        self._grid = (*(tuple(grid) + (1, 1))[:3],)
+        self._block_x, self._block_y, self._block_z = (tuple(block) + (1, 1))[:3]
+        self.block_threads = self._block_x * self._block_y * self._block_z
         free = [i for i, argument in enumerate(arguments) if argument is None]
         fixed = [i for i, argument in enumerate(arguments) if argument is not None]
         self._num_free = len(free)
@@ -625,9 +626,14 @@ class PreparedLaunch:
         self._lock = threading.Lock()
 
     def launch(self, stream: int, *values: int, grid: tuple[int, int, int] | None = None) -> None:
-        if len(values) != self._num_free:
-            raise TypeError(f"this launch takes {self._num_free} values, got {len(values)}")
-        dims = self._dims if grid is None else (*grid, *self._dims[3:])
+        # Every step costs on the hot path: the checks run only once packing the values has failed.
+        grid_x, grid_y, grid_z = grid or self._grid
         with self._lock:
-            self._write_free(self._values, 0, *values)
-            self._launch_kernel(self._function, *dims, self._shared_bytes, stream, self._slots_address, 0)
+            try:
+                self._write_free(self._values, 0, *values)
+            except struct.error:
+                if len(values) != self._num_free:
+                    raise TypeError(f"this launch takes {self._num_free} values, got {len(values)}") from None
+                raise
+            self._launch_kernel(self._function, grid_x, grid_y, grid_z, self._block_x, self._block_y, self._block_z,
+                                self._shared_bytes, stream, self._slots_address, 0)

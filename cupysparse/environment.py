@@ -10,6 +10,9 @@ the name and value, `os.unsetenv` with the name; `os.environ[name] = value`, `de
 pytest's `monkeypatch` all go through them). `variable` reads a name from `os.environ` once, and the
 audit hook writes every later change of it, with its new value, as it happens. Where the hook was not
 added (an earlier hook may refuse new ones), every read goes to `os.environ`.
+
+`changes()` counts the changes, so that a caller keeping something derived from several variables
+(a layer's plan) checks one number per call rather than reading each.
 """
 
 from __future__ import annotations
@@ -27,16 +30,20 @@ _UNREAD = object()
 _values: dict[str, str | None] = {}
 _lock = threading.Lock()  # orders a first read and a change of the same name
 _hooked = False
+_changes = 0  # changes to the environment the hook has seen
 
 
 def _on_audit_event(event: str, arguments: tuple) -> None:
     # Called for every audit event of the process: cheap unless the environment changes.
+    global _changes
     if event == _PUTENV:
         with _lock:
             _values[os.fsdecode(arguments[0])] = os.fsdecode(arguments[1])
+            _changes += 1
     elif event == _UNSETENV:
         with _lock:
             _values[os.fsdecode(arguments[0])] = _UNSET
+            _changes += 1
     elif event == _PROBE:
         global _hooked
         _hooked = True
@@ -56,3 +63,9 @@ def variable(name: str, default: str = "") -> str:
         with _lock:
             value = _values.setdefault(name, os.environ.get(name, _UNSET))
     return default if value is _UNSET else value
+
+
+def changes() -> object:
+    """A value that differs after every change to the environment: the count of changes, or without the
+    hook, which cannot see them, a new object each call (equal to nothing before it)."""
+    return _changes if _hooked else object()

@@ -11,6 +11,7 @@ adapters wrap. Depthwise convolutions work on features and a map directly, as in
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,14 +123,17 @@ def conv_forward(features, weight, kernel_map, algo=None):
 
     A layer's later calls on the GPU launch its kept plan (`layer_plans`): the selection and checks
     of its first call hold for later calls of the same signature (`_layer_plan`)."""
-    argument = algorithm_argument(algo, CONV, "forward")
+    argument = "" if algo is None else algorithm_argument(algo, CONV, "forward")
     plan = _layer_plan("forward", argument, features, weight, kernel_map)
     if plan is not None:
-        cupy = cupy_module()
-        with naming_sizes("forward", features, weight, kernel_map):
-            out = cupy.empty((kernel_map.num_out, weight.shape[2]), dtype=features.dtype)
+        ndarray, _, _, current_stream = _cupy_calls()
+        try:
+            out = ndarray((kernel_map.num_out, weight.shape[2]), features.dtype)
             padded = _plan_weight(weight, plan.weight_shape, plan.weight_transposed)
-            plan.launch(kernel_map, features.data.ptr, padded.data.ptr, out.data.ptr, cupy.cuda.get_current_stream().ptr)
+            plan.launch(kernel_map, features.data.ptr, padded.data.ptr, out.data.ptr, current_stream().ptr)
+        except Exception as error:  # a `with naming_sizes` costs a microsecond on every call
+            naming_sizes("forward", features, weight, kernel_map).name(error)
+            raise
         return out
     selection = select_forward(features, weight, kernel_map, algo)
     with naming_sizes("forward", features, weight, kernel_map, selection.algorithm.name):
@@ -139,12 +143,15 @@ def conv_forward(features, weight, kernel_map, algo=None):
 def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_input_grad=True, needs_weight_grad=True):
     """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); None where not needed. Later
     calls of a layer launch its kept plan, as `conv_forward`'s."""
-    argument = algorithm_argument(algo, CONV, "backward")
+    argument = "" if algo is None else algorithm_argument(algo, CONV, "backward")
     plan = _layer_plan("backward", argument, features, weight, kernel_map, grad_output)
     if plan is not None:
-        with naming_sizes("backward", features, weight, kernel_map):
+        try:
             return _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad,
                                       needs_weight_grad)
+        except Exception as error:
+            naming_sizes("backward", features, weight, kernel_map).name(error)
+            raise
     selection = select_backward(grad_output, features, weight, kernel_map, algo)
     with naming_sizes("backward", features, weight, kernel_map, selection.algorithm.name):
         return _gradients(selection, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad)
@@ -156,37 +163,39 @@ def _layer_plan(phase: str, argument: str, features, weight, kernel_map, grad_ou
     selects and runs). Plans take CuPy arrays in one dtype on the current device (whose kernels the plans
     hold), the features (and output gradient) contiguous: checked every call. What a call's shapes,
     dtype, device and algorithm argument decide (`_fits`, the selection) is remembered on the map."""
-    ndarray = _cupy_ndarray()
+    ndarray, c_contiguous, get_device, _ = _cupy_calls()
     if type(features) is not ndarray or type(weight) is not ndarray or weight.dtype != features.dtype:
         return None
     device = features.data.device_id
-    if not features.flags.c_contiguous or weight.data.device_id != device or device != current_device():
+    if not c_contiguous(features) or weight.data.device_id != device or device != get_device():
         return None
     call = (phase, argument, features.dtype, features.shape, weight.shape, device)
     if grad_output is not None:
         if (type(grad_output) is not ndarray or grad_output.dtype != features.dtype
-                or not grad_output.flags.c_contiguous or grad_output.data.device_id != device):
+                or not c_contiguous(grad_output) or grad_output.data.device_id != device):
             return None
         call += (grad_output.shape,)
+    return map_layer_plan(kernel_map, call, _select_layer_plan, phase, argument, features, weight, kernel_map,
+                          grad_output)
 
-    def select():
-        if not _fits(features, weight, kernel_map, grad_output):
-            return None
-        problem = ConvProblem.of(features, kernel_map, weight.shape[2])
-        if phase == "forward":
-            run = forward_runner(features, weight, kernel_map)
-        else:
-            run = backward_runner(grad_output, features, weight, kernel_map)
 
-        def selected_plan():
-            selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
-            planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
-            return planner(problem, selection.params)
+def _select_layer_plan(phase: str, argument: str, features, weight, kernel_map, grad_output):
+    """`_layer_plan`'s selection, made when its map does not remember one: a kept plan."""
+    if not _fits(features, weight, kernel_map, grad_output):
+        return None
+    problem = ConvProblem.of(features, kernel_map, weight.shape[2])
+    if phase == "forward":
+        run = forward_runner(features, weight, kernel_map)
+    else:
+        run = backward_runner(grad_output, features, weight, kernel_map)
 
-        key = map_plan_key(phase, features.dtype, weight.shape, device, argument, kernel_map)
-        return kept_plan(key, selected_plan)
+    def selected_plan():
+        selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
+        planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
+        return planner(problem, selection.params)
 
-    return map_layer_plan(kernel_map, call, phase, argument, select)
+    key = map_plan_key(phase, features.dtype, weight.shape, features.data.device_id, argument, kernel_map)
+    return kept_plan(key, selected_plan)
 
 
 def _fits(features, weight, kernel_map, grad_output=None) -> bool:
@@ -206,10 +215,16 @@ def _fits(features, weight, kernel_map, grad_output=None) -> bool:
 
 
 @functools.cache
-def _cupy_ndarray():
-    """CuPy's array type (None without CuPy): the only one the plans take, subclasses aside."""
+def _cupy_calls() -> tuple:
+    """What a planned call uses of CuPy every time, looked up once: its array type (the only one plans
+    take, subclasses aside; None without CuPy), a reader of an array's C-contiguity, the current
+    device's id and the current stream. CuPy keeps the contiguity an array's `flags` report in
+    `_c_contiguous`; `flags` builds an object on every read, a microsecond on the slower hosts."""
     cupy = cupy_module()
-    return None if cupy is None else cupy.ndarray
+    if cupy is None:
+        return None, None, None, None
+    c_contiguous = operator.attrgetter("_c_contiguous" if hasattr(cupy.ndarray, "_c_contiguous") else "flags.c_contiguous")
+    return cupy.ndarray, c_contiguous, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
 
 
 _FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
@@ -220,7 +235,7 @@ def _plan_weight(weight, shape: tuple, transposed: bool = False):
     the plan's layout: contiguous, zero-padded at the end of its last two dimensions to `shape`."""
     if transposed:
         weight = weight.transpose(0, 2, 1)
-    if weight.shape == shape and weight.flags.c_contiguous:
+    if weight.shape == shape and _cupy_calls()[1](weight):
         return weight
     padded = cupy_module().zeros(shape, dtype=weight.dtype)
     padded[:, : weight.shape[1], : weight.shape[2]] = weight
@@ -228,20 +243,20 @@ def _plan_weight(weight, shape: tuple, transposed: bool = False):
 
 
 def _planned_gradients(plan, grad_output, features, weight, kernel_map, needs_input_grad, needs_weight_grad):
-    cupy = cupy_module()
+    ndarray, _, _, current_stream = _cupy_calls()
     grad_input = grad_weight = None
     weight_address = grad_input_address = workspace_address = grad_weight_address = 0  # 0: not computed
     if needs_input_grad:
         padded = _plan_weight(weight, plan.weight_shape)
-        grad_input = cupy.empty(features.shape, dtype=features.dtype)
+        grad_input = ndarray(features.shape, features.dtype)
         weight_address, grad_input_address = padded.data.ptr, grad_input.data.ptr
     if needs_weight_grad:
         # Every element of the workspace is written before it is read: no clearing.
-        workspace = cupy.empty(plan.workspace_shape(kernel_map), dtype=np.float32)
-        grad_weight = cupy.empty(weight.shape, dtype=weight.dtype)
+        workspace = ndarray(plan.workspace_shape(kernel_map), np.float32)
+        grad_weight = ndarray(weight.shape, weight.dtype)
         workspace_address, grad_weight_address = workspace.data.ptr, grad_weight.data.ptr
     plan.launch(kernel_map, grad_output.data.ptr, features.data.ptr, weight_address, grad_input_address,
-                workspace_address, grad_weight_address, cupy.cuda.get_current_stream().ptr)
+                workspace_address, grad_weight_address, current_stream().ptr)
     return grad_input, grad_weight
 
 

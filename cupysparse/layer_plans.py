@@ -16,7 +16,8 @@ keep theirs here; a new kernel map of a kept signature (the next scene) reuses t
 `map_layer_plan` remembers a call's plan on its kernel map too, under the call's own signature (what
 the caller tells calls apart by: shapes, dtype, device, algorithm argument), so that the later calls
 over that map, a network's every step, skip the signature's sizes and geometry: one dictionary lookup
-and the settings the plan was selected under, compared.
+and a check that no setting changed since (`_settings_generation`), without reading the settings
+themselves. After a change, the call looks its plan up again under the settings' values.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import functools
 
 from .algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
 from .algorithms import CONV
-from .environment import variable
-from .tuner import choices_version, size_bucket
+from .environment import changes, variable
+from .tuner import choices_generation, choices_version, size_bucket
 
 _plans: dict[tuple, object] = {}
 # How many times `forget_plans` ran: the plans remembered on maps before it are stale.
@@ -85,17 +86,22 @@ def kept_plan(key: tuple, select):
         return plan
 
 
-def map_layer_plan(kernel_map, call: tuple, phase: str, argument: str, select):
+def _settings_generation() -> tuple:
+    """Differs whenever `_selection_settings` of some phase and argument may, or the plans were forgotten."""
+    return _forgotten, changes(), choices_generation()
+
+
+def map_layer_plan(kernel_map, call: tuple, select, *arguments):
     """The plan of a layer's `call` over `kernel_map` (`call` the signature the caller tells its calls
-    apart by, holding `phase` and the algorithm argument, `argument`), remembered on the map with the
-    settings it was selected under while they hold; else `select()`'s (a `kept_plan`, or None for a call
-    no plan runs), remembered likewise. An exception remembers nothing."""
-    settings = (_forgotten, _selection_settings(phase, argument))
+    apart by, its algorithm argument included), remembered on the map until a setting changes; else
+    `select(*arguments)`'s (a `kept_plan`, or None for a call no plan runs), remembered likewise. An
+    exception remembers nothing."""
+    generation = _settings_generation()
     remembered = kernel_map.layer_plans.get(call)
-    if remembered is not None and remembered[0] == settings:
+    if remembered is not None and remembered[0] == generation:
         return remembered[1]
-    plan = select()
-    kernel_map.layer_plans[call] = (settings, plan)
+    plan = select(*arguments)
+    kernel_map.layer_plans[call] = (generation, plan)
     return plan
 
 

@@ -137,9 +137,14 @@ class _NamingOnOutOfMemory:
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
+        self.name(error)
+        return False
+
+    def name(self, error: BaseException | None) -> None:
+        """Name the sizes in `error` if it is out of memory: the `with` statement's work, for a caller
+        that catches the error itself."""
         if isinstance(error, Exception) and is_out_of_memory(error):
             name_sizes(error, self.description())
-        return False
 
 
 class naming_sizes(_NamingOnOutOfMemory):  # lower case: used as a context manager, like contextlib's

@@ -42,6 +42,11 @@ def get_fp32_precision() -> str:
     return _checked(text, f"environment variable {ENVIRONMENT_VARIABLE}") if text else IEEE
 
 
+def chosen_fp32_precision() -> str | None:
+    """`set_fp32_precision`'s choice, None where the environment variable decides."""
+    return _chosen
+
+
 def set_fp32_precision(precision: str | None) -> None:
     """Multiply fp32 convolutions exactly ("ieee") or in TF32 ("tf32"); None returns the choice to
     the environment variable."""

@@ -52,7 +52,7 @@ from .device_timing import WAIT_KERNELS, QueuedTimer
 from .dtypes import BFLOAT16, accumulation_dtype, short_name
 from .environment import variable
 from .out_of_memory import is_out_of_memory
-from .precision import TF32, get_fp32_precision
+from .precision import TF32, chosen_fp32_precision, get_fp32_precision
 from .selection import Selection, describe_problem, rule_based_selection
 from .shipped_cache import tuning_cache
 
@@ -778,6 +778,12 @@ def choices_version() -> tuple[int, bool, str, bool]:
     """Changes whenever `select_algorithm` may answer a repeated call differently (on this thread: inside
     a rehearsal it does): what callers that keep a selection (with its launch plans) check before reusing it."""
     return _default_tuner.generation, tuning_enabled(), get_fp32_precision(), rehearsing()
+
+
+def choices_generation() -> tuple[int, str | None, bool]:
+    """What `choices_version` depends on beyond the environment variables (whose changes
+    `environment.changes` counts), without reading them: cheap enough to check on every call."""
+    return _default_tuner.generation, chosen_fp32_precision(), rehearsing()
 
 
 def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:

@@ -5,6 +5,7 @@ import concurrent.futures
 import ctypes
 import importlib
 import pkgutil
+import struct
 import time
 import types
 import warnings
@@ -461,3 +462,6 @@ def test_a_prepared_launch_hands_the_driver_every_argument_in_order(monkeypatch)
     ]
     with pytest.raises(TypeError, match="takes 3 values, got 2"):
         launch.launch(99, 1, 2)
+    with pytest.raises(struct.error):  # no slot holds a negative value
+        launch.launch(99, -1, 2, 3)
+    assert len(launched) == 2

@@ -53,6 +53,19 @@ def test_a_name_is_read_from_os_environ_once_and_changes_arrive_through_the_hook
         os.environ.pop(other, None)
 
 
+def test_the_count_of_changes_moves_with_every_change_and_only_then(monkeypatch):
+    monkeypatch.delenv(NAME, raising=False)
+    before = environment.changes()
+    assert environment.changes() == before
+    variable(NAME)  # a read is no change
+    assert environment.changes() == before
+    monkeypatch.setenv(NAME, "one")
+    after_setting = environment.changes()
+    assert after_setting != before
+    os.unsetenv(NAME)  # directly, past os.environ
+    assert environment.changes() not in (before, after_setting)
+
+
 def test_without_the_hook_every_read_goes_to_os_environ():
     """An audit hook that refuses new hooks keeps this one out: `variable` then reads `os.environ`."""
     script = f"""
@@ -69,6 +82,7 @@ os.environ[{NAME!r}] = "first"
 assert environment.variable({NAME!r}) == "first"
 os.environ[{NAME!r}] = "second"
 assert environment.variable({NAME!r}) == "second"
+assert environment.changes() != environment.changes()  # no change can be seen: every check says changed
 print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from cupysparse import layer_plans, tuner
+from cupysparse import layer_plans, precision, tuner
 from cupysparse.algorithm_modes import ENVIRONMENT_VARIABLES, parse_algorithm_filter
 from cupysparse.algorithms import CONV
 
@@ -105,7 +105,7 @@ def _remembered(kernel_map, selected: list, argument: str = "", call: tuple = ("
     def select():
         return _kept(_key(kernel_map, argument), selected)
 
-    return layer_plans.map_layer_plan(kernel_map, (*call, argument), "forward", argument, select)
+    return layer_plans.map_layer_plan(kernel_map, (*call, argument), select)
 
 
 def test_a_map_remembers_its_layers_plans_until_the_settings_they_were_selected_under_change(monkeypatch):
@@ -128,6 +128,33 @@ def test_a_map_remembers_its_layers_plans_until_the_settings_they_were_selected_
     assert len(selected) == 7
 
 
+def test_a_remembered_plan_is_checked_without_reading_a_setting_and_looked_up_again_after_any_change(monkeypatch):
+    """Between changes a call reads no environment variable; after any change (here one no selection
+    depends on) it looks its plan up again, under the settings' values, and finds the kept one."""
+    selected, lookups = [], []
+    kernel_map = _map(1500)
+
+    def select():
+        lookups.append(kernel_map)
+        return _kept(_key(kernel_map), selected)
+
+    first = layer_plans.map_layer_plan(kernel_map, ("forward", ""), select)
+    with monkeypatch.context() as patches:
+        def unread(name, default=""):
+            raise AssertionError(f"{name} was read")
+
+        for module in (layer_plans, tuner, precision):
+            patches.setattr(module, "variable", unread)
+        assert [layer_plans.map_layer_plan(kernel_map, ("forward", ""), select) for _ in range(3)] == [first] * 3
+    assert len(lookups) == 1
+    monkeypatch.setenv("CUPYSPARSE_TEST_UNRELATED_VARIABLE", "changed")
+    assert layer_plans.map_layer_plan(kernel_map, ("forward", ""), select) == first
+    assert len(lookups) == 2 and len(selected) == 1
+    with precision.fp32_precision("tf32"):
+        assert layer_plans.map_layer_plan(kernel_map, ("forward", ""), select) == "plan 2"
+    assert len(lookups) == 3
+
+
 def test_a_new_map_of_a_kept_signature_reuses_the_plan_and_remembers_it_itself():
     selected = []
     first, second = _map(1500), _map(2000)
@@ -142,10 +169,10 @@ def test_a_map_remembers_nothing_from_a_selection_that_raises():
         raise ValueError("no algorithm can run this problem")
 
     with pytest.raises(ValueError):
-        layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", failing)
+        layer_plans.map_layer_plan(kernel_map, ("forward",), failing)
     assert kernel_map.layer_plans == {}
-    assert layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", lambda: None) is None
-    assert layer_plans.map_layer_plan(kernel_map, ("forward",), "forward", "", lambda: "a plan") is None
+    assert layer_plans.map_layer_plan(kernel_map, ("forward",), lambda: None) is None
+    assert layer_plans.map_layer_plan(kernel_map, ("forward",), lambda: "a plan") is None
 
 
 def test_the_host_overhead_benchmark_says_it_needs_a_gpu(capsys):

@@ -106,7 +106,7 @@ def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
     def kept():
         return kept_plan(map_plan_key(phase, features.dtype, weight.shape, device_index, algo, kernel_map), select)
 
-    return map_layer_plan(kernel_map, (phase, algo, features.dtype, weight.shape, device_index), phase, algo, kept)
+    return map_layer_plan(kernel_map, (phase, algo, features.dtype, weight.shape, device_index), kept)
 
 
 def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:

@@ -25,6 +25,7 @@ from .base import ConvProblem, gpu_only_reason, register
 from .wmma_implicit_gemm import (
     AUTO_WGRAD_WARPS_PER_SM,
     LastMapValues,
+    NO_WGRAD_SUM,
     VECTOR_BYTES,
     WGRAD_SUM_ARGUMENTS,
     WGRAD_WARPS_PER_SM,
@@ -193,9 +194,11 @@ class ForwardGemmPlan:
         the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
         raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
         table, order, num_out, grid = self._map_values(kernel_map)
-        grid, sum_arguments = with_wgrad_sum(grid, self.kernel.block_threads, wgrad_sum)
-        vector_rows = self.vector_rows and features % VECTOR_BYTES == 0
-        self.kernel.launch(stream, features, table, order, weight, out, num_out, int(vector_rows),
+        sum_arguments = NO_WGRAD_SUM
+        if wgrad_sum is not None:
+            grid, sum_arguments = with_wgrad_sum(grid, self.kernel.block_threads, wgrad_sum)
+        vector_rows = 1 if self.vector_rows and not features % VECTOR_BYTES else 0
+        self.kernel.launch(stream, features, table, order, weight, out, num_out, vector_rows,
                            reverse_weight_offsets, *sum_arguments, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):

@@ -325,9 +325,11 @@ class _GemmPlan:
         in the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
         raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
         table, order, num_out, grid = self._map_values(kernel_map)
-        grid, sum_arguments = with_wgrad_sum(grid, self.threads, wgrad_sum)
+        sum_arguments = NO_WGRAD_SUM
+        if wgrad_sum is not None:
+            grid, sum_arguments = with_wgrad_sum(grid, self.threads, wgrad_sum)
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
-        pipelined = self.vector_rows and features % VECTOR_BYTES == 0
+        pipelined = self.vector_rows and not features % VECTOR_BYTES
         self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(
             stream, features, table, order, weight, out, num_out, reverse_weight_offsets, *sum_arguments, grid=grid)
 
@@ -402,11 +404,9 @@ WGRAD_SUM_ARGUMENTS = (None, None, None, None)
 NO_WGRAD_SUM = (0, 0, 0, 0)
 
 
-def with_wgrad_sum(grid: tuple[int, int, int], threads: int, wgrad_sum: WgradSum | None) -> tuple[tuple, tuple]:
+def with_wgrad_sum(grid: tuple[int, int, int], threads: int, wgrad_sum: WgradSum) -> tuple[tuple, tuple]:
     """The grid of a forward kernel's launch of blocks of `threads`, with the blocks of `wgrad_sum` past
-    its tiles, and the kernel's four wgrad-sum arguments."""
-    if wgrad_sum is None:
-        return grid, NO_WGRAD_SUM
+    its tiles, and the kernel's four wgrad-sum arguments (a launch without them passes `NO_WGRAD_SUM`)."""
     return (grid[0] + wgrad_sum.blocks(threads), 1, 1), wgrad_sum[:4]
 
 
