@@ -74,39 +74,60 @@ def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tens
     return _core_forward(features, weight, table, fwd_algo)
 
 
-def _plannable(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> bool:
-    """Whether launch plans can run these tensors: contiguous floating features on the current CUDA
-    device (whose kernels the plans hold), of the map's rows and the weight's dtype, device and input
-    channels, a weight of the map's kernel volume, with work to do. Anything else takes the core's
-    path, which explains what is wrong (or returns the zeros of an empty problem)."""
-    return (
-        features.is_cuda and features.is_contiguous() and features.device.index == torch.cuda.current_device()
-        and features.is_floating_point() and features.dim() == 2 and weight.dim() == 3
-        and features.shape[0] == kernel_map.num_in and weight.shape[0] == kernel_map.kernel_volume
-        and features.shape[1] == weight.shape[1] and features.dtype == weight.dtype
-        and features.device == weight.device and kernel_map.num_in > 0 and kernel_map.num_out > 0
-        and weight.shape[1] > 0 and weight.shape[2] > 0
-    )
-
-
-def _plannable_gradient(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor,
-                        kernel_map: KernelMap) -> bool:
-    return (
-        _plannable(features, weight, kernel_map) and grad_output.is_contiguous()
-        and grad_output.shape == (kernel_map.num_out, weight.shape[2]) and grad_output.dtype == features.dtype
-        and grad_output.device == features.device
-    )
-
-
-def _layer_plan(phase: str, features, weight, kernel_map, algo: str, select):
-    """The launch plan of `phase` for this layer's signature (`layer_plans.map_plan_key`), or None:
-    selected on first use and kept, and remembered on the map for the layer's later calls over it."""
+def _layer_plan(phase: str, features, weight, kernel_map: KernelMap, algo: str, grad_output=None):
+    """The launch plan of `phase` ("forward", or "backward" with `grad_output`) for this layer's
+    signature (`layer_plans.map_plan_key`), or None where plans cannot run these tensors (the core's
+    path then explains what is wrong, or returns the zeros of an empty problem): selected on first use
+    and kept, and remembered on the map for the layer's later calls over it. What a call's shapes decide
+    (`_fits`) is remembered with it; every call checks what can change between calls of one signature:
+    CUDA tensors, contiguous, of one dtype, on the current device (whose kernels the plans hold)."""
+    if not (features.is_cuda and features.is_contiguous() and features.dtype == weight.dtype
+            and features.device == weight.device):
+        return None
     device_index = features.device.index
+    if device_index != torch.cuda.current_device():
+        return None
+    call = (phase, algo, features.dtype, features.shape, weight.shape, device_index)
+    if grad_output is not None:
+        if not (grad_output.is_contiguous() and grad_output.dtype == features.dtype
+                and grad_output.device == features.device):
+            return None
+        call += (grad_output.shape,)
+    return map_layer_plan(kernel_map, call, _select_layer_plan, phase, features, weight, kernel_map, algo,
+                          grad_output)
 
-    def kept():
-        return kept_plan(map_plan_key(phase, features.dtype, weight.shape, device_index, algo, kernel_map), select)
 
-    return map_layer_plan(kernel_map, (phase, algo, features.dtype, weight.shape, device_index), kept)
+def _fits(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap, grad_output) -> bool:
+    """Whether tensors of these shapes fit a plan: floating features of the map's rows and the
+    weight's input channels, a weight of the map's kernel volume, an output gradient of the output's
+    shape, with work to do."""
+    return (
+        features.is_floating_point() and features.dim() == 2 and weight.dim() == 3
+        and features.shape[0] == kernel_map.num_in and weight.shape[0] == kernel_map.kernel_volume
+        and features.shape[1] == weight.shape[1] and kernel_map.num_in > 0 and kernel_map.num_out > 0
+        and weight.shape[1] > 0 and weight.shape[2] > 0
+        and (grad_output is None or grad_output.shape == (kernel_map.num_out, weight.shape[2]))
+    )
+
+
+def _select_layer_plan(phase: str, features, weight, kernel_map: KernelMap, algo: str, grad_output):
+    """`_layer_plan`'s selection, made when its map does not remember one: a kept plan, or None."""
+    if not _fits(features, weight, kernel_map, grad_output):
+        return None
+
+    def select():
+        with on_torch_stream(features.device):
+            problem = _plannable_problem(features, weight, kernel_map)
+            if phase == "forward":
+                run = _run_on_core(functional.forward_runner, features, weight, kernel_map)
+            else:
+                run = _run_on_core(functional.backward_runner, grad_output, features, weight, kernel_map)
+            selection = select_algorithm(parse_algorithm_filter(_algorithm(algo), CONV, phase), problem, run)
+            planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
+            return planner(problem, selection.params)
+
+    key = map_plan_key(phase, features.dtype, weight.shape, features.device.index, algo, kernel_map)
+    return kept_plan(key, select)
 
 
 def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:
@@ -154,30 +175,8 @@ def _kept_padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch
     return kept[1]
 
 
-def _forward_plan(features, weight, kernel_map, fwd_algo: str):
-    def select():
-        with on_torch_stream(features.device):
-            problem = _plannable_problem(features, weight, kernel_map)
-            run = _run_on_core(functional.forward_runner, features, weight, kernel_map)
-            selection = select_algorithm(parse_algorithm_filter(_algorithm(fwd_algo), CONV, "forward"), problem, run)
-            return selection.algorithm.forward_plan(problem, selection.params)
-
-    return _layer_plan("forward", features, weight, kernel_map, fwd_algo, select)
-
-
-def _backward_plan(grad_output, features, weight, kernel_map, bwd_algo: str):
-    def select():
-        with on_torch_stream(features.device):
-            problem = _plannable_problem(features, weight, kernel_map)
-            run = _run_on_core(functional.backward_runner, grad_output, features, weight, kernel_map)
-            selection = select_algorithm(parse_algorithm_filter(_algorithm(bwd_algo), CONV, "backward"), problem, run)
-            return selection.algorithm.backward_plan(problem, selection.params)
-
-    return _layer_plan("backward", features, weight, kernel_map, bwd_algo, select)
-
-
 def _plannable_problem(features: torch.Tensor, weight: torch.Tensor, kernel_map: KernelMap) -> ConvProblem:
-    """The `ConvProblem` of tensors `_plannable` accepted, from their shapes and dtype alone."""
+    """The `ConvProblem` of tensors `_fits` accepted, from their shapes and dtype alone."""
     return ConvProblem.over(kernel_map, features.shape[1], weight.shape[2], core_dtype(features.dtype), on_gpu=True)
 
 
@@ -201,13 +200,16 @@ def _core_forward(features, weight, table, fwd_algo: str) -> torch.Tensor:
 def _map_forward(features, weight, kernel_map: KernelMap, fwd_algo: str, inference: bool = False) -> torch.Tensor:
     """The forward; `inference` (nothing to differentiate, eager mode) keeps a padded weight from call
     to call (`_kept_padded`), where training, whose weight changes every step, pads per call."""
-    plan = _forward_plan(features, weight, kernel_map, fwd_algo) if _plannable(features, weight, kernel_map) else None
+    plan = _layer_plan("forward", features, weight, kernel_map, fwd_algo)
     if plan is not None:
-        with naming_sizes("forward", features, weight, kernel_map):
+        try:
             out = features.new_empty((kernel_map.num_out, weight.shape[2]))
             padded = (_kept_padded if inference else _padded)(weight, plan.weight_shape, plan.weight_transposed)
             plan.launch(kernel_map, features.data_ptr(), padded.data_ptr(), out.data_ptr(),
                         stream_handle(features.device))
+        except Exception as error:  # a `with naming_sizes` costs a microsecond on every call
+            naming_sizes("forward", features, weight, kernel_map).name(error)
+            raise
         return out
     with on_torch_stream(features.device):
         out = functional.conv_forward(to_core(features), to_core(weight), kernel_map, _algorithm(fwd_algo))
@@ -223,12 +225,14 @@ def _core_backward(grad_output, features, weight, table, bwd_algo: str, needs_in
 def _map_backward(grad_output, features, weight, kernel_map: KernelMap, bwd_algo: str, needs_input_grad: bool,
                   needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients asked for, None for the others."""
-    plannable = _plannable_gradient(grad_output, features, weight, kernel_map)
-    plan = _backward_plan(grad_output, features, weight, kernel_map, bwd_algo) if plannable else None
+    plan = _layer_plan("backward", features, weight, kernel_map, bwd_algo, grad_output)
     if plan is not None:
-        with naming_sizes("backward", features, weight, kernel_map):
+        try:
             return _planned_backward(plan, kernel_map, grad_output, features, weight, needs_input_grad,
                                      needs_weight_grad)
+        except Exception as error:
+            naming_sizes("backward", features, weight, kernel_map).name(error)
+            raise
     with on_torch_stream(features.device):
         grad_input, grad_weight = functional.conv_backward(
             to_core(grad_output), to_core(features), to_core(weight), kernel_map, _algorithm(bwd_algo),
