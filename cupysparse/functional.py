@@ -217,13 +217,14 @@ def _fits(features, weight, kernel_map, grad_output=None) -> bool:
 @functools.cache
 def _cupy_calls() -> tuple:
     """What a planned call uses of CuPy every time, looked up once: its array type (the only one plans
-    take, subclasses aside; None without CuPy), a reader of an array's C-contiguity, the current
-    device's id and the current stream. CuPy keeps the contiguity an array's `flags` report in
+    take, subclasses aside; None without CuPy) and readers of an array's C-contiguity, of the current
+    device's id and of the current stream. CuPy keeps the contiguity an array's `flags` report in
     `_c_contiguous`; `flags` builds an object on every read, a microsecond on the slower hosts."""
     cupy = cupy_module()
     if cupy is None:
         return None, None, None, None
-    c_contiguous = operator.attrgetter("_c_contiguous" if hasattr(cupy.ndarray, "_c_contiguous") else "flags.c_contiguous")
+    contiguity = "_c_contiguous" if hasattr(cupy.ndarray, "_c_contiguous") else "flags.c_contiguous"
+    c_contiguous = operator.attrgetter(contiguity)
     return cupy.ndarray, c_contiguous, cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
 
 
