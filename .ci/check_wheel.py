@@ -15,8 +15,8 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 
 def shipped_caches(root: Path) -> list[str]:
     """The wheel paths of the source tree's shipped tuning caches (package data)."""
-    return sorted(f"cupysparse/shipped_caches/{path.name}" for path in (root / "cupysparse" / "shipped_caches").glob(
-        "*.msgpack"))
+    folder = root / "cupysparse" / "tuning" / "shipped_caches"
+    return sorted(f"cupysparse/tuning/shipped_caches/{path.name}" for path in folder.glob("*.msgpack"))
 
 
 def problems(names: list[str], shipped: list[str] = ()) -> list[str]:

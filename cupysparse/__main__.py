@@ -1,31 +1,8 @@
-"""Command line: `python -m cupysparse COMMAND`."""
+"""`python -m cupysparse COMMAND`: see `cupysparse.scripts.cli`."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from . import info, warmup
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupysparse", description="cupysparse command line tools.")
-    commands = parser.add_subparsers(metavar="COMMAND")
-    info_parser = commands.add_parser("info", help="print the environment a bug report needs")
-    info_parser.set_defaults(run=lambda args: info.main())
-    warmup_parser = commands.add_parser(
-        "warmup", help="compile the kernels the reference networks need into the kernel cache",
-        description=warmup.__doc__.split("\n\n")[0], epilog=warmup.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    warmup.add_arguments(warmup_parser)
-    warmup_parser.set_defaults(run=warmup.run)
-    args = parser.parse_args(argv)  # an unknown command exits 2 with argparse's usage message
-    if not hasattr(args, "run"):
-        parser.print_help(sys.stderr)
-        return 2
-    return args.run(args)
-
+from cupysparse.scripts.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

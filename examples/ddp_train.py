@@ -44,8 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cupysparse.adapters import torch as cst
 from cupysparse.adapters.torch.networks import MinkUNet18
-from cupysparse.benchmark_cache import default_cache
-from cupysparse.demo import scene_tensor
+from cupysparse.tuning.cache_file import default_cache
+from cupysparse.scripts.demo import scene_tensor
 
 LEARNING_RATE = 1e-2
 

@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections import Counter
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
+from cupysparse.tuning.cache_file import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
 
 DEFAULT_NAMESPACES = ("sparse_conv_forward", "sparse_conv_backward")
 TOP_K = 3

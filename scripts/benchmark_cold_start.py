@@ -9,8 +9,8 @@ Run it as a new process: what it measures is what a process pays the first time.
 starts it builds, in the order a program does, the network (random weights, inference in --dtype,
 `eval()`), whose kernels the tuning caches name start loading in the background (with the modules the
 tuner will measure for the layers they do not know), followed by a rehearsal of its forward on a few
-voxels (`cupysparse.prefetch`; --no-prefetch: none of this), then the
-demo's scene (`cupysparse.demo.scene_tensor`: the indoor room, 200K voxels on a GPU, seed 0), and with
+voxels (`cupysparse.networks.prefetch`; --no-prefetch: none of this), then the
+demo's scene (`cupysparse.scripts.demo.scene_tensor`: the indoor room, 200K voxels on a GPU, seed 0), and with
 PyTorch makes one small matrix product in the dtype: PyTorch's own first-use cost (the cuBLAS handle),
 which any torch program pays, is reported apart. Then, host clock to the synchronised result, the
 first forward on a fresh tensor (its kernel maps built: module loads from the kernel cache or NVRTC,
@@ -33,13 +33,16 @@ import statistics
 import sys
 import time
 
-from cupysparse import backend, compile, networks, prefetch
-from cupysparse.benchmark_cache import cache_file_path
-from cupysparse.demo import scene_tensor
-from cupysparse.scenes import INDOOR_CLASSES
-from cupysparse.shipped_cache import shipped_cache_path, shipped_caches_enabled
-from cupysparse.sparse_tensor import SparseTensor
-from cupysparse.tuner import default_tuner
+from cupysparse import settings
+from cupysparse.cuda import backend
+from cupysparse.cuda import compile
+from cupysparse.networks import descriptions as networks
+from cupysparse.tuning.cache_file import cache_file_path
+from cupysparse.scripts.demo import scene_tensor
+from cupysparse.data.scenes import INDOOR_CLASSES
+from cupysparse.tuning.shipped import shipped_cache_path, shipped_caches_enabled
+from cupysparse.geometry.sparse_tensor import SparseTensor
+from cupysparse.tuning.tuner import default_tuner
 
 PROFILE_LINES = 40
 
@@ -106,7 +109,7 @@ class CoreForward:
     """MinkUNet18 framework-free (`InferenceNetwork`), random weights."""
 
     def __init__(self, description, device: str, dtype: str, prefetch: bool):
-        from cupysparse.inference import InferenceNetwork
+        from cupysparse.networks.inference import InferenceNetwork
 
         self._network = InferenceNetwork(description, networks.random_weights(description), device, dtype,
                                          prefetch=prefetch)
@@ -122,15 +125,15 @@ class CoreForward:
 @contextlib.contextmanager
 def prefetch_turned(on: bool):
     """`CUPYSPARSE_PREFETCH` set to `on` for what runs inside."""
-    previous = os.environ.get(prefetch.ENVIRONMENT_VARIABLE)
-    os.environ[prefetch.ENVIRONMENT_VARIABLE] = "1" if on else "0"
+    previous = os.environ.get(settings.PREFETCH.name)
+    os.environ[settings.PREFETCH.name] = "1" if on else "0"
     try:
         yield
     finally:
         if previous is None:
-            del os.environ[prefetch.ENVIRONMENT_VARIABLE]
+            del os.environ[settings.PREFETCH.name]
         else:
-            os.environ[prefetch.ENVIRONMENT_VARIABLE] = previous
+            os.environ[settings.PREFETCH.name] = previous
 
 
 def describe_prefetch(prefetched) -> str:

@@ -21,10 +21,10 @@ import sys
 
 import numpy as np
 
-from cupysparse import backend
+from cupysparse.cuda import backend
 from cupysparse.algorithms import ConvProblem, registered
-from cupysparse.dtypes import as_feature_dtype, short_name
-from cupysparse.scenes import make_scene
+from cupysparse.cuda.dtypes import as_feature_dtype, short_name
+from cupysparse.data.scenes import make_scene
 from cupysparse.scripts.benchmarking import (
     make_timer,
     peak_extra_bytes,
@@ -33,7 +33,7 @@ from cupysparse.scripts.benchmarking import (
     torch_cuda,
     write_csv,
 )
-from cupysparse.sparse_tensor import SparseTensor
+from cupysparse.geometry.sparse_tensor import SparseTensor
 
 PHASES = ("forward", "forward+backward")  # the phases compared with spconv
 KERNEL_SIZE = 3

@@ -28,9 +28,10 @@ import statistics
 import sys
 import time
 
-from cupysparse import backend, compile
-from cupysparse.benchmark_cache import cache_file_path
-from cupysparse.functional import conv_backward, conv_forward
+from cupysparse.cuda import backend
+from cupysparse.cuda import compile
+from cupysparse.tuning.cache_file import cache_file_path
+from cupysparse.functional.convolution import conv_backward, conv_forward
 from cupysparse.scripts.benchmarking import write_csv
 from cupysparse.scripts.populate_benchmark_cache import (
     LayerData,
@@ -39,7 +40,7 @@ from cupysparse.scripts.populate_benchmark_cache import (
     configurations,
     grid_from_arguments,
 )
-from cupysparse.tuner import default_tuner
+from cupysparse.tuning.tuner import default_tuner
 
 PHASES = ("forward", "backward")
 

@@ -25,11 +25,12 @@ import time
 
 import numpy as np
 
-from cupysparse import backend, compile
-from cupysparse.device_timing import WAIT_KERNELS
-from cupysparse.dtypes import as_feature_dtype
-from cupysparse.functional import conv_backward, conv_forward, select_backward, select_forward
-from cupysparse.kernel_map import submanifold_map
+from cupysparse.cuda import backend
+from cupysparse.cuda import compile
+from cupysparse.cuda.timing import WAIT_KERNELS
+from cupysparse.cuda.dtypes import as_feature_dtype
+from cupysparse.functional.convolution import conv_backward, conv_forward, select_backward, select_forward
+from cupysparse.geometry.kernel_map import submanifold_map
 from cupysparse.scripts.benchmarking import add_layer_arguments, indoor_layer_coordinates, time_samples_ms, write_csv
 
 # The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.

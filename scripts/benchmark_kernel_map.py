@@ -18,9 +18,9 @@ import sys
 
 import numpy as np
 
-from cupysparse import backend
-from cupysparse.coordinate_index import Query, build_index
-from cupysparse.kernel_map import (
+from cupysparse.cuda import backend
+from cupysparse.geometry.hashing import Query, build_index
+from cupysparse.geometry.kernel_map import (
     csr_pairs,
     downsample_coordinates,
     mask_sorted_order,
@@ -28,7 +28,7 @@ from cupysparse.kernel_map import (
     strided_map,
     submanifold_map,
 )
-from cupysparse.scenes import make_scene
+from cupysparse.data.scenes import make_scene
 from cupysparse.scripts.benchmarking import make_timer, write_csv
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))

@@ -19,7 +19,7 @@ layer's rows are written once all of its dtypes are measured.
     cupysparse-benchmark-memory-analysis --precompile --cold --output-dir cold-start
     cupysparse-benchmark-memory-analysis --dtypes fp32 tf32 --backends auto,spconv
 
-The dtype `tf32` is fp32 features with TF32 products (`cupysparse.precision`; spconv with
+The dtype `tf32` is fp32 features with TF32 products (`cupysparse.cuda.precision`; spconv with
 SPCONV_ALLOW_TF32), `fp32` exact fp32 for both, whatever CUPYSPARSE_FP32_PRECISION says.
 
 Backends: every registered algorithm by name (the tuner picks its parameters, as for
@@ -68,15 +68,16 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from cupysparse import backend, compile
-from cupysparse.algorithm_modes import AUTO, parse_algorithm_filter
+from cupysparse.cuda import backend
+from cupysparse.cuda import compile
+from cupysparse.tuning.search_space import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
-from cupysparse.algorithms.wmma_implicit_gemm import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
-from cupysparse.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
-from cupysparse.functional import backward_runner, conv_backward, conv_forward, forward_runner
-from cupysparse.kernel_map import KernelMapCache
-from cupysparse.precision import IEEE, TF32, fp32_precision
-from cupysparse.scenes import make_scene
+from cupysparse.algorithms.tensor_core.wmma import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
+from cupysparse.cuda.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
+from cupysparse.functional.convolution import backward_runner, conv_backward, conv_forward, forward_runner
+from cupysparse.geometry.kernel_map import KernelMapCache
+from cupysparse.cuda.precision import IEEE, TF32, fp32_precision
+from cupysparse.data.scenes import make_scene
 from cupysparse.scripts.benchmark_first_call import host_ms, synchronize
 from cupysparse.scripts.benchmarking import (
     interleaved_samples_ms,
@@ -88,8 +89,9 @@ from cupysparse.scripts.benchmarking import (
     write_csv,
 )
 from cupysparse.scripts.populate_benchmark_cache import _comma_items, _parse_channel_pair, _parse_voxel_count
-from cupysparse.tuner import candidates, default_tuner
-from cupysparse.weight_conversion import to_torch_conv_weight
+from cupysparse.tuning.search_space import candidates
+from cupysparse.tuning.tuner import default_tuner
+from cupysparse.networks.weight_layouts import to_torch_conv_weight
 
 SPCONV = "spconv"
 TORCH_DENSE = "torch"

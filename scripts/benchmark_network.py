@@ -1,7 +1,7 @@
 """End to end: a whole MinkUNet, inference and a training step, cupysparse against spconv 2.x.
 
 The network is MinkUNet18 (--depth 14 / 18 / 34, --width scales the channels) on a batch of
---batch-size indoor scenes (`cupysparse.scenes`, seeds 0, 1, ...) of about --num-voxels voxels
+--batch-size indoor scenes (`cupysparse.data.scenes`, seeds 0, 1, ...) of about --num-voxels voxels
 each. Each voxel's input is the xyz of its first point, normalised per scene to [0, 1] (minus
 the scene's minimum, divided by its extent); its label, that point's label, is the target of the
 loss. Both models are pure --dtype (float16 by default: `.half()`, parameters, batch-norm
@@ -56,14 +56,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from cupysparse import backend, networks
+from cupysparse.cuda import backend
+from cupysparse.networks import descriptions as networks
 from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
 from cupysparse.adapters.torch.networks import MinkUNet14, MinkUNet18, MinkUNet34
-from cupysparse.coords import as_tuple
-from cupysparse.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
+from cupysparse.geometry.coords import as_tuple
+from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
 from cupysparse.scripts.benchmarking import peak_extra_bytes, route_cupy_through_torch, write_csv
-from cupysparse.sparse_tensor import SparseTensor
-from cupysparse.weight_conversion import to_spconv_weight
+from cupysparse.geometry.sparse_tensor import SparseTensor
+from cupysparse.networks.weight_layouts import to_spconv_weight
 
 MINKUNETS = {14: MinkUNet14, 18: MinkUNet18, 34: MinkUNet34}
 PHASES = ("inference", "training step")

@@ -25,9 +25,9 @@ import sys
 
 import numpy as np
 
-from cupysparse import backend
-from cupysparse.dtypes import as_feature_dtype
-from cupysparse.functional import conv_backward, conv_forward
+from cupysparse.cuda import backend
+from cupysparse.cuda.dtypes import as_feature_dtype
+from cupysparse.functional.convolution import conv_backward, conv_forward
 from cupysparse.scripts.benchmarking import (
     add_layer_arguments,
     indoor_layer_coordinates,

@@ -11,10 +11,10 @@ import tracemalloc
 
 import numpy as np
 
-from cupysparse import backend
-from cupysparse.scenes import make_scene
-from cupysparse.tuner import median_time_ms
-from cupysparse.weight_conversion import to_spconv_weight
+from cupysparse.cuda import backend
+from cupysparse.data.scenes import make_scene
+from cupysparse.tuning.tuner import median_time_ms
+from cupysparse.networks.weight_layouts import to_spconv_weight
 
 
 def add_layer_arguments(parser, channels: int) -> None:

@@ -27,7 +27,7 @@ python3 -m cupysparse.scripts.benchmark_conv --csv "$out/benchmark_conv.csv" "$@
 bench_status=$(( bench_status || PIPESTATUS[0] ))
 python3 -m cupysparse.scripts.benchmark_host_overhead --csv "$out/benchmark_host_overhead.csv" 2>&1 | tee "$out/benchmark_host_overhead.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
-python3 -m cupysparse.demo --train-steps 3 2>&1 | tee "$out/demo.txt"
+python3 -m cupysparse.scripts.demo --train-steps 3 2>&1 | tee "$out/demo.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
 python3 -m cupysparse.scripts.benchmark_network --csv "$out/benchmark_network.csv" 2>&1 | tee "$out/benchmark_network.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))

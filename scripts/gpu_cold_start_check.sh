@@ -33,7 +33,7 @@ done
 if [ "$populate" = 1 ]; then
   # The kernels the first cold run compiled serve the tuning runs too.
   step populate env CUPY_CACHE_DIR="$scratch/kernels-cold-1" python3 -m cupysparse.scripts.populate_shipped_cache
-  cp "$(python3 -c 'from cupysparse.shipped_cache import SHIPPED_CACHE_DIR; print(SHIPPED_CACHE_DIR)')"/*.msgpack "$out/"
+  cp "$(python3 -c 'from cupysparse.tuning.shipped import SHIPPED_CACHE_DIR; print(SHIPPED_CACHE_DIR)')"/*.msgpack "$out/"
 fi
 step warmup env CUPY_CACHE_DIR="$scratch/kernels-warm" python3 -m cupysparse warmup
 step warmup env CUPY_CACHE_DIR="$scratch/kernels-warm" python3 -m cupysparse warmup --compile-only

@@ -15,6 +15,6 @@ step warmup python3 -m cupysparse warmup --networks minkunet18
 step ddp python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$repo/examples/ddp_train.py" "$@"
 step ddp python3 -m torch.distributed.run --standalone --nproc_per_node 2 "$repo/examples/ddp_train.py" "$@"
 step tests python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir="$repo" -c "$repo/pyproject.toml" \
-  "$repo/tests/test_torch_multi_gpu.py"
+  "$repo/tests/adapters/test_torch_multi_gpu.py"
 echo "ddp check exit $status"
 exit $status

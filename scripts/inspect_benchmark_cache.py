@@ -21,7 +21,7 @@ import json
 import pathlib
 import sys
 
-from cupysparse.benchmark_cache import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
+from cupysparse.tuning.cache_file import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
 
 RULE = "-" * 40
 SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters

@@ -34,16 +34,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cupysparse import backend
-from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.cuda import backend
+from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
-from cupysparse.benchmark_cache import default_cache
-from cupysparse.dtypes import as_feature_dtype
-from cupysparse.functional import backward_runner, forward_runner
-from cupysparse.kernel_map import KernelMapCache
-from cupysparse.progress import Progress
-from cupysparse.scenes import INDOOR_MIN_NUM_VOXELS, make_scene
-from cupysparse.tuner import NAMESPACES, Tuner, tuning_enabled, tuning_key
+from cupysparse.tuning.cache_file import default_cache
+from cupysparse.cuda.dtypes import as_feature_dtype
+from cupysparse.functional.convolution import backward_runner, forward_runner
+from cupysparse.geometry.kernel_map import KernelMapCache
+from cupysparse.scripts.progress import Progress
+from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, make_scene
+from cupysparse.tuning.tuner import NAMESPACES, Tuner, tuning_enabled, tuning_key
 
 # The (C_in, C_out) of the spatial convolutions (submanifold, strided and transposed) of each
 # network, in network order; 1x1 projections and classifier heads are left out (plain matrix products).

@@ -3,7 +3,7 @@
     cupysparse-populate-shipped-cache --output cupysparse/shipped_caches/benchmark_cache_sm_90.msgpack
     cupysparse-populate-shipped-cache --num-voxels 200K --dtypes float16 --dry-run
 
-For each network, scene size and dtype it builds the demo's scene (`cupysparse.demo.scene_tensor`:
+For each network, scene size and dtype it builds the demo's scene (`cupysparse.scripts.demo.scene_tensor`:
 the indoor room for MinkUNet18, the outdoor LiDAR sweep for CenterPoint's backbone, seed 0) and runs
 the network forward and backward with the tuner measuring every convolution in the `--algo-mode`
 search space (`network_tuning.tune_network`): the keys a training or inference run on that scene
@@ -26,16 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from cupysparse import backend, networks
-from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.cuda import backend
+from cupysparse.networks import descriptions as networks
+from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV
-from cupysparse.benchmark_cache import BenchmarkCache
-from cupysparse.demo import scene_tensor
-from cupysparse.network_tuning import tune_network
-from cupysparse.precision import TF32, fp32_precision, get_fp32_precision
-from cupysparse.progress import Progress
-from cupysparse.shipped_cache import shipped_cache_path
-from cupysparse.tuner import Tuner, tuning_enabled
+from cupysparse.tuning.cache_file import BenchmarkCache
+from cupysparse.scripts.demo import scene_tensor
+from cupysparse.networks.tuning import tune_network
+from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
+from cupysparse.scripts.progress import Progress
+from cupysparse.tuning.shipped import shipped_cache_path
+from cupysparse.tuning.tuner import Tuner, tuning_enabled
 
 NETWORKS = {
     "minkunet18": ("indoor", lambda classes: networks.minkunet(18, 3, classes)),

@@ -9,7 +9,7 @@
 #                              [--shard I/N] [--skip-first K] [--budget SECONDS] [--pooled] [--no-install]
 #                              [-k EXPRESSION]
 #
-# --select kernels (default): tests/test_conv_algorithms_gpu.py, test_tf32_gpu.py, test_kernel_map.py,
+# --select kernels (default): tests/algorithms/test_conv_algorithms_gpu.py, test_tf32_gpu.py, test_kernel_map.py,
 #   test_pooling.py: every algorithm x dtype x phase (TF32 included) and every template instantiation of
 #   the tuner's space, the maps in 2-4 D with their formats, depthwise and pooling, all on small inputs.
 #   frameworks: every other GPU test (PyTorch and JAX adapters, networks, the fuzz suite, out of memory,
@@ -55,11 +55,12 @@ case "$tool" in memcheck|racecheck|synccheck|initcheck) tools=("$tool") ;; both)
   *) echo "--tool must be memcheck, racecheck, synccheck, initcheck or both, got '$tool'" >&2; exit 2 ;; esac
 left_out_of_selection=""  # words of test names -k leaves out (racecheck adds "explicit")
 case "$select" in
-  kernels) files=(test_conv_algorithms_gpu.py test_tf32_gpu.py test_kernel_map.py test_pooling.py) ;;
+  kernels) files=(algorithms/test_conv_algorithms_gpu.py algorithms/test_tf32_gpu.py geometry/test_kernel_map.py
+                  functional/test_pooling.py) ;;
   # New files go last: a shard keeps its tests' order, so a --skip-first from an older run still holds.
-  frameworks) files=(test_torch_adapter_gpu.py test_jax_adapter.py test_networks_gpu.py test_fuzz.py
-                     test_sparse_tensor.py test_compile.py test_info.py test_out_of_memory.py
-                     test_fp16_overflow.py test_torch_multi_gpu.py)
+  frameworks) files=(adapters/test_torch_adapter_gpu.py adapters/test_jax_adapter.py networks/test_networks_gpu.py
+                     functional/test_fuzz.py geometry/test_sparse_tensor.py cuda/test_compile.py scripts/test_info.py
+                     cuda/test_out_of_memory.py functional/test_fp16_overflow.py adapters/test_torch_multi_gpu.py)
               left_out_of_selection=jnp
               export CUPYSPARSE_AUTOTUNE=0 ;;
   all) files=(.) ;;

@@ -60,12 +60,12 @@ def sync_batch_norm(rank: int, out_dir: str, device: str = "cpu") -> None:
 
 
 def share_tuning(rank: int, out_dir: str) -> None:
-    from cupysparse import tuner as tuner_module
+    from cupysparse.tuning import tuner as tuner_module
     from cupysparse.adapters import torch as cst
-    from cupysparse.algorithm_modes import AlgorithmFilter
+    from cupysparse.tuning.search_space import AlgorithmFilter
     from cupysparse.algorithms import CONV, ConvProblem
-    from cupysparse.benchmark_cache import default_cache
-    from cupysparse.compile import source_digest
+    from cupysparse.tuning.cache_file import default_cache
+    from cupysparse.cuda.compile import source_digest
 
     def must_not_run(algorithm, params):
         raise AssertionError(f"rank {rank} measured {algorithm.name}")

@@ -31,15 +31,15 @@ def test_import_and_info_without_cupy():
 import numpy as np
 
 import cupysparse
-import cupysparse.backend
-import cupysparse.info
+import cupysparse.cuda.backend
+import cupysparse.scripts.info
 
-assert not cupysparse.backend.gpu_available()
+assert not cupysparse.cuda.backend.gpu_available()
 tensor = cupysparse.SparseTensor(np.array([[0, 0, 0, 0], [0, 0, 0, 1]], np.int32), np.ones((2, 2)))
 out = cupysparse.spatially_sparse_conv(tensor, np.ones((27, 2, 3)), 3)
 assert out.features.tolist() == [[4.0] * 3, [4.0] * 3]
-assert cupysparse.backend.cupy_module() is None
-cupysparse.info.main()
+assert cupysparse.cuda.backend.cupy_module() is None
+cupysparse.scripts.info.main()
 """
     )
     assert result.returncode == 0, result.stderr
@@ -56,7 +56,7 @@ def test_import_with_unwritable_cupy_cache_dir(tmp_path):
     result = run_python(
         """
 import importlib.util
-import cupysparse.backend as backend
+import cupysparse.cuda.backend as backend
 
 backend.gpu_available()
 if importlib.util.find_spec("cupy") is not None:

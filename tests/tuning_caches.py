@@ -3,10 +3,11 @@ shipped folder of each test's own (the environment variables that steer the tune
 
 import pytest
 
-from cupysparse import prefetch, shipped_cache
+from cupysparse import settings
+from cupysparse.tuning import shipped as shipped_cache
 
 STEERING_VARIABLES = ("CUPYSPARSE_SHIPPED_CACHE", "CUPYSPARSE_AUTOTUNE", "CUPYSPARSE_FWD_ALGO_MODE",
-                      "CUPYSPARSE_BWD_ALGO_MODE", prefetch.ENVIRONMENT_VARIABLE)
+                      "CUPYSPARSE_BWD_ALGO_MODE", settings.PREFETCH.name)
 
 
 class NotMeasured(Exception):

@@ -24,10 +24,10 @@ as it goes) or a fraction that leaves CuPy room, e.g. `XLA_PYTHON_CLIENT_MEM_FRA
 its cached blocks to the driver.
 """
 
-from .functional import conv, depthwise_conv
-from .layers import LayerNorm, SparseConv, SparseDepthwiseConv, relu
-from .ops import IMPLEMENTATIONS, sparse_conv, sparse_depthwise_conv
-from .tensor import Geometry, SparseTensor, cat
+from cupysparse.adapters.jax.functional import conv, depthwise_conv
+from cupysparse.adapters.jax.layers import LayerNorm, SparseConv, SparseDepthwiseConv, relu
+from cupysparse.adapters.jax.ops import IMPLEMENTATIONS, sparse_conv, sparse_depthwise_conv
+from cupysparse.adapters.jax.tensor import Geometry, SparseTensor, cat
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from cupysparse.backend import cupy_module
+from cupysparse.cuda.backend import cupy_module
 
 _DLPACK_CPU = 1
 

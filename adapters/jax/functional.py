@@ -1,17 +1,17 @@
-"""Sparse convolutions of JAX `SparseTensor`s, the JAX counterpart of `cupysparse.functional`.
+"""Sparse convolutions of JAX `SparseTensor`s, the JAX counterpart of `cupysparse.functional.convolution`.
 
 Each call looks up (or builds, while tracing) the kernel map of the input's geometry, convolves the
 features with `ops`, and returns a tensor on the output geometry, which shares the map cache: a
 transposed convolution returns to the coordinates its input was downsampled from. See
-`cupysparse.kernel_map` for the semantics of each kind.
+`cupysparse.geometry.kernel_map` for the semantics of each kind.
 """
 
 from __future__ import annotations
 
 import jax
 
-from . import ops
-from .tensor import SparseTensor
+from cupysparse.adapters.jax import ops
+from cupysparse.adapters.jax.tensor import SparseTensor
 
 
 def _check_input(input) -> None:

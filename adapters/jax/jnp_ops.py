@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cupysparse.backend import to_numpy
-from cupysparse.dtypes import accumulation_dtype
+from cupysparse.cuda.backend import to_numpy
+from cupysparse.cuda.dtypes import accumulation_dtype
 
 _PRECISION = lax.Precision.HIGHEST
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from cupysparse.coords import as_tuple
-from cupysparse.dtypes import accumulation_dtype
+from cupysparse.geometry.coords import as_tuple
+from cupysparse.cuda.dtypes import accumulation_dtype
 
-from .functional import conv, depthwise_conv
-from .tensor import SparseTensor
+from cupysparse.adapters.jax.functional import conv, depthwise_conv
+from cupysparse.adapters.jax.tensor import SparseTensor
 
 
 def _positive_int(value, name: str) -> None:

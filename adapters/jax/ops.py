@@ -3,11 +3,11 @@
 The kernel map is static: built in Python from concrete coordinates (`tensor.Geometry`), closed
 over, never traced. Two implementations compute the three phases (forward; dgrad, the forward
 over the reversed map with the weights transposed; wgrad):
-- `"core"`: the core's autotuned algorithms (`cupysparse.functional`) through `callback.call`:
+- `"core"`: the core's autotuned algorithms (`cupysparse.functional.convolution`) through `callback.call`:
   CuPy raw kernels on XLA's stream when the map is on the GPU, NumPy when it is on the CPU;
 - `"jnp"`: gathers and matrix products in `jax.numpy` (`jnp_ops`), compiled by XLA.
 `impl=None` picks `"core"` for a map on the GPU and `"jnp"` for one on the CPU. `fwd_algo` /
-`bwd_algo` are the core's algorithm search spaces (see `cupysparse.functional`); `"jnp"` has none.
+`bwd_algo` are the core's algorithm search spaces (see `cupysparse.functional.convolution`); `"jnp"` has none.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import jax
 
-from cupysparse import functional
-from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.functional import convolution as functional
+from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, DEPTHWISE
-from cupysparse.backend import is_cupy_array
-from cupysparse.kernel_map import KernelMap
+from cupysparse.cuda.backend import is_cupy_array
+from cupysparse.geometry.kernel_map import KernelMap
 
-from . import callback, jnp_ops
-from .tensor import check_features
+from cupysparse.adapters.jax import callback, jnp_ops
+from cupysparse.adapters.jax.tensor import check_features
 
 IMPLEMENTATIONS = ("core", "jnp")
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from cupysparse.backend import cupy_module, gpu_available, is_cupy_array, to_device
-from cupysparse.coords import as_tuple, validate_coordinates
-from cupysparse.dtypes import FEATURE_DTYPES
-from cupysparse.kernel_map import KernelMapCache
+from cupysparse.cuda.backend import cupy_module, gpu_available, is_cupy_array, to_device
+from cupysparse.geometry.coords import as_tuple, validate_coordinates
+from cupysparse.cuda.dtypes import FEATURE_DTYPES
+from cupysparse.geometry.kernel_map import KernelMapCache
 
 _GPU_PLATFORMS = ("gpu", "cuda")
 

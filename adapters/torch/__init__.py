@@ -16,8 +16,8 @@ tensors run the NumPy path. The convolutions are `torch.library` custom ops (`cu
 with fake implementations, so they compile with `torch.compile` and record into CUDA graphs.
 """
 
-from .distributed import SparseSyncBatchNorm, convert_sync_batchnorm, share_tuning
-from .functional import (
+from cupysparse.adapters.torch.distributed import SparseSyncBatchNorm, convert_sync_batchnorm, share_tuning
+from cupysparse.adapters.torch.functional import (
     global_avg_pool,
     global_max_pool,
     sparse_avg_pool,
@@ -26,7 +26,7 @@ from .functional import (
     sparse_max_pool,
     sparse_unpool,
 )
-from .modules import (
+from cupysparse.adapters.torch.modules import (
     GlobalAvgPool,
     GlobalMaxPool,
     PerVoxel,
@@ -47,7 +47,7 @@ from .modules import (
     SubMConv3d,
     load_spconv_state_dict,
 )
-from .tensor import SparseTensor
+from cupysparse.adapters.torch.tensor import SparseTensor
 
 __all__ = [
     "GlobalAvgPool",

@@ -24,8 +24,8 @@ import weakref
 import numpy as np
 import torch
 
-from cupysparse.backend import cupy_module
-from cupysparse.dtypes import BFLOAT16
+from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.dtypes import BFLOAT16
 
 
 _NUMPY_DTYPES = {

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cupysparse import tuning_agreement
+from cupysparse.tuning import agreement as tuning_agreement
 
-from .modules import SparseBatchNorm
-from .tensor import SparseTensor
+from cupysparse.adapters.torch.modules import SparseBatchNorm
+from cupysparse.adapters.torch.tensor import SparseTensor
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -194,7 +194,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
 def share_tuning(group=None) -> int:
     """A collective (every rank of `group` must call it, at the same point): afterwards every rank
     makes the same algorithm choice for every problem any rank had met, the lowest rank's (see
-    `cupysparse.tuning_agreement`). Call it after a step in which each rank tuned on its own, e.g.
+    `cupysparse.tuning.agreement`). Call it after a step in which each rank tuned on its own, e.g.
     a warm-up step under `DistributedDataParallel.no_sync()`. Returns how many cache entries this
     rank took from others. With NCCL, `torch.cuda.set_device(local_rank)` must come first."""
     entries = tuning_agreement.local_entries()

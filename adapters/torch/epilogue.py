@@ -1,4 +1,4 @@
-"""The core's inference epilogue (`cupysparse.epilogue`) for torch tensors, with nothing to
+"""The core's inference epilogue (`cupysparse.functional.epilogue`) for torch tensors, with nothing to
 differentiate: `relu?(batch_norm(x) (+ residual))` under running statistics.
 
 On the current CUDA device, with dtypes the kernel takes, it is one launch of our kernel on torch's
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from cupysparse import epilogue
-from cupysparse.dtypes import BFLOAT16, FLOAT16, FLOAT32
+from cupysparse.functional import epilogue
+from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32
 
-from .bridge import from_core, on_torch_stream, stream_handle, to_core
+from cupysparse.adapters.torch.bridge import from_core, on_torch_stream, stream_handle, to_core
 
 _CORE_DTYPES = {torch.float32: FLOAT32, torch.float16: FLOAT16}
 if BFLOAT16 is not None:
@@ -23,7 +23,7 @@ if BFLOAT16 is not None:
 def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                         weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                         residual: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
-    """`cupysparse.epilogue.batch_norm_epilogue` of torch tensors; the result is not differentiable."""
+    """`cupysparse.functional.epilogue.batch_norm_epilogue` of torch tensors; the result is not differentiable."""
     statistics = (running_mean, running_var, weight, bias)
     if _launchable(features, residual, statistics):
         features = features.contiguous()

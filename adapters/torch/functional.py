@@ -13,11 +13,11 @@ import math
 import torch
 
 from cupysparse.algorithms import CONV, DEPTHWISE
-from cupysparse.coords import as_tuple
-from cupysparse.layer_plans import algorithm_argument
+from cupysparse.geometry.coords import as_tuple
+from cupysparse.tuning.plans import algorithm_argument
 
-from . import ops
-from .tensor import SparseTensor
+from cupysparse.adapters.torch import ops
+from cupysparse.adapters.torch.tensor import SparseTensor
 
 
 def _require_sparse(input) -> None:
@@ -60,7 +60,7 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     one matrix product in torch, with no kernel map and no algorithm to choose. Inference on a GPU runs
     it over its identity map on the library's kernels, as the framework-free network does: as fast in
     MinkUNet18 inference, within run-to-run noise, and a process's first call then loads no cuBLAS
-    kernel, which the prefetch (`cupysparse.prefetch`) could not load ahead (notes/tuner_performance.md)."""
+    kernel, which the prefetch (`cupysparse.networks.prefetch`) could not load ahead (notes/tuner_performance.md)."""
     _require_sparse(input)
     features, weight = _autocast(input.features, weight)
     _check_like_features(weight, "weight", features)
@@ -162,7 +162,7 @@ def sparse_avg_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -
 
 def sparse_unpool(input: SparseTensor, stride) -> SparseTensor:
     """Nearest unpooling: every voxel of the finer tensor `input` was pooled from gets its coarse
-    parent's features (strides 1 or 2 per axis, as `cupysparse.pooling.sparse_unpool`)."""
+    parent's features (strides 1 or 2 per axis, as `cupysparse.functional.pooling.sparse_unpool`)."""
     _require_sparse(input)
     strides = as_tuple(stride, input.spatial_dims, "stride")
     if any(s > 2 for s in strides):

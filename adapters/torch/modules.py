@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from cupysparse.algorithms import CONV, DEPTHWISE
-from cupysparse.coords import as_tuple
-from cupysparse.layer_plans import algorithm_argument
-from cupysparse.tuner import rehearsing
-from cupysparse.weight_conversion import from_spconv_weight
+from cupysparse.geometry.coords import as_tuple
+from cupysparse.tuning.plans import algorithm_argument
+from cupysparse.tuning.tuner import rehearsing
+from cupysparse.networks.weight_layouts import from_spconv_weight
 
-from . import functional as F
-from .epilogue import batch_norm_epilogue
-from .tensor import SparseTensor
+from cupysparse.adapters.torch import functional as F
+from cupysparse.adapters.torch.epilogue import batch_norm_epilogue
+from cupysparse.adapters.torch.tensor import SparseTensor
 
 
 def _kernel_volume(kernel_size, spatial_dims: int) -> int:
@@ -187,7 +187,7 @@ class SparseBatchNorm(nn.BatchNorm1d):
     """`nn.BatchNorm1d` over the features `[N, C]`; its state-dict keys are BatchNorm1d's.
 
     In evaluation with running statistics and nothing to differentiate (inference) it is the core's
-    inference epilogue (`cupysparse.epilogue`): on the GPU one kernel of ours, which derives scale and
+    inference epilogue (`cupysparse.functional.epilogue`): on the GPU one kernel of ours, which derives scale and
     shift from the statistics itself in fp32, where `F.batch_norm` costs three kernels and tens of
     microseconds of host time a layer. `inference_epilogue` also adds a residual and applies a ReLU in
     the same pass, which the networks use for a batch norm followed by a ReLU or by a residual sum
@@ -218,7 +218,7 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
         it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
         residual of the features' shape and dtype (torch's sum would promote another)."""
-        # A rehearsal (`cupysparse.prefetch`) runs an evaluation: if the module switched to training since, it
+        # A rehearsal (`cupysparse.networks.prefetch`) runs an evaluation: if the module switched to training since, it
         # still uses, and changes nothing of, its running statistics.
         if (self.training and not rehearsing()) or self.running_mean is None or torch.compiler.is_compiling():
             return False

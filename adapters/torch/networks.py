@@ -1,12 +1,12 @@
-"""The reference networks (`cupysparse.networks`) as `torch.nn` modules, and their weight files.
+"""The reference networks (`cupysparse.networks.descriptions`) as `torch.nn` modules, and their weight files.
 
     model = MinkUNet18(in_channels=3, num_classes=13).cuda().half()
     logits = model(sparse_tensor).features                        # [N, 13]
-    save_weights(model, "minkunet18.safetensors")                 # cupysparse.inference runs it without torch
+    save_weights(model, "minkunet18.safetensors")                 # cupysparse.networks.inference runs it without torch
 
 Module and parameter names follow the description's layer names, so `model.state_dict()` has
-exactly the keys `cupysparse.networks.parameter_shapes` lists (plus BatchNorm's
-`num_batches_tracked`), and a weights file written here loads into `cupysparse.inference`.
+exactly the keys `cupysparse.networks.descriptions.parameter_shapes` lists (plus BatchNorm's
+`num_batches_tracked`), and a weights file written here loads into `cupysparse.networks.inference`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cupysparse import networks
+from cupysparse.networks import descriptions as networks
 from cupysparse.algorithms import CONV
-from cupysparse.layer_plans import algorithm_argument
-from cupysparse.prefetch import prefetch_kernels
-from cupysparse.sparse_tensor import SparseTensor as CoreSparseTensor
-from cupysparse.weights_file import load_weights, save_weights as save_arrays
+from cupysparse.tuning.plans import algorithm_argument
+from cupysparse.networks.prefetch import prefetch_kernels
+from cupysparse.geometry.sparse_tensor import SparseTensor as CoreSparseTensor
+from cupysparse.networks.weights_file import load_weights, save_weights as save_arrays
 
-from . import ops
-from .bridge import core_dtype, to_core
-from .modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
-from .tensor import SparseTensor
+from cupysparse.adapters.torch import ops
+from cupysparse.adapters.torch.bridge import core_dtype, to_core
+from cupysparse.adapters.torch.modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
+from cupysparse.adapters.torch.tensor import SparseTensor
 
 
 class _Skips:
@@ -136,7 +136,7 @@ class ResidualBlock(nn.Module):
 
 
 def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
-    """The torch module of one layer description (see `cupysparse.networks`)."""
+    """The torch module of one layer description (see `cupysparse.networks.descriptions`)."""
     if isinstance(layer, networks.Conv):
         return SpatiallySparseConv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
                                    transposed=layer.transposed, bias=layer.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo)
@@ -156,7 +156,7 @@ class SparseNetwork(SparseSequential):
 
     Moved to a GPU or another dtype (`.to()`, `.cuda()`, `.half()`), and switched to training or to
     evaluation there, it starts loading the kernels the tuning caches say its convolutions will run, in
-    the background (`cupysparse.prefetch`: the forward's, and in training the backward's); in evaluation
+    the background (`cupysparse.networks.prefetch`: the forward's, and in training the backward's); in evaluation
     it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None;
     starting one stops the one before. A call stops what is left of it; copies and pickles carry none."""
 
@@ -239,7 +239,7 @@ def CenterPointBackbone(in_channels: int = 4, width: float = 1.0, **algorithms) 
 
 
 def observe_convolutions(model: SparseNetwork, observer) -> list:
-    """Report each convolution of `model` to `observer` (a `cupysparse.inference.LayerObserver`,
+    """Report each convolution of `model` to `observer` (a `cupysparse.networks.inference.LayerObserver`,
     given core tensors and arrays) as it runs; returns the hook handles (`.remove()` each)."""
     descriptions = dict(networks.convolutions(model.description))
     handles = []
@@ -269,7 +269,7 @@ def _to_numpy(tensor: torch.Tensor):
 
 
 def save_weights(model: nn.Module, path) -> None:
-    """Write `model.state_dict()` to a safetensors file (see `cupysparse.weights_file`)."""
+    """Write `model.state_dict()` to a safetensors file (see `cupysparse.networks.weights_file`)."""
     save_arrays(path, {name: _to_numpy(value) for name, value in model.state_dict().items()})
 
 

@@ -29,15 +29,15 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cupysparse import functional
-from cupysparse.algorithm_modes import parse_algorithm_filter
+from cupysparse.functional import convolution as functional
+from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
-from cupysparse.kernel_map import KernelMap
-from cupysparse.layer_plans import keep_plan, kept_plan, map_layer_plan, map_plan_key, plan_key
-from cupysparse.out_of_memory import naming_sizes
-from cupysparse.tuner import select_algorithm
+from cupysparse.geometry.kernel_map import KernelMap
+from cupysparse.tuning.plans import keep_plan, kept_plan, map_layer_plan, map_plan_key, plan_key
+from cupysparse.cuda.out_of_memory import naming_sizes
+from cupysparse.tuning.tuner import select_algorithm
 
-from .bridge import core_dtype, from_core, on_torch_stream, stream_handle, to_core
+from cupysparse.adapters.torch.bridge import core_dtype, from_core, on_torch_stream, stream_handle, to_core
 
 _maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
 _tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -131,7 +131,7 @@ def _select_layer_plan(phase: str, features, weight, kernel_map: KernelMap, algo
 
 
 def keep_recalled_plan(choice, plan, dtype: torch.dtype, device_index: int, algo: str) -> None:
-    """Keep `plan`, the launch plan of a choice the prefetch recalled (`cupysparse.prefetch.CachedChoice`),
+    """Keep `plan`, the launch plan of a choice the prefetch recalled (`cupysparse.networks.prefetch.CachedChoice`),
     for the layers of its problem in `dtype` on GPU `device_index` with the algorithm argument `algo` (as
     `algorithm_argument` gives it): their first call at the problem's sizes then selects nothing."""
     problem = choice.problem

@@ -13,10 +13,10 @@ import functools
 import torch
 
 import cupysparse
-from cupysparse.coords import as_tuple
-from cupysparse.kernel_map import MapResult
+from cupysparse.geometry.coords import as_tuple
+from cupysparse.geometry.kernel_map import MapResult
 
-from .bridge import from_core, on_torch_stream, to_core
+from cupysparse.adapters.torch.bridge import from_core, on_torch_stream, to_core
 
 
 def _ints(value, dims: int, name: str) -> tuple[int, ...]:

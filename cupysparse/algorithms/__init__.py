@@ -1,14 +1,7 @@
 """The convolution algorithms. Importing this package registers every one of them."""
 
-from . import (  # noqa: F401  (registration)
-    depthwise,
-    explicit_gemm,
-    implicit_gemm,
-    mma_implicit_gemm,
-    wgmma_implicit_gemm,
-    wmma_implicit_gemm,
-)
-from .base import (
+from cupysparse.algorithms import depthwise, explicit_gemm, implicit_gemm, tensor_core  # noqa: F401 (registration)
+from cupysparse.algorithms.base import (
     CONV,
     DEPTHWISE,
     KINDS,

@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..backend import cupy_module, is_cupy_array
-from ..precision import uses_tf32
+from cupysparse.cuda.backend import cupy_module, is_cupy_array
+from cupysparse.cuda.precision import uses_tf32
 
 CONV = "conv"
 DEPTHWISE = "depthwise"
@@ -43,7 +43,7 @@ class ConvProblem:
 
     `compute_capability` is e.g. 90 for sm_90, None on the CPU. For depthwise problems
     `in_channels == out_channels`. `tf32`: fp32 features on a GPU whose products may be rounded to
-    TF32 (`cupysparse.precision`).
+    TF32 (`cupysparse.cuda.precision`).
     """
 
     num_in: int

@@ -14,11 +14,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..backend import array_module, cupy_module
-from ..compile import KernelSource, launch_config
-from ..dtypes import FEATURE_DTYPES, accumulation_dtype, cuda_type_name, short_name
-from .base import DEPTHWISE, Algorithm, ConvProblem, register
-from .implicit_gemm import check_same_dtype, kernel_source_for, simt_unsupported_reason
+from cupysparse.cuda.backend import array_module, cupy_module
+from cupysparse.cuda.compile import KernelSource, launch_config
+from cupysparse.cuda.dtypes import FEATURE_DTYPES, accumulation_dtype, cuda_type_name, short_name
+from cupysparse.algorithms.base import DEPTHWISE, Algorithm, ConvProblem, register
+from cupysparse.algorithms.implicit_gemm import check_same_dtype, kernel_source_for, simt_unsupported_reason
 
 
 @register

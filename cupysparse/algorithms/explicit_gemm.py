@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..backend import array_module, is_cupy_array
-from ..dtypes import BFLOAT16, FEATURE_DTYPES, accumulation_dtype
-from .base import Algorithm, ConvProblem, register
+from cupysparse.cuda.backend import array_module, is_cupy_array
+from cupysparse.cuda.dtypes import BFLOAT16, FEATURE_DTYPES, accumulation_dtype
+from cupysparse.algorithms.base import Algorithm, ConvProblem, register
 
 
 def _gemm_dtype(features):

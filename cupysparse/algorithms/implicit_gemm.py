@@ -16,10 +16,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..backend import cupy_module
-from ..compile import KernelSource
-from ..dtypes import BFLOAT16, FEATURE_DTYPES, FLOAT16, FLOAT32, cuda_type_name, short_name
-from .base import MAX_GRID_Z, Algorithm, ConvProblem, gpu_only_reason, register
+from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.compile import KernelSource
+from cupysparse.cuda.dtypes import BFLOAT16, FEATURE_DTYPES, FLOAT16, FLOAT32, cuda_type_name, short_name
+from cupysparse.algorithms.base import MAX_GRID_Z, Algorithm, ConvProblem, gpu_only_reason, register
 
 BLOCK_SIZES = (16, 4, 32)
 SPLIT_K_FACTORS = (4, 2, 8)

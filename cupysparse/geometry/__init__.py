@@ -1,0 +1,23 @@
+"""Coordinates, their hash tables and kernel maps, and the sparse tensor that carries them."""
+
+from cupysparse.geometry.kernel_map import (
+    KernelMap,
+    KernelMapCache,
+    MapResult,
+    generative_map,
+    strided_map,
+    submanifold_map,
+    transposed_map,
+)
+from cupysparse.geometry.sparse_tensor import SparseTensor
+
+__all__ = [
+    "KernelMap",
+    "KernelMapCache",
+    "MapResult",
+    "SparseTensor",
+    "generative_map",
+    "strided_map",
+    "submanifold_map",
+    "transposed_map",
+]

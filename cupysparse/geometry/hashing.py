@@ -1,0 +1,251 @@
+"""Find the row of a coordinate: a GPU hash table (CuPy) or sorted keys (NumPy), one interface.
+
+`build_index(coords)` returns an index over the rows of `coords`; `index.pair_table(...)` answers,
+for every output row and every kernel offset at once, which input row sits at
+`(out * out_scale + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`,
+together with the offset bitmask when it comes for free (the GPU query writes it; else None).
+Submanifold and strided maps use divisor 1 and sign +1; generative transposed maps ask with
+sign -1 and the stride as divisor.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cupysparse.cuda.backend import is_cupy_array
+from cupysparse.cuda.compile import KernelSource, launch_config
+from cupysparse.geometry.coords import check_row_count, key_layout, kernel_offsets, pack_keys
+
+_KERNELS = KernelSource(
+    "coordinate_hash.cu",
+    tuple(
+        f"{name}<{d}>"
+        for name in (
+            "insert_coordinates",
+            "insert_smallest_row",
+            "mark_first_occurrence",
+            "write_first_rows",
+            "query_pair_table",
+        )
+        for d in (2, 3, 4)
+    ),
+)
+
+# Slots are {key, value} pairs of uint64, both all ones when empty (see coordinate_key.cuh).
+EMPTY_SLOT = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+# Mirrors `struct QueryGeometry` in raw_kernels/coordinate_hash.cu.
+_GEOMETRY_DTYPE = np.dtype(
+    [
+        ("kernel_size", np.int32, (4,)),
+        ("out_scale", np.int32, (4,)),
+        ("dilation", np.int32, (4,)),
+        ("divisor", np.int32, (4,)),
+        ("sign", np.int32),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Query:
+    """Per-axis geometry of a pair-table query; see the module docstring."""
+
+    kernel_size: tuple[int, ...]
+    dilation: tuple[int, ...]
+    out_scale: tuple[int, ...]
+    divisor: tuple[int, ...]
+    sign: int = 1
+
+    @functools.cache  # one record per geometry: building it costs more than the query's launch
+    def as_struct(self) -> np.void:
+        pad = (1,) * (4 - len(self.kernel_size))
+        record = np.zeros((), dtype=_GEOMETRY_DTYPE)
+        record["kernel_size"] = self.kernel_size + pad
+        record["out_scale"] = self.out_scale + pad
+        record["dilation"] = self.dilation + pad
+        record["divisor"] = self.divisor + pad
+        record["sign"] = self.sign
+        return record[()]
+
+
+def build_index(coords):
+    """An index over the rows of int32 coordinates `[N, 1 + D]` (validated by the caller)."""
+    check_row_count(coords.shape[0], "the indexed coordinates")
+    return GpuHashTable(coords) if is_cupy_array(coords) else SortedKeyIndex(coords)
+
+
+class SortedKeyIndex:
+    """CPU reference: sorted packed keys, looked up by binary search."""
+
+    # Output rows per vectorised block, so memory stays O(block · K) on large inputs.
+    _ROWS_PER_BLOCK = 1 << 15
+
+    def __init__(self, coords: np.ndarray):
+        self.num_coords = coords.shape[0]
+        self.spatial_dims = coords.shape[1] - 1
+        keys = pack_keys(coords)
+        self._order = np.argsort(keys, kind="stable").astype(np.int32)
+        self._sorted_keys = keys[self._order]
+
+    def pair_table(self, out_coords: np.ndarray, query: Query, same_coordinates: bool = False):
+        check_row_count(out_coords.shape[0], "the output coordinates")
+        offsets = kernel_offsets(query.kernel_size).astype(np.int64)
+        table = np.full((offsets.shape[0], out_coords.shape[0]), -1, dtype=np.int32)
+        shift = query.sign * offsets * np.asarray(query.dilation, dtype=np.int64)  # [K, D]
+        scale = np.asarray(query.out_scale, dtype=np.int64)
+        divisor = np.asarray(query.divisor, dtype=np.int64)
+        layout = key_layout(self.spatial_dims)
+        for start in range(0, out_coords.shape[0], self._ROWS_PER_BLOCK):
+            block = out_coords[start : start + self._ROWS_PER_BLOCK].astype(np.int64)
+            shifted = block[None, :, 1:] * scale + shift[:, None, :]  # [K, rows, D]
+            candidate = np.floor_divide(shifted, divisor)
+            valid = np.all(candidate * divisor == shifted, axis=2)
+            valid &= np.all((candidate >= layout.coord_min) & (candidate <= layout.coord_max), axis=2)
+            ks, rows = np.nonzero(valid)
+            if self.num_coords == 0 or ks.size == 0:
+                continue
+            wanted = np.concatenate([block[rows, :1], candidate[ks, rows]], axis=1)
+            keys = pack_keys(wanted)
+            position = np.minimum(np.searchsorted(self._sorted_keys, keys), self.num_coords - 1)
+            hit = self._sorted_keys[position] == keys
+            table[ks[hit], start + rows[hit]] = self._order[position[hit]]
+        return table, None
+
+
+class GpuHashTable:
+    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
+
+    def __init__(self, coords):
+        import cupy
+
+        coords = cupy.ascontiguousarray(coords)  # the kernels read rows of 1 + D packed ints
+        self.num_coords = coords.shape[0]
+        self.spatial_dims = coords.shape[1] - 1
+        self._slots, self._capacity_mask = _empty_slots(self.num_coords)
+        if self.num_coords:
+            grid, block = launch_config(self.num_coords)
+            _KERNELS.get(f"insert_coordinates<{self.spatial_dims}>")(
+                grid, block, (coords, np.int32(self.num_coords), self._slots, self._capacity_mask)
+            )
+
+    def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
+        """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
+        is the row itself)."""
+        import cupy
+
+        check_row_count(out_coords.shape[0], "the output coordinates")
+        out_coords = cupy.ascontiguousarray(out_coords)
+        kernel_volume = int(np.prod(query.kernel_size))
+        num_out = out_coords.shape[0]
+        # One allocation for both: the map keeps them together.
+        num_words = -(-kernel_volume // 32)
+        storage = cupy.empty(kernel_volume * num_out + num_out * num_words, dtype=np.uint32)
+        table = storage[: kernel_volume * num_out].view(np.int32).reshape(kernel_volume, num_out)
+        mask = storage[kernel_volume * num_out :].reshape(num_out, num_words)
+        if num_out == 0:
+            return table, mask
+        grid, block = launch_config(num_out)
+        _KERNELS.get(f"query_pair_table<{self.spatial_dims}>")(
+            grid,
+            block,
+            (
+                out_coords,
+                np.int32(num_out),
+                np.int32(kernel_volume),
+                query.as_struct(),
+                self._slots,
+                self._capacity_mask,
+                np.bool_(same_coordinates),
+                table,
+                mask,
+            ),
+        )
+        return table, mask
+
+
+def _empty_slots(num_keys: int):
+    import cupy
+
+    capacity = 1 << max(4, (2 * num_keys - 1).bit_length())
+    slots = cupy.empty((capacity, 2), dtype=np.uint64)
+    _mark_empty(slots)
+    return slots, np.uint64(capacity - 1)
+
+
+def _mark_empty(slots) -> None:
+    """Every slot EMPTY_SLOT (all bits set): one memset, cheaper to issue than a fill kernel."""
+    import cupy
+
+    cupy.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, cupy.cuda.get_current_stream().ptr)
+
+
+_DIVISOR_DTYPE = np.dtype([("value", np.int32, (4,))])  # mirrors `struct Divisor`
+
+
+def unique_coordinates(coords, divisor=None):
+    """The distinct rows of `floor(coords / divisor)` (batch column untouched; default divisor 1),
+    int32 `[M, 1 + D]`, in order of first occurrence.
+
+    On the GPU a hash table keeps the smallest row of each coordinate, so nothing is sorted; the
+    CPU gives the same rows in the same order. Synchronises once on the GPU, for the count.
+    """
+    return unique_coordinates_by(coords, [divisor or (1,) * (coords.shape[1] - 1)])[0]
+
+
+def unique_coordinates_by(coords, divisors) -> list:
+    """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
+    all of their counts."""
+    divisors = [tuple(divisor) for divisor in divisors]
+    check_row_count(coords.shape[0], "the coordinates to deduplicate")
+    if not is_cupy_array(coords):
+        return [_unique_on_cpu(coords, divisor) for divisor in divisors]
+    import cupy
+
+    coords = cupy.ascontiguousarray(coords)
+    num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
+    if num_coords == 0 or not divisors:
+        return [coords.copy() for _ in divisors]
+    grid, block = launch_config(num_coords)
+    slots, capacity_mask = _empty_slots(num_coords)
+    is_first = cupy.empty((len(divisors), num_coords), dtype=bool)
+    positions = cupy.empty((len(divisors), num_coords), dtype=np.int32)  # inclusive running counts of is_first
+    structs = [_divisor_struct(divisor, spatial_dims) for divisor in divisors]
+    for level, by in enumerate(structs):
+        if level:
+            _mark_empty(slots)  # one table serves every divisor in turn
+        _KERNELS.get(f"insert_smallest_row<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask)
+        )
+        _KERNELS.get(f"mark_first_occurrence<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask, is_first[level])
+        )
+        cupy.cumsum(is_first[level], dtype=np.int32, out=positions[level])
+    counts = positions[:, -1].get()  # the one synchronisation
+    uniques = []
+    for level, by in enumerate(structs):
+        unique = cupy.empty((int(counts[level]), 1 + spatial_dims), dtype=np.int32)
+        _KERNELS.get(f"write_first_rows<{spatial_dims}>")(
+            grid, block, (coords, np.int32(num_coords), by, is_first[level], positions[level], unique)
+        )
+        uniques.append(unique)
+    return uniques
+
+
+def _divisor_struct(divisor: tuple[int, ...], spatial_dims: int) -> np.void:
+    record = np.zeros((), dtype=_DIVISOR_DTYPE)
+    record["value"] = divisor + (1,) * (4 - spatial_dims)
+    return record[()]
+
+
+def _unique_on_cpu(coords: np.ndarray, divisor: tuple[int, ...]) -> np.ndarray:
+    divided = coords.copy()
+    divided[:, 1:] = np.floor_divide(coords[:, 1:], np.asarray(divisor, dtype=np.int32))
+    keys = pack_keys(divided)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.ones(len(keys), dtype=bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return divided[np.sort(order[starts])]

@@ -1,0 +1,321 @@
+"""`SparseTensor`: voxel coordinates, their features, the tensor stride and a cache of kernel maps.
+
+Coordinates are int32 `[N, 1 + D]` (column 0 the batch index, then D = 2..4 spatial coordinates in
+units of the tensor's own stride); features are floating `[N, C]`. Both arrays are NumPy (CPU) or
+both CuPy (GPU). The kernel-map cache travels with the coordinates, so tensors that share
+coordinates (e.g. the output of `replace_features`) share the maps built for them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupysparse.cuda.backend import all_true, array_module, is_cupy_array, to_device, to_numpy
+from cupysparse.geometry.coords import (
+    MAX_SPATIAL_DIMS,
+    as_tuple,
+    check_coordinate_layout,
+    key_layout,
+    pack_keys,
+    unpack_keys,
+    validate_coordinates,
+)
+from cupysparse.geometry.kernel_map import KernelMapCache, MapResult
+
+_REDUCTIONS = ("mean", "first")
+
+
+def _backend_name(array) -> str:
+    return "CuPy" if is_cupy_array(array) else "NumPy"
+
+
+def _require_array(array, name: str) -> None:
+    if not (isinstance(array, np.ndarray) or is_cupy_array(array)):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {type(array).__name__}")
+
+
+def _require_same_backend(*named_arrays) -> None:
+    """Raise TypeError unless every (name, array) pair lives on the same backend as the first."""
+    first_name, first_array = named_arrays[0]
+    for name, array in named_arrays[1:]:
+        if is_cupy_array(array) != is_cupy_array(first_array):
+            raise TypeError(
+                f"{first_name} and {name} must both be NumPy or both be CuPy arrays, got "
+                f"{_backend_name(first_array)} {first_name} and {_backend_name(array)} {name}"
+            )
+
+
+def _is_floating(dtype) -> bool:
+    # bfloat16 (ml_dtypes on NumPy) is not a NumPy floating subtype, so it is recognised by name.
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+
+
+def _check_features(features, num_rows: int, rows_owner: str) -> None:
+    """Dtype and shape checks only: none of them reads values, so none synchronises the GPU."""
+    _require_array(features, "features")
+    if not _is_floating(features.dtype):
+        raise TypeError(f"features must have a floating dtype (float16, bfloat16, float32, float64), got {features.dtype}")
+    if features.ndim != 2:
+        raise ValueError(f"features must have shape [N, C], got {tuple(features.shape)}")
+    if features.shape[0] != num_rows:
+        raise ValueError(f"features has {features.shape[0]} rows but {rows_owner} has {num_rows}")
+    if features.shape[1] < 1:
+        raise ValueError(f"features must have at least one channel, got shape {tuple(features.shape)}")
+
+
+def _check_coordinates(coordinates, validate: bool) -> None:
+    if validate:
+        validate_coordinates(coordinates, "coordinates")
+    else:
+        check_coordinate_layout(coordinates, "coordinates")  # the value checks would synchronise the GPU
+
+
+class SparseTensor:
+    """Sparse voxels: int32 coordinates `[N, 1 + D]`, floating features `[N, C]`, a tensor stride.
+
+    `validate=False` skips the value checks of the coordinates (range, batch gaps, duplicates),
+    which synchronise the GPU; use it only for coordinates the library produced itself. Dtype and
+    shape checks always run. `map_cache` (a `KernelMapCache`) is shared by the tensors derived
+    from one another, so each kernel map is built once.
+    """
+
+    def __init__(self, coordinates, features, tensor_stride=1, *, validate=True, map_cache=None):
+        _require_array(coordinates, "coordinates")
+        _require_array(features, "features")
+        _require_same_backend(("coordinates", coordinates), ("features", features))
+        _check_coordinates(coordinates, validate)
+        _check_features(features, coordinates.shape[0], "coordinates")
+        self._coordinates = coordinates
+        self._features = features
+        self._tensor_stride = as_tuple(tensor_stride, coordinates.shape[1] - 1, "tensor_stride")
+        self._map_cache = KernelMapCache(coordinates, self._tensor_stride) if map_cache is None else map_cache
+        self._batch_size = None
+
+    @property
+    def coordinates(self):
+        return self._coordinates
+
+    @property
+    def features(self):
+        return self._features
+
+    @property
+    def tensor_stride(self) -> tuple[int, ...]:
+        return self._tensor_stride
+
+    @property
+    def spatial_dims(self) -> int:
+        return self._coordinates.shape[1] - 1
+
+    @property
+    def num_points(self) -> int:
+        return self._coordinates.shape[0]
+
+    def __len__(self) -> int:
+        return self.num_points
+
+    @property
+    def num_channels(self) -> int:
+        return self._features.shape[1]
+
+    @property
+    def dtype(self):
+        return self._features.dtype
+
+    @property
+    def device(self) -> str:
+        return "cuda" if is_cupy_array(self._coordinates) else "cpu"
+
+    @property
+    def batch_size(self) -> int:
+        """Largest batch index + 1 (0 when empty). Memoised: on the GPU it synchronises."""
+        if self._batch_size is None:
+            self._batch_size = int(self._coordinates[:, 0].max()) + 1 if self.num_points else 0
+        return self._batch_size
+
+    @property
+    def map_cache(self):
+        return self._map_cache
+
+    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
+        """The kernel map of a convolution applied to this tensor, built once and cached.
+
+        See `cupysparse.geometry.kernel_map` for the semantics of each kind. The result also carries the
+        output coordinates and tensor stride, and the map cache the output tensor should share.
+        """
+        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseTensor(num_points={self.num_points}, num_channels={self.num_channels}, "
+            f"spatial_dims={self.spatial_dims}, tensor_stride={self.tensor_stride}, "
+            f"dtype={self.dtype}, device={self.device!r})"
+        )
+
+    def _with_arrays(self, coordinates, features, map_cache) -> SparseTensor:
+        """A tensor over already-validated coordinates; the batch size carries over unchanged."""
+        tensor = SparseTensor(coordinates, features, self._tensor_stride, validate=False, map_cache=map_cache)
+        tensor._batch_size = self._batch_size
+        return tensor
+
+    def replace_features(self, features) -> SparseTensor:
+        """The same coordinates, stride and map cache with new features `[N, C']`."""
+        return self._with_arrays(self._coordinates, features, self._map_cache)
+
+    def to(self, device: str) -> SparseTensor:
+        """This tensor on 'cpu' (NumPy) or 'cuda' (CuPy); self when already there."""
+        if device == self.device:
+            return self
+        coordinates = to_device(self._coordinates, device)
+        features = to_device(self._features, device)
+        # Kernel maps hold arrays of the old device, so the moved tensor starts a fresh cache.
+        return self._with_arrays(coordinates, features, None)
+
+    def to_dense(self, origin=None, shape=None):
+        """Scatter into a dense `[B, C, *shape]` array; return `(dense, origin)`.
+
+        Dense index `i` along spatial axis `d` holds coordinate `origin[d] + i` (in units of the
+        tensor stride); cells with no voxel are zero. `origin` defaults to the per-axis minimum
+        coordinate and `shape` to what reaches the per-axis maximum; voxels outside a given
+        origin/shape raise ValueError.
+        """
+        xp = array_module(self._coordinates)
+        dims = self.spatial_dims
+        spatial = self._coordinates[:, 1:].astype(np.int64)
+        if self.num_points:
+            lows = tuple(to_numpy(spatial.min(axis=0)).tolist())
+            highs = tuple(to_numpy(spatial.max(axis=0)).tolist())
+        else:
+            lows, highs = (0,) * dims, (-1,) * dims
+        origin = lows if origin is None else _int_tuple(origin, dims, "origin")
+        if shape is None:
+            shape = tuple(max(high - low + 1, 0) for high, low in zip(highs, origin))
+        else:
+            shape = as_tuple(shape, dims, "shape")
+        if self.num_points:
+            for axis in range(dims):
+                if lows[axis] < origin[axis] or highs[axis] >= origin[axis] + shape[axis]:
+                    raise ValueError(
+                        f"voxels span [{lows[axis]}, {highs[axis]}] along axis {axis}, outside the dense box "
+                        f"origin={origin}, shape={shape}"
+                    )
+        # Flatten the spatial index so one advanced-index assignment fills every voxel.
+        flat_index = xp.zeros(self.num_points, dtype=np.int64)
+        for axis in range(dims):
+            flat_index = flat_index * shape[axis] + (spatial[:, axis] - origin[axis])
+        volume = int(np.prod(shape))
+        dense = xp.zeros((self.batch_size, self.num_channels, volume), dtype=self.dtype)
+        dense.transpose(0, 2, 1)[self._coordinates[:, 0], flat_index] = self._features
+        return dense.reshape((self.batch_size, self.num_channels) + shape), origin
+
+    @classmethod
+    def from_points(cls, points, voxel_size, batch_index=None, features=None, reduce="mean", device=None):
+        """Voxelise float points `[M, D]`: voxel = floor(point / voxel_size), one row per occupied voxel.
+
+        `batch_index` int `[M]` (default all 0); `features` floating `[M, C]` (default ones `[M, 1]`
+        float32) reduced per voxel by `reduce`: "mean", or "first" (the first point in input order).
+        Rows come sorted by (batch, c1, …, cD). `device=None` keeps the backend of `points`.
+        """
+        _require_array(points, "points")
+        if not _is_floating(points.dtype):
+            raise TypeError(f"points must have a floating dtype, got {points.dtype}")
+        if points.ndim != 2 or not 2 <= points.shape[1] <= MAX_SPATIAL_DIMS:
+            raise ValueError(f"points must have shape [M, D] with D = 2..{MAX_SPATIAL_DIMS}, got {tuple(points.shape)}")
+        layout = key_layout(points.shape[1])
+        dims, num_points = layout.spatial_dims, points.shape[0]
+        if reduce not in _REDUCTIONS:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
+        voxel_sizes = _voxel_sizes(voxel_size, dims)
+        if batch_index is not None:
+            _require_array(batch_index, "batch_index")
+            if not np.issubdtype(batch_index.dtype, np.integer):
+                raise TypeError(f"batch_index must have an integer dtype, got {batch_index.dtype}")
+            if batch_index.shape != (num_points,):
+                raise ValueError(f"batch_index must have shape ({num_points},) to match points, got {tuple(batch_index.shape)}")
+        if features is not None:
+            _check_features(features, num_points, "points")
+
+        if device is not None:
+            points = to_device(points, device)
+            batch_index = None if batch_index is None else to_device(batch_index, device)
+            features = None if features is None else to_device(features, device)
+        optional = (("batch_index", batch_index), ("features", features))
+        _require_same_backend(("points", points), *((name, array) for name, array in optional if array is not None))
+        xp = array_module(points)
+        if features is None:
+            features = xp.ones((num_points, 1), dtype=np.float32)
+        if batch_index is None:
+            batch_index = xp.zeros(num_points, dtype=np.int32)
+
+        if not all_true(xp.isfinite(points)):
+            raise ValueError("points must be finite (got NaN or infinity)")
+        # float64 so float16/float32 points floor exactly as the same values divided in Python would.
+        scaled = xp.floor(points.astype(np.float64) / xp.asarray(voxel_sizes))
+        if num_points:
+            low, high = float(scaled.min()), float(scaled.max())
+            if low < layout.coord_min or high > layout.coord_max:
+                raise ValueError(
+                    f"points / voxel_size give voxel coordinates in [{low:.0f}, {high:.0f}], outside "
+                    f"[{layout.coord_min}, {layout.coord_max}] for D = {dims}: use a larger voxel_size or shift the points"
+                )
+            lowest_batch, highest_batch = int(batch_index.min()), int(batch_index.max())
+            if lowest_batch < 0:
+                raise ValueError(f"batch_index must be non-negative, got {lowest_batch}")
+            if highest_batch > layout.batch_max:
+                raise ValueError(f"batch_index {highest_batch} exceeds {layout.batch_max} for D = {dims}")
+
+        point_voxels = xp.empty((num_points, 1 + dims), dtype=np.int32)
+        point_voxels[:, 0] = batch_index
+        point_voxels[:, 1:] = scaled.astype(np.int32)
+        unique_keys, voxel_of_point = xp.unique(pack_keys(point_voxels), return_inverse=True)
+        coordinates = unpack_keys(unique_keys, dims)
+        # Ranges were checked above; this catches batch indices with no points between used ones.
+        validate_coordinates(coordinates, "batch_index (voxelised coordinates)")
+
+        if reduce == "mean":
+            voxel_features = _scatter_mean(features, voxel_of_point, unique_keys.shape[0])
+        else:
+            voxel_features = features[_first_point_of_each_voxel(voxel_of_point, unique_keys.shape[0])]
+        return cls(coordinates, voxel_features, 1, validate=False)
+
+
+def _voxel_sizes(voxel_size, dims: int) -> np.ndarray:
+    """Broadcast a positive scalar or D positive floats to a float64 array `[D]`."""
+    try:
+        values = np.asarray(voxel_size, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"voxel_size must be a number or {dims} numbers, got {voxel_size!r}") from None
+    if values.ndim > 1 or values.size not in (1, dims):
+        raise ValueError(f"voxel_size must be a number or {dims} numbers, got {voxel_size!r}")
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"voxel_size must be finite and positive, got {voxel_size!r}")
+    return np.broadcast_to(values.reshape(-1), (dims,)).copy()
+
+
+def _int_tuple(value, dims: int, name: str) -> tuple[int, ...]:
+    values = tuple(value) if np.ndim(value) == 1 else ()
+    if len(values) != dims or not all(isinstance(v, (int, np.integer)) for v in values):
+        raise ValueError(f"{name} must be {dims} ints, got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def _scatter_mean(features, voxel_of_point, num_voxels: int):
+    """Per-voxel mean of the feature rows, accumulated in float32 (float64 for float64 input)."""
+    xp = array_module(features)
+    accumulate_dtype = np.float64 if features.dtype == np.float64 else np.float32
+    sums = xp.zeros((num_voxels, features.shape[1]), dtype=accumulate_dtype)
+    # ufunc.at works on both backends (CuPy ≥ 12; cupyx.scatter_add is deprecated in its favour).
+    xp.add.at(sums, voxel_of_point, features.astype(accumulate_dtype))
+    counts = xp.bincount(voxel_of_point, minlength=num_voxels).astype(accumulate_dtype)
+    return (sums / counts[:, None]).astype(features.dtype)
+
+
+def _first_point_of_each_voxel(voxel_of_point, num_voxels: int):
+    """Index of the lowest-numbered point in each voxel."""
+    xp = array_module(voxel_of_point)
+    # uint64: CuPy's minimum.at has no int64 variant. Every voxel has a point, so the initial
+    # value M is always replaced.
+    num_points = voxel_of_point.shape[0]
+    first = xp.full(num_voxels, num_points, dtype=np.uint64)
+    xp.minimum.at(first, voxel_of_point, xp.arange(num_points, dtype=np.uint64))
+    return first.astype(np.int64)

@@ -1,0 +1,231 @@
+"""The torch adapter's inference epilogue: `SparseBatchNorm` in evaluation, alone and fused with the
+ReLU or residual sum after it in the networks, against torch's own `BatchNorm1d` (evaluation) and
+ReLU; training and evaluation with gradients keep torch's path and give gradients."""
+
+import numpy as np
+import pytest
+
+from cupysparse.networks import descriptions as networks
+from cupysparse.cuda.backend import gpu_available
+from tolerances import EPSILON
+
+torch = pytest.importorskip("torch")
+from cupysparse.adapters import torch as cst  # noqa: E402
+from cupysparse.adapters.torch import epilogue as torch_epilogue  # noqa: E402
+from cupysparse.adapters.torch import modules as torch_modules  # noqa: E402
+from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
+
+CHANNELS = 24
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def coordinates(num_per_item=150, seed=0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    items = []
+    for b in range(2):
+        unique = np.unique(rng.integers(-6, 6, (num_per_item, 3)), axis=0)
+        items.append(np.concatenate([np.full((len(unique), 1), b), unique], axis=1))
+    return torch.from_numpy(np.concatenate(items).astype(np.int32))
+
+
+def trained_looking(norm, seed: int = 1):
+    """`norm` with statistics and parameters away from the identity, so a wrong formula shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor, low, high in ((norm.running_mean, -0.5, 0.5), (norm.running_var, 0.2, 2.0),
+                                  (norm.weight, -1.5, 1.5), (norm.bias, -0.3, 0.3)):
+            tensor.copy_(torch.rand(tensor.shape, generator=generator, dtype=torch.float64) * (high - low) + low)
+    return norm
+
+
+def torch_reference(norm, features, residual, relu: bool):
+    """torch's BatchNorm1d in evaluation (float64, from the same rounded values, on the features'
+    device), then the sum and ReLU; and the size of the terms an implementation adds, `|x · s| +
+    |mean · s| + |bias| + |residual|` with `s = weight / sqrt(var + eps)`, for the bound where they
+    cancel (x close to the mean)."""
+    reference = torch.nn.BatchNorm1d(norm.num_features, eps=norm.eps).double().eval().to(features.device)
+    reference.load_state_dict({name: value.double() for name, value in norm.state_dict().items()})
+    with torch.no_grad():
+        wide = features.double()
+        value = reference(wide)
+        scale = reference.weight / torch.sqrt(reference.running_var + reference.eps)
+        magnitude = (wide * scale).abs() + (reference.running_mean * scale).abs() + reference.bias.abs()
+        if residual is not None:
+            value = value + residual.double()
+            magnitude = magnitude + residual.double().abs()
+        return (torch.relu(value) if relu else value), magnitude
+
+
+def assert_within_rounding(got, expected, magnitude, dtype) -> None:
+    """Computed in fp32 (fp64 for fp64) and rounded once to `dtype`."""
+    eps = EPSILON[str(dtype).removeprefix("torch.")]
+    error = (got.double().cpu() - expected.cpu()).abs()
+    bound = eps * expected.cpu().abs() + eps * magnitude.cpu()
+    assert (error <= bound).all(), f"largest excess {(error - bound).max().item():.3g} ({dtype})"
+
+
+def norm_case(dtype, parameter_dtype, device="cpu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    coords = coordinates(seed=seed)
+    features = (torch.randn(len(coords), CHANNELS, generator=generator, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    residual = torch.randn(len(coords), CHANNELS, generator=generator, dtype=torch.float64).to(dtype)
+    norm = trained_looking(cst.SparseBatchNorm(CHANNELS)).to(device, parameter_dtype).eval()
+    x = cst.SparseTensor(coords.to(device), features.to(device))
+    return norm, x, residual.to(device)
+
+
+@pytest.mark.parametrize("relu, residual", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_evaluation_equals_torch_batch_norm_and_relu_on_the_cpu(dtype, relu, residual):
+    norm, x, added = norm_case(DTYPES[dtype], DTYPES[dtype])
+    added = added if residual else None
+    with torch.no_grad():
+        assert norm.runs_inference_epilogue(x.features, added)
+        got = norm.inference_epilogue(x, added, relu=relu).features if relu or residual else norm(x).features
+    expected, magnitude = torch_reference(norm, x.features, added, relu)
+    assert got.dtype == DTYPES[dtype] and got.shape == x.features.shape
+    assert_within_rounding(got, expected, magnitude, DTYPES[dtype])
+
+
+def test_the_next_call_sees_statistics_updated_in_place():
+    norm, x, _ = norm_case(torch.float32, torch.float32)
+    with torch.no_grad():
+        for _ in range(2):
+            expected, magnitude = torch_reference(norm, x.features, None, False)
+            assert_within_rounding(norm(x).features, expected, magnitude, torch.float32)
+            norm.running_var.mul_(3.0)
+            norm.bias.add_(1.0)
+
+
+def test_with_gradients_wanted_or_in_training_torchs_batch_norm_runs_and_differentiates():
+    norm, x, _ = norm_case(torch.float64, torch.float64)
+    features = x.features.clone().requires_grad_()
+    assert not norm.runs_inference_epilogue(features)
+    out = norm(x.replace_feature(features)).features
+    expected, _ = torch_reference(norm, x.features, None, False)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    assert features.grad is not None and norm.weight.grad is not None and norm.bias.grad is not None
+    frozen = norm_case(torch.float64, torch.float64)[0].requires_grad_(False)
+    assert frozen.runs_inference_epilogue(x.features)  # nothing to differentiate, even with grad mode on
+    assert not frozen.train().runs_inference_epilogue(x.features)
+
+
+def test_a_residual_of_another_dtype_is_left_to_torchs_promoting_sum():
+    norm, x, added = norm_case(torch.float32, torch.float32)
+    with torch.no_grad():
+        assert norm.runs_inference_epilogue(x.features, added)
+        assert not norm.runs_inference_epilogue(x.features, added.double())
+
+
+def counted_epilogues(monkeypatch) -> list:
+    """The (relu, residual given) of each epilogue the modules run, recorded as they run."""
+    calls = []
+
+    def recording(features, running_mean, running_var, weight, bias, eps, residual=None, relu=False):
+        calls.append((relu, residual is not None))
+        return torch_epilogue.batch_norm_epilogue(features, running_mean, running_var, weight, bias, eps, residual,
+                                                  relu)
+
+    monkeypatch.setattr(torch_modules, "batch_norm_epilogue", recording)
+    return calls
+
+
+def relu_calls(model) -> list:
+    calls = []
+    for module in model.modules():
+        if isinstance(module, cst.SparseReLU):
+            module.register_forward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def minkunet18(dtype=torch.float64, device="cpu"):
+    torch.manual_seed(0)
+    model = torch_networks.MinkUNet18(3, 5, width=0.25)
+    norms = [module for module in model.modules() if isinstance(module, cst.SparseBatchNorm)]
+    for seed, norm in enumerate(norms):
+        trained_looking(norm, seed)
+    return model.to(device, dtype).eval()
+
+
+def test_a_minkunet_in_inference_fuses_every_norm_with_its_relu_or_residual_and_equals_torchs_path(monkeypatch):
+    """The stem's, down- and up-sampling norms and each block's first take their ReLU, each block's
+    last its residual sum and ReLU, the shortcuts' norms nothing; the result equals the same model
+    through torch's batch norm, sum and ReLU (evaluation with gradients), in float64."""
+    model = minkunet18()
+    coords = coordinates(num_per_item=600)
+    x = cst.SparseTensor(coords, torch.randn(len(coords), 3, dtype=torch.float64))
+    calls, relus = counted_epilogues(monkeypatch), relu_calls(model)
+    with torch.no_grad():
+        fused = model(x).features
+    description = networks.minkunet(18, 3, 5, width=0.25)
+    blocks = sum(isinstance(layer, networks.Residual) for _, layer in networks.walk(description.root))
+    shortcuts = sum(layer.shortcut is not None for _, layer in networks.walk(description.root)
+                    if isinstance(layer, networks.Residual))
+    norm_relus = sum(isinstance(layer, networks.ReLU) for _, layer in networks.walk(description.root))
+    assert calls.count((True, True)) == blocks and calls.count((False, False)) == shortcuts
+    assert calls.count((True, False)) == norm_relus and len(calls) == norm_relus + blocks + shortcuts
+    assert relus == []
+
+    calls.clear()
+    x_with_gradient = x.replace_feature(x.features.clone().requires_grad_())
+    reference = model(x_with_gradient).features
+    assert calls == [] and len(relus) == norm_relus
+    torch.testing.assert_close(fused, reference.detach(), rtol=1e-12, atol=1e-12 * reference.abs().max().item())
+    reference.square().sum().backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+
+
+def test_a_minkunet_in_training_runs_torchs_batch_norm_and_relu_modules(monkeypatch):
+    model = minkunet18().train()
+    coords = coordinates(num_per_item=300)
+    x = cst.SparseTensor(coords, torch.randn(len(coords), 3, dtype=torch.float64))
+    calls, relus = counted_epilogues(monkeypatch), relu_calls(model)
+    model(x).features.sum().backward()
+    assert calls == [] and relus
+    assert all(module.num_batches_tracked.item() == 1 for module in model.modules()
+               if isinstance(module, cst.SparseBatchNorm))
+
+
+def gpu_test(test):
+    condition = not (gpu_available() and torch.cuda.is_available())
+    return pytest.mark.gpu(pytest.mark.skipif(condition, reason="needs a CUDA GPU for torch")(test))
+
+
+@gpu_test
+@pytest.mark.parametrize("relu, residual", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype, parameter_dtype", [("float32", "float32"), ("float16", "float16"),
+                                                    ("float16", "float32"), ("bfloat16", "bfloat16"),
+                                                    ("bfloat16", "float32"), ("float64", "float64")])
+def test_evaluation_on_cuda_equals_torch_batch_norm_and_relu(dtype, parameter_dtype, relu, residual, monkeypatch):
+    """On CUDA the kernel runs from the adapter (on device addresses) wherever it takes the dtypes."""
+    launches = []
+    launch = torch_epilogue.epilogue.launch
+    monkeypatch.setattr(torch_epilogue.epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
+    norm, x, added = norm_case(DTYPES[dtype], DTYPES[parameter_dtype], "cuda")
+    added = added if residual else None
+    with torch.no_grad():
+        got = norm.inference_epilogue(x, added, relu=relu).features
+    expected, magnitude = torch_reference(norm, x.features, added, relu)
+    assert got.dtype == DTYPES[dtype] and got.is_cuda
+    assert_within_rounding(got, expected, magnitude, DTYPES[dtype])
+    assert len(launches) == (0 if dtype == "float64" else 1)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_a_minkunet_in_inference_on_cuda_launches_one_epilogue_per_norm(dtype, monkeypatch):
+    """No norm falls back to the core's array path: each is one launch from the adapter."""
+    model = minkunet18(DTYPES[dtype], "cuda")
+    if model.prefetched is not None:
+        model.prefetched.result(timeout=300)  # its rehearsal launches the epilogues too, on its own thread
+    launches = []
+    launch = torch_epilogue.epilogue.launch
+    monkeypatch.setattr(torch_epilogue.epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
+    coords = coordinates(num_per_item=600)
+    x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=DTYPES[dtype]))
+    with torch.no_grad():
+        out = model(x).features
+    norms = sum(isinstance(module, cst.SparseBatchNorm) for module in model.modules())
+    assert len(launches) == norms and out.dtype == DTYPES[dtype] and torch.isfinite(out).all()

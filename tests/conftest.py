@@ -1,0 +1,38 @@
+"""What every test shares: the markers' skips and the test helpers' folder on the path.
+
+- `gpu`: needs a CUDA GPU; skipped without one. `pytest -m gpu` on the GPU machine runs them all.
+- `huge`: tens of millions of voxels; runs only when selected with `-m huge`.
+- `nvrtc`: compiles CUDA through NVRTC (no GPU needed); skipped when NVRTC is not installed.
+
+The helpers (`references`, `tolerances`, `gpu_cases`, `tuning_caches`, `distributed_runs`, ...) are
+plain modules in this folder, importable from every test folder through the `pythonpath` setting.
+"""
+
+import functools
+
+import pytest
+
+from cupysparse.cuda.backend import gpu_available
+
+
+@functools.cache
+def nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    selected = config.getoption("markexpr") or ""
+    for item in items:
+        if "gpu" in item.keywords and not gpu_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "huge" in item.keywords and "huge" not in selected:
+            item.add_marker(pytest.mark.skip(reason="runs only when selected with -m huge (minutes, tens of GB of "
+                                                    "GPU memory)"))
+        if "nvrtc" in item.keywords and not nvrtc_available():
+            item.add_marker(pytest.mark.skip(reason="NVRTC not installed (pip install '.[cuda]')"))

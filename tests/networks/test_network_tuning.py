@@ -1,0 +1,61 @@
+"""`network_tuning.tune_network` on the CPU: it meets the problems a training step of the torch network
+meets on the same scene, and leaves the default tuner's cache alone."""
+
+import pytest
+
+from cupysparse.networks import descriptions as networks
+from cupysparse.tuning import tuner as tuner_module
+from cupysparse.tuning.cache_file import BenchmarkCache
+from cupysparse.scripts.demo import scene_tensor
+from cupysparse.networks.tuning import tune_network
+from cupysparse.tuning.tuner import NAMESPACES, Tuner, tuning_key
+
+WIDTH = 0.25
+NUM_VOXELS = 2000
+
+
+@pytest.fixture
+def scene():
+    return scene_tensor("indoor", NUM_VOXELS, 0, "cpu", "float32")
+
+
+def test_every_layer_is_tuned_forward_and_backward_under_the_keys_of_a_torch_training_step(scene, monkeypatch,
+                                                                                           tmp_path):
+    torch = pytest.importorskip("torch")
+    from cupysparse.adapters.torch import SparseTensor
+    from cupysparse.adapters.torch.networks import MinkUNet18
+
+    met = {"forward": set(), "backward": set()}
+    default_select = tuner_module.default_tuner().select
+
+    def recording_select(search_space, problem, run=None):
+        met[search_space.phase].add(tuning_key(problem))
+        return default_select(search_space, problem, run)
+
+    monkeypatch.setattr(tuner_module.default_tuner(), "select", recording_select)
+    _, tensor, labels = scene
+    model = MinkUNet18(3, 13, WIDTH)
+    torch_input = SparseTensor(torch.from_numpy(tensor.coordinates), torch.from_numpy(tensor.features))
+    logits = model(torch_input).features
+    torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).backward()
+    monkeypatch.setattr(tuner_module.default_tuner(), "select", default_select)  # what the torch step met, only
+    assert met["forward"] and met["backward"]
+
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
+    cache = BenchmarkCache(tmp_path / "network.msgpack", autosave=False)
+    choices = tune_network(networks.minkunet(18, 3, 13, WIDTH), tensor, Tuner(cache, measure_single_candidates=True))
+    description = networks.minkunet(18, 3, 13, WIDTH)
+    assert [c.path for c in choices[::2]] == [path for path, _ in networks.convolutions(description)]
+    for phase in ("forward", "backward"):
+        tuned = {c.key for c in choices if c.phase == phase}
+        # torch runs 1^3 stride-1 convolutions as one matrix product, with nothing to tune.
+        assert {key for key in tuned if dict(key)["kernel_volume"] != 1} == met[phase]
+        assert {dict(key)["in_dtype"] for key in tuned} == {"float32"}
+        assert all(cache.get(NAMESPACES[("conv", phase)], key) is not None for key in tuned)
+    assert not (tmp_path / "user").exists()  # the default tuner's cache was not touched
+
+
+def test_phases_are_checked(scene):
+    _, tensor, _ = scene
+    with pytest.raises(ValueError, match="phases"):
+        tune_network(networks.minkunet(18, 3, 13, WIDTH), tensor, Tuner(), phases=("sideways",))

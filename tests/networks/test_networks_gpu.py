@@ -1,0 +1,108 @@
+"""The reference networks on the GPU: framework-free inference (CuPy) and the PyTorch modules on CUDA
+against the float64 PyTorch modules on the CPU, and the demo on the GPU.
+
+A whole network's low-precision error is bounded like one layer's in `tolerances`, each
+convolution on the longest path counted as one rounded term: 4 · eps · sqrt(depth) relative to the
+largest output (fp32 uses the design notes' 1e-4).
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from cupysparse import SparseTensor
+from cupysparse.scripts import demo
+from cupysparse.networks import descriptions as networks
+from cupysparse.cuda.backend import to_device, to_numpy
+from cupysparse.networks.inference import InferenceNetwork
+from cupysparse.data.scenes import make_scene
+from tolerances import EPSILON
+
+torch = pytest.importorskip("torch")
+from cupysparse.adapters import torch as cst  # noqa: E402
+from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+NUM_CLASSES = 9
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _bound(dtype: str, description: networks.Network) -> float:
+    if dtype == "float32":
+        return 1e-4
+    return 4 * EPSILON[dtype] * math.sqrt(len(networks.convolutions(description)))
+
+
+@pytest.fixture(scope="module")
+def case():
+    """(description, float64 CPU model, CPU voxels, its float64 output) with trained-looking batch norms."""
+    description = networks.minkunet(18, 3, NUM_CLASSES, width=0.5)
+    torch.manual_seed(0)
+    model = torch_networks.SparseNetwork(description).double().eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm1d):
+                module.running_mean.copy_(torch.rand(module.num_features, generator=generator, dtype=torch.float64)
+                                          - 0.5)
+                module.running_var.copy_(torch.rand(module.num_features, generator=generator, dtype=torch.float64)
+                                         + 0.5)
+    scene = make_scene("indoor", 30_000, seed=0)
+    features = np.random.default_rng(0).standard_normal((len(scene.points), 3)).astype(np.float32)
+    voxels = SparseTensor.from_points(scene.points, scene.voxel_size, features=features, reduce="first")
+    x = cst.SparseTensor(torch.from_numpy(voxels.coordinates), torch.from_numpy(voxels.features).double())
+    with torch.no_grad():
+        expected = model(x).features.numpy()
+    return description, model, voxels, expected
+
+
+def _rounded_input(voxels: SparseTensor, dtype: str) -> SparseTensor:
+    features = to_device(voxels.features, "cuda").astype(dtype)
+    return SparseTensor(to_device(voxels.coordinates, "cuda"), features, validate=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_framework_free_inference_on_the_gpu_matches_float64(case, dtype):
+    description, model, voxels, expected = case
+    weights = {key: value.numpy() for key, value in model.state_dict().items()}
+    network = InferenceNetwork(description, weights, device="cuda", dtype=dtype)
+    got = to_numpy(network(_rounded_input(voxels, dtype)).features).astype(np.float64)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=_bound(dtype, description) * scale)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_torch_modules_on_cuda_match_float64(case, dtype):
+    description, model, voxels, expected = case
+    cuda_model = torch_networks.SparseNetwork(description).cuda().to(TORCH_DTYPES[dtype]).eval()
+    cuda_model.load_state_dict(model.state_dict())
+    x = cst.SparseTensor(torch.from_numpy(voxels.coordinates).cuda(),
+                         torch.from_numpy(voxels.features).cuda().to(TORCH_DTYPES[dtype]))
+    with torch.no_grad():
+        got = cuda_model(x).features.double().cpu().numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=_bound(dtype, description) * np.abs(expected).max())
+
+
+def test_a_mixed_precision_training_step_on_cuda_gives_finite_gradients_everywhere(case):
+    description, model, voxels, _ = case
+    cuda_model = torch_networks.SparseNetwork(description).cuda().train()
+    x = cst.SparseTensor(torch.from_numpy(voxels.coordinates).cuda(), torch.from_numpy(voxels.features).cuda())
+    labels = torch.randint(0, NUM_CLASSES, (len(voxels),), device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = cuda_model(x).features
+    torch.nn.functional.cross_entropy(logits.float(), labels).backward()
+    for name, parameter in cuda_model.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+
+
+def test_demo_runs_and_trains_on_the_gpu(tmp_path, capsys):
+    plot = tmp_path / "scene.png"
+    arguments = ["--device", "cuda", "--num-voxels", "30000", "--train-steps", "3", "--repeats", "2",
+                 "--plot", str(plot)]
+    assert demo.main(arguments) == 0
+    output = capsys.readouterr().out
+    assert "fp16" in output and "all 50 convolutions" in output
+    assert "(falling)" in output
+    assert plot.stat().st_size > 0
