@@ -74,7 +74,8 @@ from cupysparse.tuning.search_space import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.algorithms.tensor_core.wmma import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
-from cupysparse.functional.convolution import backward_runner, conv_backward, conv_forward, forward_runner
+from cupysparse.functional.convolution import conv_backward, conv_forward
+from cupysparse.functional.execution import backward_runner, forward_runner
 from cupysparse.geometry.kernel_map import KernelMapCache
 from cupysparse.cuda.precision import IEEE, TF32, fp32_precision
 from cupysparse.data.scenes import make_scene

@@ -13,7 +13,7 @@ import numpy as np
 
 from cupysparse.cuda import backend
 from cupysparse.data.scenes import make_scene
-from cupysparse.tuning.tuner import median_time_ms
+from cupysparse.cuda.timing import median_time_ms
 from cupysparse.networks.weight_layouts import to_spconv_weight
 
 

@@ -163,11 +163,8 @@ class _TuningProgress(LayerObserver):
 class _LayerTable(LayerObserver):
     """One row per convolution: its shape, the algorithm the tuner chose, and its time."""
 
-    def __init__(self, clock: _Clock, pointwise_algorithm: str | None):
-        """`pointwise_algorithm`: what runs 1^3 convolutions at stride 1 when it is not the tuner's
-        choice (the PyTorch adapter makes them one matrix product)."""
+    def __init__(self, clock: _Clock):
         self._clock = clock
-        self._pointwise_algorithm = pointwise_algorithm
         self._starts = {}
         self.rows = []
 
@@ -175,11 +172,8 @@ class _LayerTable(LayerObserver):
         self._starts[path] = self._clock.mark()
 
     def after(self, path, layer, input, output, weight):
-        if self._pointwise_algorithm and layer.kernel_volume() == 1 and layer.kind() == "submanifold":
-            algorithm = self._pointwise_algorithm
-        else:
-            kernel_map = input.kernel_map(layer.kernel_size, layer.stride, 1, layer.transposed).kernel_map
-            algorithm = select_forward(input.features, weight, kernel_map).algorithm.name
+        kernel_map = input.kernel_map(layer.kernel_size, layer.stride, 1, layer.transposed).kernel_map
+        algorithm = select_forward(input.features, weight, kernel_map).algorithm.name
         self.rows.append((path, layer, len(input), len(output), algorithm, self._starts.pop(path), self._clock.mark()))
 
     def print(self) -> float:
@@ -370,7 +364,7 @@ def main(argv=None) -> int:
         f"kernel maps, compiling, {f'{tuned} problems tuned' if tuned else 'choices from the tuning cache'}")
     print(f"first     pass {time.perf_counter() - begin:.1f} s ({work})")
 
-    table = _LayerTable(clock, "torch.mm" if args.framework == "torch" else None)
+    table = _LayerTable(clock)
     logits = runner.forward(tensor, table)
     print()
     table.print()

@@ -39,7 +39,7 @@ from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.tuning.cache_file import default_cache
 from cupysparse.cuda.dtypes import as_feature_dtype
-from cupysparse.functional.convolution import backward_runner, forward_runner
+from cupysparse.functional.execution import backward_runner, forward_runner
 from cupysparse.geometry.kernel_map import KernelMapCache
 from cupysparse.scripts.progress import Progress
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, make_scene

@@ -3,7 +3,7 @@
 The kernel map is static: built in Python from concrete coordinates (`tensor.Geometry`), closed
 over, never traced. Two implementations compute the three phases (forward; dgrad, the forward
 over the reversed map with the weights transposed; wgrad):
-- `"core"`: the core's autotuned algorithms (`cupysparse.functional.convolution`) through `callback.call`:
+- `"core"`: the core's autotuned algorithms (`cupysparse.functional`) through `callback.call`:
   CuPy raw kernels on XLA's stream when the map is on the GPU, NumPy when it is on the CPU;
 - `"jnp"`: gathers and matrix products in `jax.numpy` (`jnp_ops`), compiled by XLA.
 `impl=None` picks `"core"` for a map on the GPU and `"jnp"` for one on the CPU. `fwd_algo` /
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import jax
 
-from cupysparse.functional import convolution as functional
+from cupysparse.functional import checks, convolution
 from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.cuda.backend import is_cupy_array
@@ -88,7 +88,7 @@ def _check_same_dtype(weight, features) -> None:
 
 def _check_weight(weight, features, kernel_map: KernelMap) -> None:
     _check_same_dtype(weight, features)
-    functional.check_weight_shape(tuple(weight.shape), features.shape[1], kernel_map, "features")
+    checks.check_weight_shape(tuple(weight.shape), features.shape[1], kernel_map, "features")
 
 
 def _out_channels(spec: _Conv, weight) -> int:
@@ -97,20 +97,20 @@ def _out_channels(spec: _Conv, weight) -> int:
 
 def _core_forward(spec: _Conv, features, weight):
     if spec.depthwise:
-        out = functional.spatially_sparse_depthwise_conv(
+        out = convolution.spatially_sparse_depthwise_conv(
             features, weight, spec.kernel_map, spec.kernel_map.num_out, spec.fwd_algo, spec.bwd_algo
         )
     else:
-        out = functional.conv_forward(features, weight, spec.kernel_map, spec.fwd_algo)
+        out = convolution.conv_forward(features, weight, spec.kernel_map, spec.fwd_algo)
     return (out,)
 
 
 def _core_backward(spec: _Conv, grad_output, features, weight):
     if spec.depthwise:
-        return functional.spatially_sparse_depthwise_conv_backward(
+        return convolution.spatially_sparse_depthwise_conv_backward(
             grad_output, features, weight, spec.kernel_map, spec.bwd_algo
         )
-    return functional.conv_backward(grad_output, features, weight, spec.kernel_map, spec.bwd_algo)
+    return convolution.conv_backward(grad_output, features, weight, spec.kernel_map, spec.bwd_algo)
 
 
 def _forward(spec: _Conv, features, weight):

@@ -1,23 +1,223 @@
-"""Differentiable sparse convolutions and pooling of torch `SparseTensor`s.
+"""Differentiable sparse convolutions, pooling and the inference epilogue of torch `SparseTensor`s.
 
-Convolutions go through the custom ops (`ops`); pooling is written in torch operations over the
-map's pair table, so autograd, `torch.compile` and CUDA graphs handle it like any torch code.
-Under autocast a convolution runs in the autocast dtype, as torch's own convolutions do.
+A convolution runs the core's execution path (`cupysparse.functional.execution`) with torch's arrays
+(`bridge.TorchArrays`): the layer's launch plan on torch allocations and torch's stream, or the core's
+full path on zero-copy views. Compilers see it through `torch.library` custom ops (`cupysparse::*`)
+with fake implementations, which give the output shapes from the tensors alone, so compiled graphs
+need no real data to trace; in eager mode `map_convolution` skips the op's dispatch (a hundred
+microseconds or more per call, more than a 100K-voxel layer's kernels) and calls the same path
+directly, through a `torch.autograd.Function` when a gradient is needed. Depthwise convolutions always
+use their op. Under autocast a convolution runs in the autocast dtype, as torch's own convolutions do.
+
+A kernel map is not a tensor, so the ops take its pair table (a torch view of the core's array) and
+find the `KernelMap` it belongs to in a registry keyed by the table's memory: the map keeps its derived
+formats and its layers' plans from call to call, while `torch.compile` and CUDA graphs only ever see
+tensors. Algorithm choices travel as their canonical strings (`search_space.algorithm_argument`): ""
+is None (the environment variables). The backward op computes only the gradients autograd needs.
+
+Pooling is written in torch operations over the map's pair table, so autograd, `torch.compile` and CUDA
+graphs handle it like any torch code. The inference epilogue is the core's (`functional.epilogue`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
+import weakref
 
 import torch
 
 from cupysparse.algorithms import CONV, DEPTHWISE
+from cupysparse.functional import epilogue, execution
+from cupysparse.functional.convolution import spatially_sparse_depthwise_conv, spatially_sparse_depthwise_conv_backward
 from cupysparse.geometry.coords import as_tuple
-from cupysparse.tuning.plans import algorithm_argument
+from cupysparse.geometry.kernel_map import KernelMap
+from cupysparse.tuning.search_space import algorithm_argument
 
-from cupysparse.adapters.torch import ops
+from cupysparse.adapters.torch.bridge import TORCH_ARRAYS, from_core, on_torch_stream, to_core
 from cupysparse.adapters.torch.tensor import SparseTensor
+
+_maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
+_tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def pair_table(kernel_map: KernelMap) -> torch.Tensor:
+    """The torch view of `kernel_map`'s pair table, through which the ops find the map."""
+    table = _tables_by_map.get(kernel_map)
+    if table is None:
+        table = _tables_by_map[kernel_map] = from_core(kernel_map.pair_table)
+        _maps_by_table[_table_key(table)] = kernel_map
+    return table
+
+
+def _table_key(table: torch.Tensor) -> tuple[str, int]:
+    return str(table.device), table.data_ptr()
+
+
+def _kernel_map(table: torch.Tensor) -> KernelMap:
+    kernel_map = _maps_by_table.get(_table_key(table))
+    if kernel_map is None:
+        raise ValueError("this pair table belongs to no live kernel map; pass tables from ops.pair_table(kernel_map)")
+    return kernel_map
+
+
+def _algorithm(argument: str):
+    return argument or None
+
+
+def _forward(features, weight, kernel_map: KernelMap, fwd_algo: str, inference: bool = False) -> torch.Tensor:
+    """The forward; `inference` (nothing to differentiate, eager mode) keeps a padded weight from call to
+    call, where training, whose weight changes every step, pads per call."""
+    return execution.forward(TORCH_ARRAYS, features, weight, kernel_map, fwd_algo, reuse_weight=inference)
+
+
+def _backward(grad_output, features, weight, kernel_map: KernelMap, bwd_algo: str, needs_input_grad: bool,
+              needs_weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients asked for, None for the others."""
+    return execution.backward(TORCH_ARRAYS, grad_output, features, weight, kernel_map, bwd_algo, needs_input_grad,
+                              needs_weight_grad)
+
+
+@torch.library.custom_op("cupysparse::conv_forward", mutates_args=())
+def conv_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, fwd_algo: str,
+                 bwd_algo: str) -> torch.Tensor:
+    """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` → `[N_out, C_out]`."""
+    return _forward(features, weight, _kernel_map(table), fwd_algo)
+
+
+@conv_forward.register_fake
+def _(features, weight, table, fwd_algo, bwd_algo):
+    return features.new_empty((table.shape[1], weight.shape[2]))
+
+
+@torch.library.custom_op("cupysparse::conv_backward", mutates_args=())
+def conv_backward(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor,
+                  bwd_algo: str, needs_input_grad: bool, needs_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input gradient `[N_in, C_in]`, weight gradient `[K, C_in, C_out]`); an empty tensor for one not needed."""
+    grad_input, grad_weight = _backward(grad_output, features, weight, _kernel_map(table), bwd_algo,
+                                        needs_input_grad, needs_weight_grad)
+    return (features.new_empty(0) if grad_input is None else grad_input,
+            weight.new_empty(0) if grad_weight is None else grad_weight)
+
+
+@conv_backward.register_fake
+def _(grad_output, features, weight, table, bwd_algo, needs_input_grad, needs_weight_grad):
+    return (torch.empty_like(features) if needs_input_grad else features.new_empty(0),
+            torch.empty_like(weight) if needs_weight_grad else weight.new_empty(0))
+
+
+def _save_inputs(ctx, inputs, output):
+    features, weight, table, _, bwd_algo = inputs
+    ctx.save_for_backward(features, weight, table)
+    ctx.bwd_algo = bwd_algo
+    _keep_map_alive(ctx, table)
+
+
+def _keep_map_alive(ctx, table: torch.Tensor) -> None:
+    """Hold the kernel map until backward: the tensors that own it may be gone by then, and the map,
+    in reference cycles, would go with the next garbage collection."""
+    try:
+        key = _table_key(table)
+    except RuntimeError:  # a fake tensor while torch.compile traces: it has no memory and no map
+        return
+    ctx.kernel_map = _maps_by_table.get(key)
+
+
+def _conv_backward(ctx, grad_output):
+    features, weight, table = ctx.saved_tensors
+    needs_input_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+    grad_input, grad_weight = conv_backward(
+        grad_output.contiguous(), features, weight, table, ctx.bwd_algo, needs_input_grad, needs_weight_grad
+    )
+    return (grad_input if needs_input_grad else None), (grad_weight if needs_weight_grad else None), None, None, None
+
+
+conv_forward.register_autograd(_conv_backward, setup_context=_save_inputs)
+
+
+@torch.library.custom_op("cupysparse::depthwise_forward", mutates_args=())
+def depthwise_forward(features: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, fwd_algo: str,
+                      bwd_algo: str) -> torch.Tensor:
+    """`out[i, c] = Σ_k weight[k, c] · features[table[k, i], c]` → `[N_out, C]`."""
+    kernel_map = _kernel_map(table)
+    with on_torch_stream(features.device):
+        out = spatially_sparse_depthwise_conv(
+            to_core(features), to_core(weight), kernel_map, kernel_map.num_out, _algorithm(fwd_algo)
+        )
+        return from_core(out)
+
+
+@depthwise_forward.register_fake
+def _(features, weight, table, fwd_algo, bwd_algo):
+    return features.new_empty((table.shape[1], features.shape[1]))
+
+
+@torch.library.custom_op("cupysparse::depthwise_backward", mutates_args=())
+def depthwise_backward(grad_output: torch.Tensor, features: torch.Tensor, weight: torch.Tensor,
+                       table: torch.Tensor, bwd_algo: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with on_torch_stream(features.device):
+        grad_input, grad_weight = spatially_sparse_depthwise_conv_backward(
+            to_core(grad_output), to_core(features), to_core(weight), _kernel_map(table), _algorithm(bwd_algo)
+        )
+        return from_core(grad_input), from_core(grad_weight)
+
+
+@depthwise_backward.register_fake
+def _(grad_output, features, weight, table, bwd_algo):
+    return torch.empty_like(features), torch.empty_like(weight)
+
+
+def _depthwise_backward(ctx, grad_output):
+    features, weight, table = ctx.saved_tensors
+    grad_input, grad_weight = depthwise_backward(grad_output.contiguous(), features, weight, table, ctx.bwd_algo)
+    return grad_input, grad_weight, None, None, None
+
+
+depthwise_forward.register_autograd(_depthwise_backward, setup_context=_save_inputs)
+
+
+class _Convolution(torch.autograd.Function):
+    """The eager path of `conv_forward` / `conv_backward`: the same calls, over the kernel map itself,
+    without the op's dispatch."""
+
+    @staticmethod
+    def forward(ctx, features, weight, kernel_map: KernelMap, fwd_algo, bwd_algo):
+        ctx.save_for_backward(features, weight)
+        # Held until backward: the tensors that own the map may be gone by then.
+        ctx.kernel_map, ctx.bwd_algo = kernel_map, bwd_algo
+        if ctx.needs_input_grad[1]:
+            # The weight gradient's pair lists are sized by a count from the GPU: counted now, it has
+            # arrived by the backward pass, which then does not wait for the GPU to catch up.
+            kernel_map.count_pairs_ahead()
+        return _forward(features, weight, kernel_map, fwd_algo)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        features, weight = ctx.saved_tensors
+        grad_input, grad_weight = _backward(
+            grad_output.contiguous(), features, weight, ctx.kernel_map, ctx.bwd_algo, *ctx.needs_input_grad[:2]
+        )
+        return grad_input, grad_weight, None, None, None
+
+
+def convolution(features, weight, table, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    """`conv_forward` with autograd: the custom op while compiling, `map_convolution` in eager mode."""
+    if torch.compiler.is_compiling():
+        return conv_forward(features, weight, table, fwd_algo, bwd_algo)
+    return _eager_convolution(features, weight, _kernel_map(table), fwd_algo, bwd_algo)
+
+
+def map_convolution(features, weight, kernel_map: KernelMap, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    """A differentiable convolution over `kernel_map`, which eager mode uses without looking up its pair table."""
+    if torch.compiler.is_compiling():
+        return conv_forward(features, weight, pair_table(kernel_map), fwd_algo, bwd_algo)
+    return _eager_convolution(features, weight, kernel_map, fwd_algo, bwd_algo)
+
+
+def _eager_convolution(features, weight, kernel_map: KernelMap, fwd_algo: str, bwd_algo: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad):
+        return _Convolution.apply(features, weight, kernel_map, fwd_algo, bwd_algo)
+    # Nothing to differentiate (inference): autograd's bookkeeping would cost more than the launch.
+    return _forward(features, weight, kernel_map, fwd_algo, inference=True)
 
 
 def _require_sparse(input) -> None:
@@ -53,62 +253,23 @@ def _output(result, features: torch.Tensor, input: SparseTensor) -> SparseTensor
 
 def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1, transposed=False,
                 generative=False, bias: torch.Tensor | None = None, fwd_algo=None, bwd_algo=None) -> SparseTensor:
-    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`.
-
-    A 1^D kernel at stride 1 (the projections of residual blocks, classifiers) maps each voxel to
-    itself. Where there is something to differentiate, on the CPU and under `torch.compile`, it runs as
-    one matrix product in torch, with no kernel map and no algorithm to choose. Inference on a GPU runs
-    it over its identity map on the library's kernels, as the framework-free network does: as fast in
-    MinkUNet18 inference, within run-to-run noise, and a process's first call then loads no cuBLAS
-    kernel, which the prefetch (`cupysparse.networks.prefetch`) could not load ahead (notes/tuner_performance.md)."""
+    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`."""
     _require_sparse(input)
     features, weight = _autocast(input.features, weight)
     _check_like_features(weight, "weight", features)
     _check_contiguous(features)
-    if (not generative and _is_pointwise(kernel_size, stride, input.spatial_dims)
-            and not _runs_on_our_kernels(features, weight, bias)):
-        algorithm_argument(fwd_algo, CONV, "forward")  # checked all the same: a typo is an error
-        algorithm_argument(bwd_algo, CONV, "backward")
-        if weight.dim() != 3 or weight.shape[0] != 1 or weight.shape[1] != features.shape[1]:
-            raise ValueError(f"weight must have shape [K=1, C_in={features.shape[1]}, C_out], got "
-                             f"{tuple(weight.shape)}")
-        if bias is None:
-            return input.replace_feature(torch.mm(features, weight[0]))
-        # One launch where torch hands the bias to cuBLASLt's epilogue, not a product and then a sum.
-        return input.replace_feature(torch.addmm(bias.to(features.dtype), features, weight[0]))
     result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
     kernel_map = result.kernel_map
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
         raise ValueError(f"weight must have shape [K={kernel_map.kernel_volume}, C_in={features.shape[1]}, C_out], "
                          f"got {tuple(weight.shape)}")
-    out = ops.map_convolution(
+    out = map_convolution(
         features, weight.contiguous(), kernel_map,
         algorithm_argument(fwd_algo, CONV, "forward"), algorithm_argument(bwd_algo, CONV, "backward"),
     )
     if bias is not None:
         out = out + bias.to(out.dtype)
     return _output(result, out, input)
-
-
-def _runs_on_our_kernels(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a 1^D convolution runs over its map (see `sparse_conv`): inference on a GPU, not compiling."""
-    if not features.is_cuda or torch.compiler.is_compiling():
-        return False
-    return not (torch.is_grad_enabled() and (features.requires_grad or weight.requires_grad
-                                             or (bias is not None and bias.requires_grad)))
-
-
-def _is_pointwise(kernel_size, stride, spatial_dims: int) -> bool:
-    try:  # a layer asks with the same arguments every call
-        return _is_pointwise_geometry(kernel_size, stride, spatial_dims)
-    except TypeError:  # unhashable (lists): checked without the memo
-        return _is_pointwise_geometry.__wrapped__(kernel_size, stride, spatial_dims)
-
-
-@functools.lru_cache(maxsize=256)
-def _is_pointwise_geometry(kernel_size, stride, spatial_dims: int) -> bool:
-    return (all(k == 1 for k in as_tuple(kernel_size, spatial_dims, "kernel_size"))
-            and all(s == 1 for s in as_tuple(stride, spatial_dims, "stride")))
 
 
 def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1,
@@ -124,8 +285,8 @@ def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size
     if tuple(weight.shape) != (kernel_map.kernel_volume, features.shape[1]):
         raise ValueError(f"depthwise weight must have shape [K={kernel_map.kernel_volume}, C={features.shape[1]}], "
                          f"got {tuple(weight.shape)}")
-    out = ops.depthwise_forward(
-        features, weight.contiguous(), ops.pair_table(kernel_map),
+    out = depthwise_forward(
+        features, weight.contiguous(), pair_table(kernel_map),
         algorithm_argument(fwd_algo, DEPTHWISE, "forward"), algorithm_argument(bwd_algo, DEPTHWISE, "backward"),
     )
     if bias is not None:
@@ -148,14 +309,14 @@ def sparse_max_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -
     """Maximum over each window's voxels (`stride` defaults to `kernel_size`). Where several
     inputs tie for the maximum, the gradient is shared among them, as in `torch.amax`."""
     result = _pool_map(input, kernel_size, stride, dilation)
-    table = ops.pair_table(result.kernel_map)
+    table = pair_table(result.kernel_map)
     return _output(result, _gathered(input.features, table, -math.inf).amax(dim=0), input)
 
 
 def sparse_avg_pool(input: SparseTensor, kernel_size, stride=None, dilation=1) -> SparseTensor:
     """Mean over each window's voxels (`stride` defaults to `kernel_size`)."""
     result = _pool_map(input, kernel_size, stride, dilation)
-    table = ops.pair_table(result.kernel_map)
+    table = pair_table(result.kernel_map)
     counts = (table >= 0).sum(dim=0).clamp(min=1).unsqueeze(-1).to(input.features.dtype)
     return _output(result, _gathered(input.features, table, 0.0).sum(dim=0) / counts, input)
 
@@ -168,7 +329,7 @@ def sparse_unpool(input: SparseTensor, stride) -> SparseTensor:
     if any(s > 2 for s in strides):
         raise ValueError(f"sparse_unpool supports strides of 1 or 2 per axis, got {stride!r}; unpool in steps of 2")
     result = input.kernel_map(strides, strides, transposed=True)
-    table = ops.pair_table(result.kernel_map)
+    table = pair_table(result.kernel_map)
     return _output(result, _gathered(input.features, table, 0.0).sum(dim=0), input)
 
 
@@ -192,3 +353,12 @@ def global_avg_pool(input: SparseTensor) -> torch.Tensor:
     out = features.new_zeros((input.batch_size, features.shape[1]))
     index = _batch_index(input).unsqueeze(1).expand_as(features)
     return out.scatter_reduce(0, index, features, reduce="mean", include_self=False)
+
+
+def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                        weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                        residual: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """`relu?(batch_norm(features) (+ residual))` under running statistics, not differentiable: on the
+    current CUDA device one launch of the core's kernel on torch's stream into an output torch
+    allocates; anything else the core's function on zero-copy views (`cupysparse.functional.epilogue`)."""
+    return epilogue.run(TORCH_ARRAYS, features, running_mean, running_var, weight, bias, eps, residual, relu)

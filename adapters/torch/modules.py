@@ -16,12 +16,12 @@ from torch import nn
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.geometry.coords import as_tuple
-from cupysparse.tuning.plans import algorithm_argument
+from cupysparse.tuning.search_space import algorithm_argument
 from cupysparse.tuning.tuner import rehearsing
 from cupysparse.networks.weight_layouts import from_spconv_weight
 
 from cupysparse.adapters.torch import functional as F
-from cupysparse.adapters.torch.epilogue import batch_norm_epilogue
+from cupysparse.adapters.torch.functional import batch_norm_epilogue
 from cupysparse.adapters.torch.tensor import SparseTensor
 
 

@@ -11,20 +11,16 @@ exactly the keys `cupysparse.networks.descriptions.parameter_shapes` lists (plus
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from cupysparse.networks import descriptions as networks
-from cupysparse.algorithms import CONV
-from cupysparse.tuning.plans import algorithm_argument
 from cupysparse.networks.prefetch import prefetch_kernels
 from cupysparse.geometry.sparse_tensor import SparseTensor as CoreSparseTensor
 from cupysparse.networks.weights_file import load_weights, save_weights as save_arrays
 
-from cupysparse.adapters.torch import ops
 from cupysparse.adapters.torch.bridge import core_dtype, to_core
 from cupysparse.adapters.torch.modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
 from cupysparse.adapters.torch.tensor import SparseTensor
@@ -188,17 +184,9 @@ class SparseNetwork(SparseSequential):
             self.prefetched.stop()  # superseded: left running, its rehearsal would compete with the calls
         if dtype is not None:
             phases = ("forward", "backward") if self.training else ("forward",)
-            # Training multiplies the 1^D convolutions in torch (`functional.sparse_conv`): their choices are
-            # not needed. Only evaluation rehearses: training runs other kernels (batch statistics, autograd).
+            # Only evaluation rehearses: training runs other kernels (batch statistics, autograd).
             self.prefetched = prefetch_kernels(self.description, dtype, weight.device.index, phases,
-                                               self._algorithms, pointwise=not self.training,
-                                               keep_plan=functools.partial(self._keep_plan, weight.dtype,
-                                                                           weight.device.index),
-                                               rehearse=None if self.training else self._rehearse)
-
-    def _keep_plan(self, dtype: torch.dtype, device_index: int, choice, plan) -> None:
-        algo = algorithm_argument(self._algorithms[choice.phase], CONV, choice.phase)
-        ops.keep_recalled_plan(choice, plan, dtype, device_index, algo)
+                                               self._algorithms, rehearse=None if self.training else self._rehearse)
 
     def _rehearse(self, tensor: CoreSparseTensor) -> None:
         with torch.no_grad(), torch.cuda.device(tensor.features.device.id):

@@ -10,11 +10,12 @@ behind it, so that the events bracket the GPU's work alone.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
 
-from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.backend import cupy_module, is_cupy_array
 from cupysparse.cuda.compile import KernelSource
 
 WAIT_KERNELS = KernelSource("device_wait.cu", ("wait_nanoseconds",))
@@ -56,3 +57,41 @@ class QueuedTimer:
                 return cupy.cuda.get_elapsed_time(start, stop)
             self.wait_ns = min(2 * host_ns, LONGEST_WAIT_NS)
             self.retaken += 1
+
+
+# A timed sample: warm-up calls first, then the median of several (the benchmarks' and the tuner's CPU timing).
+WARMUP_RUNS = 1
+TIMED_RUNS = 3
+
+
+def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> float:
+    """Median of `repeats` timed calls of `run` after `warmup` untimed ones."""
+    return statistics.median(sample_times_ms(run, on_gpu, warmup, repeats))
+
+
+def sample_times_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> list[float]:
+    """The times of `repeats` timed calls of `run` after `warmup` untimed ones, in milliseconds."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    if on_gpu:
+        cupy = cupy_module()
+        cupy.cuda.get_current_stream().synchronize()
+        for _ in range(repeats):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop))
+    else:
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            _synchronize(run())
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return samples
+
+
+def _synchronize(result) -> None:
+    if is_cupy_array(result) or (isinstance(result, tuple) and any(is_cupy_array(r) for r in result)):
+        cupy_module().cuda.get_current_stream().synchronize()

@@ -11,8 +11,9 @@ On the GPU it is one kernel (raw_kernels/batch_norm_epilogue.cu), for fp32, fp16
 with statistics and parameters of the features' dtype or fp32, computing in fp32 and deriving scale
 and shift from the statistics itself: nothing derived from them is kept, so a change of the
 statistics is seen by the next call. Other dtypes, and NumPy arrays, take the same formula in the
-accumulation dtype (fp64 for fp64 features) through the array module. `launch` runs the kernel on
-device addresses, for adapters whose framework allocates the output.
+accumulation dtype (fp64 for fp64 features) through the array module. `run` takes the arrays of any
+framework (`execution.Arrays`): one launch on device addresses into an output the framework allocates
+where the kernel takes the arrays as they are, else the checked function on the core's views.
 """
 
 from __future__ import annotations
@@ -86,6 +87,47 @@ def launch(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, fe
     source.prepared(name, BLOCK, KERNEL_ARGUMENTS).launch(
         stream, features, residual, weight, bias, running_mean, running_var, _float_bits(eps), int(relu), num_rows,
         channels, out, grid=(-(-threads // BLOCK), 1, 1))
+
+
+def run(arrays, features, running_mean, running_var, weight, bias, eps: float, residual=None, relu: bool = False):
+    """`batch_norm_epilogue` of a framework's arrays (`arrays`: its `execution.Arrays`)."""
+    statistics = (running_mean, running_var, weight, bias)
+    parameter_dtypes = _launchable(arrays, features, residual, statistics)
+    if parameter_dtypes is not None:
+        features = arrays.contiguous(features)
+        residual = None if residual is None else arrays.contiguous(residual)
+        out = arrays.empty(features, tuple(features.shape))
+        addresses = [0 if array is None else arrays.address(array) for array in (residual, weight, bias)]
+        launch(arrays.stream(features), features.shape[0], features.shape[1], *parameter_dtypes,
+               arrays.address(features), *addresses, arrays.address(running_mean), arrays.address(running_var), eps,
+               relu, arrays.address(out))
+        return out
+    with arrays.device_context(features):
+        core = arrays.to_core
+        out = batch_norm_epilogue(core(features), *(None if array is None else core(array) for array in statistics),
+                                  eps, residual=None if residual is None else core(residual), relu=relu)
+        return arrays.from_core(out)
+
+
+def _launchable(arrays, features, residual, statistics) -> tuple | None:
+    """(core dtype of the features, of the statistics) where the kernel can take these arrays as they
+    are: 2-D features on the current GPU in a dtype it takes, a residual like them, contiguous `[C]`
+    statistics and parameters of one dtype it takes with them, on the same GPU; else None."""
+    device = arrays.gpu(features)
+    if device is None or len(features.shape) != 2 or device != arrays.current_gpu():
+        return None
+    if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype
+                                 or arrays.gpu(residual) != device):
+        return None
+    parameter_dtype = statistics[0].dtype
+    for array in statistics:
+        if array is not None and (array.dtype != parameter_dtype or arrays.gpu(array) != device
+                                  or tuple(array.shape) != (features.shape[1],) or not arrays.is_contiguous(array)):
+            return None
+    dtype, core_parameter_dtype = arrays.core_dtype(features.dtype), arrays.core_dtype(parameter_dtype)
+    if dtype is None or core_parameter_dtype is None or not kernel_runs(dtype, core_parameter_dtype):
+        return None
+    return dtype, core_parameter_dtype
 
 
 def _check_array(array, name: str, backend_of, ndim: int) -> None:

@@ -1,8 +1,8 @@
 """Loading a network's kernels before its first call, in a background thread.
 
 Without it, a fresh process's first forward reads the tuning caches and loads kernel modules layer after
-layer as it meets them (notes/tuner_performance.md: most of the 30 ms a first MinkUNet18 forward spent
-above the steady 13 ms on an H100). `prefetch_kernels` starts that work as soon as a network's weights
+layer as it meets them (most of the 30 ms a first MinkUNet18 forward spent above the steady 13 ms on an
+H100). `prefetch_kernels` starts that work as soon as a network's weights
 are on its GPU (`InferenceNetwork`; the torch networks' `.to()`, `.cuda()`, `.half()`), so it runs while
 the program does what comes before the first call, typically reading its data:
 
@@ -16,7 +16,8 @@ the program does what comes before the first call, typically reading its data:
   candidate the tuner measures (`tuning_modules`), started behind those and not waited for
   (`compile.start_loading`): with empty caches, NVRTC compiles them while the program reads its data,
   and the tuner's measurements then join the compilations under way;
-- the choices' launch plans (`keep_plan`: handed to a framework adapter that keeps plans of its own);
+- the choices' launch plans (`Algorithm.forward_plan` / `backward_plan`), whose kernels and fixed
+  arguments the algorithms keep per signature, so that a layer's first call only looks them up;
 - given the network's call (`rehearse`), a rehearsal: the network run once on a few voxels
   (`rehearsal_tensor`), each convolution with the choice recalled for its layer (the largest size the
   caches rank; `tuner.rehearsal`), so that what a first call does once whatever the sizes happens here:
@@ -122,26 +123,23 @@ class KernelPrefetch:
 
 
 def cached_choices(network: networks.Network, dtype, capability: int, phases=("forward",), algorithms=None,
-                   pointwise: bool = True, tuner: Tuner | None = None) -> list[CachedChoice]:
+                   tuner: Tuner | None = None) -> list[CachedChoice]:
     """The tuner's choices for the convolutions of `network` in `dtype` on a GPU of `capability` (e.g.
     90), in `phases`, at every size its caches rank candidates for. `algorithms`: the search space of
     each phase, {"forward": ..., "backward": ...} as the functional API takes them (default: the
-    environment variables, else `auto`). `pointwise=False` leaves out 1^D stride-1 convolutions (the
-    torch adapter multiplies those in torch)."""
-    return list(_cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner or default_tuner()))
+    environment variables, else `auto`)."""
+    return list(_cached_choices(network, dtype, capability, phases, algorithms, tuner or default_tuner()))
 
 
-def _layer_problems(network: networks.Network, dtype, capability: int, pointwise: bool) -> list[ConvProblem]:
-    """A problem per distinct convolution of `network`, in its order; the 1^D stride-1 ones only if `pointwise`."""
+def _layer_problems(network: networks.Network, dtype, capability: int) -> list[ConvProblem]:
+    """A problem per distinct convolution of `network`, in its order."""
     dtype = np.dtype(dtype)
-    feature_type = FeatureType(short_name(dtype), dtype, uses_tf32(dtype, on_gpu=True))
-    return [problem for problem in layer_problems(network, feature_type, capability)
-            if pointwise or problem.kernel_volume != 1 or any(s != 1 for s in problem.stride)]
+    return layer_problems(network, FeatureType(short_name(dtype), dtype, uses_tf32(dtype, on_gpu=True)), capability)
 
 
-def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, tuner):
+def _cached_choices(network, dtype, capability, phases, algorithms, tuner):
     """`cached_choices`, one at a time."""
-    problems = _layer_problems(network, dtype, capability, pointwise)
+    problems = _layer_problems(network, dtype, capability)
     for phase in phases:
         search_space = parse_algorithm_filter((algorithms or {}).get(phase), CONV, phase)
         buckets: dict[tuple, list[tuple[int, int]]] = {}  # by key without sizes: (input, output) size buckets
@@ -157,7 +155,7 @@ def _cached_choices(network, dtype, capability, phases, algorithms, pointwise, t
 
 
 def tuning_modules(network: networks.Network, dtype, capability: int, choices: list[CachedChoice],
-                   phases=("forward",), algorithms=None, pointwise: bool = True,
+                   phases=("forward",), algorithms=None,
                    tuner: Tuner | None = None) -> list[KernelSource]:
     """The kernel modules the tuner loads to measure the convolutions of `network` (as `cached_choices`
     takes them) for which `choices` hold no size in a phase: every candidate's, phase after phase, layer
@@ -165,7 +163,7 @@ def tuning_modules(network: networks.Network, dtype, capability: int, choices: l
     a single candidate)."""
     tuner = tuner or default_tuner()
     known = {(choice.phase, sizeless_key(tuning_key(choice.problem))) for choice in choices}
-    problems = _layer_problems(network, dtype, capability, pointwise)
+    problems = _layer_problems(network, dtype, capability)
     sources = []
     for phase in phases:
         search_space = parse_algorithm_filter((algorithms or {}).get(phase), CONV, phase)
@@ -210,13 +208,13 @@ def _rehearse(rehearse, network: networks.Network, dtype: np.dtype, choices: lis
 
 
 def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases: tuple, algorithms,
-              pointwise: bool, keep_plan, rehearse, stop: threading.Event) -> Prefetched:
+              rehearse, stop: threading.Event) -> Prefetched:
     begin = time.perf_counter()
     device = cupy_module().cuda.Device(device_id)
     with device:
         capability = int(device.compute_capability)
         choices = []
-        for choice in _cached_choices(network, dtype, capability, phases, algorithms, pointwise, default_tuner()):
+        for choice in _cached_choices(network, dtype, capability, phases, algorithms, default_tuner()):
             if stop.is_set():
                 break
             choices.append(choice)
@@ -224,7 +222,7 @@ def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases
             choice.phase, choice.problem, choice.selection.params)]
         sources = list(dict.fromkeys([*sources, *unclaimed_sources([dtype])]))
         to_tune = [] if stop.is_set() else [
-            source for source in tuning_modules(network, dtype, capability, choices, phases, algorithms, pointwise)
+            source for source in tuning_modules(network, dtype, capability, choices, phases, algorithms)
             if source not in sources]
         start_loading([*sources, *to_tune])  # the compile threads take them in this order
         prepare(sources)
@@ -232,12 +230,9 @@ def _prefetch(network: networks.Network, dtype: np.dtype, device_id: int, phases
             if stop.is_set():
                 break
             try:
-                plan = _build_plan(choice)
+                _build_plan(choice)
             except Exception:  # noqa: BLE001 - the call that needs this plan builds it, and raises, itself
                 log.debug("prefetch: no plan for %s", choice, exc_info=True)
-            else:
-                if keep_plan is not None:
-                    keep_plan(choice, plan)
         rehearsed = (rehearse is not None and not stop.is_set()
                      and _rehearse(rehearse, network, dtype, choices, stop))
     return Prefetched(len(choices), len(sources), len(to_tune), rehearsed, time.perf_counter() - begin,
@@ -250,11 +245,10 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def prefetch_kernels(network: networks.Network, dtype, device_id: int | None = None, phases=("forward",),
-                     algorithms=None, pointwise: bool = True, keep_plan=None, rehearse=None) -> KernelPrefetch | None:
+                     algorithms=None, rehearse=None) -> KernelPrefetch | None:
     """Start loading what `network`'s convolutions in `dtype` will launch on GPU `device_id` (default:
     the current one) in `phases` (see the module docstring and `cached_choices`); None when prefetching
-    is off or there is no CuPy. `keep_plan(choice, plan)`: told each recalled choice's launch plan (a
-    framework adapter keeps them where its calls look them up). `rehearse`: what runs the network's
+    is off or there is no CuPy. `rehearse`: what runs the network's
     forward on a core `SparseTensor` on that GPU, without stopping this prefetch, for the rehearsal
     (None: none). Prefetches run one at a time, in the order asked."""
     unknown = sorted(set(phases) - set(PHASES))
@@ -265,6 +259,6 @@ def prefetch_kernels(network: networks.Network, dtype, device_id: int | None = N
         return None
     device_id = cupy.cuda.Device().id if device_id is None else int(device_id)
     stop = threading.Event()
-    future = _worker().submit(_prefetch, network, np.dtype(dtype), device_id, tuple(phases), algorithms, pointwise,
-                              keep_plan, rehearse, stop)
+    future = _worker().submit(_prefetch, network, np.dtype(dtype), device_id, tuple(phases), algorithms, rehearse,
+                              stop)
     return KernelPrefetch(future, stop)

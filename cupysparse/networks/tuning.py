@@ -19,7 +19,7 @@ from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem
 from cupysparse.cuda.backend import array_module
-from cupysparse.functional.convolution import backward_runner, forward_runner
+from cupysparse.functional.execution import backward_runner, forward_runner
 from cupysparse.networks.inference import InferenceNetwork, LayerObserver
 from cupysparse.geometry.sparse_tensor import SparseTensor
 from cupysparse.tuning.tuner import Tuner, tuning_key

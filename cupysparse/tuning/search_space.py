@@ -18,6 +18,7 @@ parameters.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from cupysparse import settings
@@ -96,6 +97,28 @@ def parse_algorithm_filter(value, kind: str = CONV, phase: str = "forward") -> A
             raise ValueError(f"{source}: empty algorithm list; valid choices: {_valid_choices(kind)}")
         return AlgorithmFilter(kind, phase, "names", tuple(_name_of(item, kind, source) for item in value))
     raise TypeError(f"{source}: expected None, an enum, a string or a list, got {type(value).__name__}")
+
+
+def algorithm_argument(algo, kind: str, phase: str) -> str:
+    """The canonical string of an algorithm argument, checked: "" for None (the environment variable
+    decides at each call), else `auto`, `all` or `[a,b]`. A typo raises here, naming the caller's value.
+    Layers keep it, and calls pass it, so that a call parses nothing."""
+    if algo is None:
+        return ""
+    return _algorithm_argument(tuple(algo) if isinstance(algo, list) else algo, kind, phase)
+
+
+@functools.lru_cache(maxsize=256)
+def _algorithm_argument(algo, kind: str, phase: str) -> str:
+    search_space = parse_algorithm_filter(algo, kind, phase)
+    if search_space.mode == "names":
+        return "[" + ",".join(search_space.names) + "]"
+    return search_space.mode
+
+
+def algorithm_filter(argument: str, kind: str, phase: str) -> AlgorithmFilter:
+    """The `AlgorithmFilter` of an `algorithm_argument` string."""
+    return parse_algorithm_filter(argument or None, kind, phase)
 
 
 def candidates(search_space: AlgorithmFilter, problem: ConvProblem) -> list[tuple[Algorithm, dict]]:

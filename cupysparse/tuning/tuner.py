@@ -1,23 +1,20 @@
 """The autotuner: measures the candidate algorithms of a convolution on the user's device, keeps
 the results in the persistent benchmark cache, and runs the winner.
 
-A search space (`AlgorithmFilter`) gives the candidates: one algorithm → its parameter grid; a
-list → every listed algorithm's grid; `all` → every algorithm that supports the problem; `auto` →
-a reduced set, the supported algorithms of the highest `auto_priority` with their
-`auto_param_grid` (channel-dependent). Both come from measurements (see
-`notes/conv_performance.md` and the algorithms' docstrings): tensor cores won every fp16 layer
-from 32 to 256 channels (5-40x ahead of the next algorithm, H200); in fp32, SIMT implicit GEMM wins narrow
-layers and cuBLAS explicit GEMM wide ones. The reference still runs once, for the check.
+A search space (`search_space.AlgorithmFilter`) gives the candidates: one algorithm → its parameter
+grid; a list → every listed algorithm's grid; `all` → every algorithm that supports the problem; `auto`
+→ a reduced set, the supported algorithms of the highest `auto_priority` with their `auto_param_grid`
+(channel-dependent). Both come from measurements (the algorithms' docstrings give them): tensor cores
+won every fp16 layer from 32 to 256 channels (5-40x ahead of the next algorithm, H200); in fp32, SIMT
+implicit GEMM wins narrow layers and cuBLAS explicit GEMM wide ones. The reference still runs once, for
+the check.
 
 On a GPU, the kernel modules of every candidate to measure (`Algorithm.kernel_modules`) are first
 compiled side by side (`compile.prepare`), not one after the other at each candidate's first launch.
-Each candidate's first run is compared with `explicit_gemm`; a candidate that fails to compile,
-runs out of memory or gives a different answer is skipped with a logged reason, and if all fail
-`explicit_gemm` runs. The rest are timed (on the GPU each call's device time alone, behind a wait that
-lets the host queue it: `device_timing`; the host clock on the CPU: the checked run is the warm-up, then
-the median of several runs); the few within `CONTENDER_MARGIN` of the
-fastest are timed again in interleaved rounds, so that noise and drift do not rank them, each keeping the
-median of all its samples. The results are stored best-first under a key of
+Each candidate's first run is compared with the reference algorithm (`explicit_gemm`) and timed
+(`measurement`); a candidate that fails to compile, runs out of memory or gives a different answer is
+skipped with a logged reason, and if all fail the reference runs. The results are stored best-first
+under a key of
 the problem's shape, dtype (and TF32 use) and device architecture, so caches of different GPUs never
 match: each algorithm's parameter sweep in its own namespace (`Algorithm.tuning_namespace`), every
 candidate of the key in the phase namespace (`NAMESPACES`). Tuning never runs inside CUDA-graph capture.
@@ -35,28 +32,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
 
 from cupysparse.tuning.search_space import ALL, AUTO, AlgorithmFilter
 from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
-from cupysparse.cuda.backend import all_true, array_module, cupy_module, is_cupy_array
+from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.compile import prepare, source_digest
-from cupysparse.cuda.timing import WAIT_KERNELS, QueuedTimer
-from cupysparse.cuda.dtypes import BFLOAT16, accumulation_dtype, short_name
+from cupysparse.cuda.timing import WAIT_KERNELS
 from cupysparse import settings
-from cupysparse.cuda.out_of_memory import is_out_of_memory
-from cupysparse.cuda.precision import TF32, chosen_fp32_precision, get_fp32_precision
+from cupysparse.cuda.precision import TF32
+from cupysparse.tuning.measurement import Measurement, measure, params_key
 from cupysparse.tuning.search_space import Selection, candidates, describe_problem, rule_based_selection
 from cupysparse.tuning.shipped import tuning_cache
 
-log = logging.getLogger("cupysparse.tuning.tuner")
+log = logging.getLogger("cupysparse.tuning")
 
 NAMESPACES = {
     (CONV, "forward"): "sparse_conv_forward",
@@ -65,23 +59,6 @@ NAMESPACES = {
     (DEPTHWISE, "backward"): "sparse_conv_depthwise_backward",
 }
 REFERENCE = {CONV: "explicit_gemm", DEPTHWISE: "explicit"}
-WARMUP_RUNS = 1
-TIMED_RUNS = 3
-# Candidates within this fraction of the fastest first-pass time are too close for TIMED_RUNS samples to
-# rank (H100: 10-15% apart, misranked from run to run): the fastest MAX_CONTENDERS of them are timed
-# again, CONTENDER_ROUNDS samples each, taken round-robin so that a clock or thermal drift hits all alike.
-CONTENDER_MARGIN = 0.15
-MAX_CONTENDERS = 4
-CONTENDER_ROUNDS = 5
-# Largest |candidate - reference| accepted, relative to max |reference|: far above rounding
-# (fp32 accumulation, one rounding to the output dtype), far below a wrong pair or layout.
-AGREEMENT = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2, "tf32": 1e-2}
-# Values in a dtype's subnormal range carry an absolute rounding error of a few of these steps however
-# exact the algorithm (fp16 gradients of a mean over 10⁴ voxels live there); the check allows 16 of them.
-SUBNORMAL_STEP = {"float64": 2.0**-1074, "float32": 2.0**-149, "float16": 2.0**-24, "bfloat16": 2.0**-133}
-SUBNORMAL_STEPS_ALLOWED = 16
-
-
 def tuning_enabled() -> bool:
     return settings.autotune()
 
@@ -126,143 +103,6 @@ def prepare_kernels(pool, phase: str, problem: ConvProblem) -> None:
     prepare([*sources, WAIT_KERNELS])
 
 
-def _synchronize(result) -> None:
-    if is_cupy_array(result) or (isinstance(result, tuple) and any(is_cupy_array(r) for r in result)):
-        cupy_module().cuda.get_current_stream().synchronize()
-
-
-def candidate_times_ms(run, timer: QueuedTimer | None, repeats: int = TIMED_RUNS) -> list[float]:
-    """The tuner's samples of one candidate, already warmed up: with `timer` (on the GPU) each call's
-    device time alone, else the host clock."""
-    if timer is None:
-        return sample_times_ms(run, on_gpu=False, warmup=0, repeats=repeats)
-    return [timer.time_ms(run) for _ in range(repeats)]
-
-
-def median_time_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> float:
-    """Median of `repeats` timed calls of `run` after `warmup` untimed ones."""
-    return statistics.median(sample_times_ms(run, on_gpu, warmup, repeats))
-
-
-def sample_times_ms(run, on_gpu: bool, warmup: int = WARMUP_RUNS, repeats: int = TIMED_RUNS) -> list[float]:
-    """The times of `repeats` timed calls of `run` after `warmup` untimed ones, in milliseconds."""
-    for _ in range(warmup):
-        run()
-    samples = []
-    if on_gpu:
-        cupy = cupy_module()
-        cupy.cuda.get_current_stream().synchronize()
-        for _ in range(repeats):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record()
-            run()
-            stop.record()
-            stop.synchronize()
-            samples.append(cupy.cuda.get_elapsed_time(start, stop))
-    else:
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            _synchronize(run())
-            samples.append((time.perf_counter() - begin) * 1e3)
-    return samples
-
-
-def _as_tuple(result) -> tuple:
-    return result if isinstance(result, tuple) else (result,)
-
-
-def _labelled(result) -> list[tuple[str, object]]:
-    """The arrays of a run's result with what they are: a forward's output, or a backward's
-    (input gradient, weight gradient)."""
-    parts = _as_tuple(result)
-    labels = ("input gradient", "weight gradient") if len(parts) == 2 else ("output",) * len(parts)
-    return list(zip(labels, parts))
-
-
-def _position(flat_index: int, shape, label: str) -> str:
-    """Where element `flat_index` of the array `label` of `shape` is: a row and channel of features,
-    an offset and channels of a weight gradient (`[K, C_in, C_out]`, or `[K, C]` for depthwise)."""
-    index = [int(i) for i in np.unravel_index(flat_index, shape)]
-    if label == "weight gradient" and len(index) == 3:
-        return f"offset {index[0]}, input channel {index[1]}, output channel {index[2]}"
-    if label == "weight gradient" and len(index) == 2:
-        return f"offset {index[0]}, channel {index[1]}"
-    if len(index) == 2:
-        return f"row {index[0]}, channel {index[1]}"
-    return f"index {tuple(index)}"
-
-
-def largest_finite(dtype) -> float:
-    """The largest finite value of `dtype` (65504 for fp16)."""
-    dtype = np.dtype(dtype)
-    if dtype == BFLOAT16:  # NumPy's finfo does not know it; the package that defines it does
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).max)
-    return float(np.finfo(dtype).max)
-
-
-def non_finite_reference(reference, dtype) -> str | None:
-    """Why the reference result cannot check the candidates, or None: it holds inf (the exact
-    result, accumulated in fp32 or wider, lies beyond `dtype`'s range: an overflow) or NaN (NaN or
-    inf in the inputs). Then every candidate would "agree" on those values, or differ for no fault
-    of its own."""
-    name = short_name(dtype)
-    for label, expected in _labelled(reference):
-        if expected is None or expected.size == 0:
-            continue
-        xp = array_module(expected)
-        finite = xp.isfinite(expected.astype(accumulation_dtype(dtype))).ravel()
-        if all_true(finite):
-            continue
-        bad = int(finite.size - int(xp.count_nonzero(finite)))
-        first = int(xp.argmin(finite))  # the first False
-        where = _position(first, expected.shape, label)
-        more = f" (and {bad - 1:,} more)" if bad > 1 else ""
-        if bool(xp.isnan(expected.ravel()[first].astype(accumulation_dtype(dtype)))):
-            return (f"the reference {name} {label} is NaN at {where}{more}: the inputs hold NaN or inf, "
-                    "so no candidate can be checked")
-        return (f"overflow: the {name} {label} exceeds {largest_finite(dtype):g} at {where}{more}: the reference, "
-                f"accumulated in {short_name(accumulation_dtype(dtype))}, is out of {name}'s range there, so no "
-                "candidate can be checked; scale the inputs or weights down, or compute in a wider dtype")
-    return None
-
-
-def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
-    """Why `result` is not `reference` within `AGREEMENT` for `dtype` (for TF32 products when
-    `tf32`), or None. Computed where the arrays live, so only a few scalars cross to the host. A
-    reference with inf or NaN checks nothing (`non_finite_reference` says why); inf or NaN in
-    `result` where the reference is finite is reported as what it is (an overflow, or NaN), with its
-    position."""
-    unusable = non_finite_reference(reference, dtype)
-    if unusable is not None:
-        return unusable
-    tolerance = AGREEMENT[TF32 if tf32 else np.dtype(dtype).name]
-    floor = SUBNORMAL_STEPS_ALLOWED * SUBNORMAL_STEP[np.dtype(dtype).name]
-    for (label, got), expected in zip(_labelled(result), _as_tuple(reference)):
-        if got is None and expected is None:
-            continue
-        if got.shape != expected.shape:
-            return f"shape {tuple(got.shape)} instead of {tuple(expected.shape)}"
-        if expected.size == 0:
-            continue
-        xp = array_module(expected)
-        wide = accumulation_dtype(dtype)
-        got, expected = got.astype(wide), expected.astype(wide)
-        finite = xp.isfinite(got).ravel()
-        if not all_true(finite):
-            first = int(xp.argmin(finite))
-            value, exact = float(got.ravel()[first]), float(expected.ravel()[first])
-            named = f"the {short_name(dtype)} {label}"
-            what = f"{named} is NaN" if np.isnan(value) else f"overflow: {named} is {value:g}"
-            return f"{what} at {_position(first, got.shape, label)}, where the reference is {exact:.6g}"
-        scale = float(xp.abs(expected).max())
-        error = float(xp.abs(got - expected).max())
-        if error > tolerance * scale + floor:
-            return f"differs from the reference answer by {error:.3g} (max |reference| {scale:.3g})"
-    return None
-
-
 def _is_capturing(problem: ConvProblem) -> bool:
     return problem.device == "cuda" and cupy_module().cuda.get_current_stream().is_capturing()
 
@@ -301,9 +141,9 @@ def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, ch
 def rehearsal(choices: Mapping[tuple, Selection], stop: threading.Event | None = None):
     """On this thread, while inside: every tuner's `select` answers a problem with its entry of `choices`
     (keyed by `rehearsal_key`) where that algorithm supports it, else by the priority rule. It measures,
-    writes and remembers nothing, and raises `RehearsalStopped` once `stop` is set; `choices_version`
-    differs, so what callers keep by it stays apart. A network's rehearsal (`cupysparse.networks.prefetch`) runs
-    inside: its layers' recalled choices, made for their real sizes, run on a few voxels."""
+    writes and remembers nothing, and raises `RehearsalStopped` once `stop` is set. A network's rehearsal
+    (`cupysparse.networks.prefetch`) runs inside, on a tensor of its own (whose maps alone remember the
+    plans selected there): its layers' recalled choices, made for their real sizes, run on a few voxels."""
     previous = getattr(_rehearsal, "state", None)
     _rehearsal.state = (choices, stop)
     try:
@@ -325,13 +165,12 @@ class Tuner:
         normal calls skip; the populate script uses it so every configuration gets an entry."""
         self._cache = cache
         self._measure_single = measure_single_candidates
-        self._chosen: dict[tuple, Selection] = {}  # by tuning key and candidate pool
-        self._by_call: dict[tuple, Selection] = {}  # by filter and exact problem: a repeated call's one look-up
-        # By filter and tuning key: a layer's first call at new sizes of a known bucket (a new scene's), which
-        # `recall` answers ahead. The candidates depend on the key alone, not on the exact sizes.
-        self._by_key: dict[tuple, Selection] = {}
+        # By filter, tuning key and whether candidates are measured: the candidates depend on the key alone,
+        # not on the exact sizes, so a layer's call at new sizes of a known bucket (a new scene's) looks its
+        # choice up here, and `recall` answers it ahead. Everything else a choice depends on is in the key:
+        # the algorithm filter (an environment variable's, for None), TF32 use, measuring or not.
+        self._choices: dict[tuple, Selection] = {}
         self.measurements = 0  # times candidates were benchmarked: what a populated cache saves
-        self.generation = 0  # bumped whenever remembered choices are dropped
         self._reported: set = set()  # topics `_warn_once` has warned about in this process
 
     @property
@@ -340,11 +179,9 @@ class Tuner:
 
     def forget_choices(self) -> None:
         """Drop the choices remembered in this process; the next call of each problem looks in the
-        cache again (and measures what it lacks)."""
-        self._chosen.clear()
-        self._by_call.clear()
-        self._by_key.clear()
-        self.generation += 1
+        cache again (and measures what it lacks), and so do the plans layers keep (`settings.changed`)."""
+        self._choices.clear()
+        settings.changed()
 
     def select(self, search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:
         """The algorithm and parameters for `problem`; `run(algorithm, params)` executes one
@@ -352,12 +189,14 @@ class Tuner:
         rehearsal = getattr(_rehearsal, "state", None)
         if rehearsal is not None:
             return _rehearsed_selection(search_space, problem, *rehearsal)
-        call_key = (search_space, problem, run is None, tuning_enabled())
-        chosen = self._by_call.get(call_key)
+        measured = run is not None and tuning_enabled()
+        key = tuning_key(problem)
+        remembered = self._choices
+        chosen = remembered.get((search_space, key, measured))
         if chosen is None:
-            chosen, remember = self._select(search_space, problem, run)
+            chosen, remember = self._keyed_selection(search_space, problem, key, run if measured else None)
             if remember:
-                self._by_call[call_key] = chosen
+                remembered[(search_space, key, measured)] = chosen
         if not chosen.algorithm.capturable and _is_capturing(problem):
             return self._capturable_selection(search_space, problem)
         return chosen
@@ -379,9 +218,9 @@ class Tuner:
                 f"during capture. Capture with one of {recordable}, or `auto`."
             )
         entry = self.cache.get(NAMESPACES[(search_space.kind, search_space.phase)], tuning_key(problem))
-        allowed = {(a.name, _params_key(p)) for a, p in pool}
+        allowed = {(a.name, params_key(p)) for a, p in pool}
         for name, params, _ in entry.results if entry is not None else ():
-            if (name, _params_key(params)) in allowed:
+            if (name, params_key(params)) in allowed:
                 return Selection(get_algorithm(name, search_space.kind), dict(params))
         return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
 
@@ -392,21 +231,18 @@ class Tuner:
         as `select` remembers it. None where the caches do not rank every candidate. What loads a
         network's kernels ahead of its first call (`cupysparse.networks.prefetch`) asks."""
         key = tuning_key(problem)
-        by_key = (search_space, key, False, tuning_enabled())  # as `select` with a run keeps it
-        chosen = self._by_key.get(by_key)
+        remembered = self._choices
+        measured = tuning_enabled()  # as `select` with a run remembers it
+        chosen = remembered.get((search_space, key, measured))
         if chosen is not None:
             return chosen
         pool = candidates(search_space, problem)
         if not pool:
             return None
-        chosen = self._unmeasured_selection(search_space, problem, pool, run_given=True)
-        if chosen is None:
-            memo_key = _memo_key(search_space, key, pool)
-            chosen = self._chosen.get(memo_key) or self._recorded_selection(search_space, key, _sweeps(pool))
-            if chosen is None:
-                return None
-            self._chosen[memo_key] = chosen
-        self._by_key[by_key] = chosen
+        chosen = (self._unmeasured_selection(search_space, problem, pool, run_given=True)
+                  or self._recorded_selection(search_space, key, _sweeps(pool)))
+        if chosen is not None:
+            remembered[(search_space, key, measured)] = chosen
         return chosen
 
     def candidates_to_measure(self, search_space: AlgorithmFilter, problem: ConvProblem
@@ -426,36 +262,18 @@ class Tuner:
             return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
         return None
 
-    def _select(self, search_space: AlgorithmFilter, problem: ConvProblem, run) -> tuple[Selection, bool]:
-        """The selection, and whether this process may keep it for the problem (not when the data
-        of this call could check nothing: the next call's may)."""
-        key = tuning_key(problem)
-        by_key = (search_space, key, run is None, tuning_enabled())
-        chosen = self._by_key.get(by_key)
-        if chosen is None:
-            chosen, remember = self._keyed_selection(search_space, problem, key, run)
-            if not remember:
-                return chosen, False
-            self._by_key[by_key] = chosen
-        return chosen, True
-
     def _keyed_selection(self, search_space: AlgorithmFilter, problem: ConvProblem, key, run
                          ) -> tuple[Selection, bool]:
-        """`_select` for a filter and tuning key met for the first time."""
+        """The selection for a filter and tuning key met for the first time (measuring through `run`,
+        None: the priority rule), and whether this process may remember it for the key (not when the data
+        of this call could check nothing: the next call's may)."""
         pool = candidates(search_space, problem)
         if not pool:
             return rule_based_selection(search_space, problem), True  # raises, listing the valid choices
         unmeasured = self._unmeasured_selection(search_space, problem, pool, run is not None)
         if unmeasured is not None:
             return unmeasured, True
-        memo_key = _memo_key(search_space, key, pool)
-        chosen = self._chosen.get(memo_key)
-        if chosen is None:
-            chosen, remember = self._tuned(search_space, problem, key, pool, run)
-            if not remember:
-                return chosen, False
-            self._chosen[memo_key] = chosen
-        return chosen, True
+        return self._tuned(search_space, problem, key, pool, run)
 
     def _recorded_selection(self, search_space: AlgorithmFilter, key, sweeps: dict[Algorithm, list[dict]]
                             ) -> Selection | None:
@@ -491,7 +309,7 @@ class Tuner:
             measured = [(a, p) for a in unknown for p in sweeps[a]]
             if problem.device == "cuda":
                 prepare_kernels(measured, phase, problem)
-            measurement = measure(measured, run, problem, kind)
+            measurement = measure(measured, run, problem, get_algorithm(REFERENCE[kind], kind))
             log.info(
                 "tuned %s %s in %.0f ms: %s",
                 NAMESPACES[(kind, phase)],
@@ -587,8 +405,8 @@ class Tuner:
             return None
         if not entry.results:
             return []
-        wanted_keys = {_params_key(params) for params in wanted}
-        found = [result for result in entry.results if _params_key(result[1]) in wanted_keys]
+        wanted_keys = {params_key(params) for params in wanted}
+        found = [result for result in entry.results if params_key(result[1]) in wanted_keys]
         return found or None  # swept other parameters than these: sweep again
 
     def _recorded_ranking(self, namespace: str, key, sweeps: dict[Algorithm, list[dict]]) -> list | None:
@@ -599,8 +417,8 @@ class Tuner:
         entry = self.cache.get(namespace, key)
         if entry is None:
             return None
-        wanted = {(algorithm.name, _params_key(params)) for algorithm, sweep in sweeps.items() for params in sweep}
-        ranking = [result for result in entry.results if (result[0], _params_key(result[1])) in wanted]
+        wanted = {(algorithm.name, params_key(params)) for algorithm, sweep in sweeps.items() for params in sweep}
+        ranking = [result for result in entry.results if (result[0], params_key(result[1])) in wanted]
         if {name for name, _, _ in ranking} != {algorithm.name for algorithm in sweeps}:
             return None
         return ranking
@@ -609,11 +427,11 @@ class Tuner:
         """Add `ranking` to the phase namespace's entry of `key`, unless it holds all of it already."""
         entry = self.cache.get(namespace, key)
         previous = list(entry.results) if entry is not None else []
-        recorded = {(name, _params_key(params)): time_ms for name, params, time_ms in previous}
-        if entry is not None and all(recorded.get((n, _params_key(p))) == t for n, p, t in ranking):
+        recorded = {(name, params_key(params)): time_ms for name, params, time_ms in previous}
+        if entry is not None and all(recorded.get((n, params_key(p))) == t for n, p, t in ranking):
             return
-        ranked = {(name, _params_key(params)) for name, params, _ in ranking}
-        merged = ranking + [r for r in previous if (r[0], _params_key(r[1])) not in ranked]
+        ranked = {(name, params_key(params)) for name, params, _ in ranking}
+        merged = ranking + [r for r in previous if (r[0], params_key(r[1])) not in ranked]
         algorithms = [get_algorithm(name, kind) for name in dict.fromkeys(r[0] for r in merged)]
         self.cache.put(namespace, key, merged, _sources(algorithms))
 
@@ -630,125 +448,8 @@ def _sweeps(pool) -> dict[Algorithm, list[dict]]:
     return sweeps
 
 
-def _memo_key(search_space: AlgorithmFilter, key, pool) -> tuple:
-    """What a tuner remembers a choice by: the phase, the tuning key and the candidates."""
-    return search_space.kind, search_space.phase, key, tuple((a.name, _params_key(p)) for a, p in pool)
-
-
-def _params_key(params: dict) -> tuple:
-    return tuple(sorted(params.items()))
-
-
 def _sources(algorithms) -> set[tuple[str, str]]:
     return {(filename, source_digest(filename)) for algorithm in algorithms for filename in algorithm.kernel_sources}
-
-
-@dataclass
-class Measurement:
-    """What `measure` found. `results` best-first as (name, params, ms) for the candidates that ran
-    and agreed with the reference; `skipped` maps each other candidate to its reason, and `raised`
-    those whose run raised to the error. `short_of_memory`: some run ran out of memory, a failure
-    another moment may not repeat. `unchecked`: why no candidate could be checked (the reference ran
-    out of memory, or its result holds inf or NaN); then nothing else ran."""
-
-    results: list = field(default_factory=list)
-    skipped: dict = field(default_factory=dict)
-    raised: dict = field(default_factory=dict)
-    short_of_memory: bool = False
-    unchecked: str | None = None
-
-    def every_candidate_raised(self, reference: str) -> bool:
-        """Whether candidates other than `reference` were measured and each of them raised."""
-        measured = {key for key in self.skipped if key[0] != reference}
-        measured.update((name, _params_key(params)) for name, params, _ in self.results if name != reference)
-        return bool(measured) and all(key in self.raised for key in measured)
-
-    def algorithms_that_always_raised(self) -> dict[str, list[str]]:
-        """The algorithms whose every measured candidate raised, each with its distinct errors."""
-        ran = {name for name, _, _ in self.results}
-        ran.update(name for (name, params), _ in self.skipped.items() if (name, params) not in self.raised)
-        errors: dict[str, list[str]] = {}
-        for (name, _), error in self.raised.items():
-            if name not in ran and error not in errors.setdefault(name, []):
-                errors[name].append(error)
-        return errors
-
-
-def _error_summary(error: Exception) -> str:
-    """`Type: first line of the message`, at most 300 characters (an NVRTC log runs to pages)."""
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def measure(pool, run, problem: ConvProblem, kind: str) -> Measurement:
-    """Time every (algorithm, params) of `pool` through `run` after checking its first run against
-    the reference algorithm, then the close contenders again (`retime_contenders`); a failing or
-    disagreeing candidate is logged and skipped. If the reference itself runs out of memory or gives
-    inf or NaN, nothing is checked or timed."""
-    reference_algorithm = get_algorithm(REFERENCE[kind], kind)
-    measurement = Measurement()
-    try:
-        reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise  # the reference is the library's own answer: its failure is the call's
-        measurement.short_of_memory = True
-        measurement.unchecked = f"the reference {reference_algorithm.name} ran out of memory ({_error_summary(error)})"
-        return measurement
-    measurement.unchecked = non_finite_reference(reference, problem.dtype)
-    if measurement.unchecked is not None:
-        return measurement
-    timer = QueuedTimer() if problem.device == "cuda" else None
-    timed: dict[tuple, tuple[Algorithm, dict, list[float]]] = {}  # by candidate: its samples
-    for algorithm, params in pool:
-        candidate = (algorithm.name, _params_key(params))
-        try:
-            first = run(algorithm, params)
-            reason = (None if algorithm is reference_algorithm
-                      else disagreement(first, reference, problem.dtype, problem.tf32))
-            if reason is None:
-                # The checked first run warmed this candidate up; time it straight away.
-                samples = candidate_times_ms(lambda: run(algorithm, params), timer)
-                timed[candidate] = (algorithm, params, samples)
-            else:
-                log.warning("tuner: skipping %s %s: %s", algorithm.name, params, reason)
-                measurement.skipped[candidate] = reason
-        except Exception as error:  # a failing candidate (compile error, out of memory) must not fail the call
-            _skip_raised(measurement, candidate, params, error)
-    retime_contenders(timed, run, timer, measurement)
-    measurement.results = sorted(((algorithm.name, params, statistics.median(samples))
-                                  for algorithm, params, samples in timed.values()), key=lambda result: result[2])
-    return measurement
-
-
-def retime_contenders(timed: dict, run, timer: QueuedTimer | None, measurement: Measurement) -> None:
-    """Add samples to the candidates of `timed` within `CONTENDER_MARGIN` of the fastest (the fastest
-    `MAX_CONTENDERS` of them): `CONTENDER_ROUNDS` rounds of one sample each, round-robin. A contender that
-    raises is skipped as in the first pass and leaves `timed`. One contender alone is not run again."""
-    first_pass = {candidate: statistics.median(samples) for candidate, (_, _, samples) in timed.items()}
-    fastest = min(first_pass.values(), default=0.0)
-    contenders = sorted((c for c in first_pass if first_pass[c] <= fastest * (1 + CONTENDER_MARGIN)),
-                        key=first_pass.get)[:MAX_CONTENDERS]
-    if len(contenders) < 2:
-        return
-    for _ in range(CONTENDER_ROUNDS):
-        for candidate in list(contenders):
-            algorithm, params, samples = timed[candidate]
-            try:
-                samples.extend(candidate_times_ms(lambda: run(algorithm, params), timer, repeats=1))
-            except Exception as error:  # as in the first pass: a failing candidate must not fail the call
-                contenders.remove(candidate)
-                del timed[candidate]
-                _skip_raised(measurement, candidate, params, error)
-
-
-def _skip_raised(measurement: Measurement, candidate: tuple, params: dict, error: Exception) -> None:
-    """Record and log a candidate whose run raised (a compile error, out of memory) as skipped."""
-    measurement.raised[candidate] = _error_summary(error)
-    measurement.skipped[candidate] = f"{type(error).__name__}: {error}"
-    measurement.short_of_memory |= is_out_of_memory(error)
-    log.info("tuner: skipping %s %s: %s", candidate[0], params, measurement.skipped[candidate])
 
 
 _default_tuner = Tuner()
@@ -756,18 +457,6 @@ _default_tuner = Tuner()
 
 def default_tuner() -> Tuner:
     return _default_tuner
-
-
-def choices_version() -> tuple[int, bool, str, bool]:
-    """Changes whenever `select_algorithm` may answer a repeated call differently (on this thread: inside
-    a rehearsal it does): what callers that keep a selection (with its launch plans) check before reusing it."""
-    return _default_tuner.generation, tuning_enabled(), get_fp32_precision(), rehearsing()
-
-
-def choices_generation() -> tuple[int, str | None, bool]:
-    """What `choices_version` depends on beyond the environment variables (whose changes
-    `environment.changes` counts), without reading them: cheap enough to check on every call."""
-    return _default_tuner.generation, chosen_fp32_precision(), rehearsing()
 
 
 def select_algorithm(search_space: AlgorithmFilter, problem: ConvProblem, run=None) -> Selection:

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
-from cupysparse.adapters.torch import ops  # noqa: E402
+from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
+from cupysparse.adapters.torch.bridge import TORCH_ARRAYS  # noqa: E402
 from cupysparse.tuning.tuner import rehearsal  # noqa: E402
 from cupysparse.networks.weight_layouts import to_spconv_weight, to_torch_conv_weight  # noqa: E402
 
@@ -244,11 +245,11 @@ def test_autocast_runs_the_convolution_in_the_autocast_dtype():
 def test_compiled_two_layer_block_matches_eager_without_graph_breaks():
     x, first = through(lambda: cst.SubMConv3d(3, 8, 3))
     second = cst.SubMConv3d(8, 4, 3).double()
-    table = ops.pair_table(x.kernel_map(3).kernel_map)
+    table = torch_functional.pair_table(x.kernel_map(3).kernel_map)
 
     def block(features, w1, w2):
-        hidden = torch.relu(ops.convolution(features, w1, table, "", ""))
-        return ops.convolution(hidden, w2, table, "", "")
+        hidden = torch.relu(torch_functional.convolution(features, w1, table, "", ""))
+        return torch_functional.convolution(hidden, w2, table, "", "")
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     args = (x.features, first.weight, second.weight)
@@ -266,12 +267,12 @@ def test_the_custom_ops_pass_torch_library_checks():
     checks = ("test_autograd_registration",)
     x = sparse()
     weight = torch.randn(27, 3, 4, dtype=torch.float64, requires_grad=True)
-    table = ops.pair_table(x.kernel_map(3).kernel_map)
-    torch.library.opcheck(ops.conv_forward, (x.features, weight, table, "", ""), test_utils=checks)
+    table = torch_functional.pair_table(x.kernel_map(3).kernel_map)
+    torch.library.opcheck(torch_functional.conv_forward, (x.features, weight, table, "", ""), test_utils=checks)
     depthwise = torch.randn(27, 3, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(ops.depthwise_forward, (x.features, depthwise, table, "", ""), test_utils=checks)
+    torch.library.opcheck(torch_functional.depthwise_forward, (x.features, depthwise, table, "", ""), test_utils=checks)
     with pytest.raises(ValueError, match="no live kernel map"):
-        ops.conv_forward(x.features, weight, table.clone(), "", "")
+        torch_functional.conv_forward(x.features, weight, table.clone(), "", "")
 
 
 def test_bad_inputs_give_clear_errors():
@@ -368,32 +369,32 @@ def test_an_inference_weight_is_padded_once_and_again_after_each_update():
         padded[:, :3, :20] = weight.detach()
         return padded
 
-    kept = ops._kept_padded(weight, shape)
+    kept = TORCH_ARRAYS.padded_weight(weight, shape, False, True)
     assert torch.equal(kept, expected())
-    assert ops._kept_padded(weight, shape) is kept
+    assert TORCH_ARRAYS.padded_weight(weight, shape, False, True) is kept
     with torch.no_grad():
         weight.mul_(-2.0)
-    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    assert torch.equal(TORCH_ARRAYS.padded_weight(weight, shape, False, True), expected())
     weight.grad = torch.ones_like(weight)
     torch.optim.SGD([weight], lr=0.5).step()
-    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    assert torch.equal(TORCH_ARRAYS.padded_weight(weight, shape, False, True), expected())
     weight.data = torch.randn(27, 3, 20, dtype=torch.float64)
-    assert torch.equal(ops._kept_padded(weight, shape), expected())
+    assert torch.equal(TORCH_ARRAYS.padded_weight(weight, shape, False, True), expected())
     unpadded = torch.randn(27, 16, 32)
-    assert ops._kept_padded(unpadded, shape) is unpadded  # already the kernels' layout
+    assert TORCH_ARRAYS.padded_weight(unpadded, shape, False, True) is unpadded  # already the kernels' layout
 
 
-def test_a_transposed_plan_weight_is_each_offsets_matrix_transposed_then_padded():
+def test_a_transposed_padded_weight_is_each_offsets_matrix_transposed_then_padded():
     """A forward plan with `weight_transposed` (wgmma's TF32) reads `[K, C_out_pad, C_in_pad]`; kept
     apart from the untransposed copy of the same weight."""
     weight = torch.nn.Parameter(torch.randn(27, 16, 20, dtype=torch.float64))
     expected = torch.zeros(27, 32, 16, dtype=torch.float64)
     expected[:, :20, :] = weight.detach().transpose(1, 2)
-    for padded in (ops._padded(weight, (27, 32, 16), transposed=True),
-                   ops._kept_padded(weight, (27, 32, 16), transposed=True)):
+    for padded in (TORCH_ARRAYS.padded_weight(weight, (27, 32, 16), True, False),
+                   TORCH_ARRAYS.padded_weight(weight, (27, 32, 16), True, True)):
         assert padded.is_contiguous() and torch.equal(padded, expected)
     square = torch.randn(27, 16, 16, dtype=torch.float64)
-    kept = ops._kept_padded(square, (27, 16, 16), transposed=True)
+    kept = TORCH_ARRAYS.padded_weight(square, (27, 16, 16), True, True)
     assert kept.is_contiguous() and torch.equal(kept, square.transpose(1, 2))
-    assert ops._kept_padded(square, (27, 16, 16), transposed=True) is kept
-    assert ops._kept_padded(square, (27, 16, 16)) is square
+    assert TORCH_ARRAYS.padded_weight(square, (27, 16, 16), True, True) is kept
+    assert TORCH_ARRAYS.padded_weight(square, (27, 16, 16), False, True) is square

@@ -8,13 +8,14 @@ torch = pytest.importorskip("torch")
 
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
-from cupysparse.adapters.torch import bridge, ops  # noqa: E402
+from cupysparse.adapters.torch import bridge  # noqa: E402
+from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
 from cupysparse.settings import ALGORITHM_MODES  # noqa: E402
 from cupysparse.functional import convolution as functional  # noqa: E402
 from cupysparse.functional.convolution import conv_forward  # noqa: E402
 from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, registered  # noqa: E402
 from cupysparse.cuda.backend import cupy_module, gpu_available  # noqa: E402
-from cupysparse.tuning.plans import forget_plans  # noqa: E402
+from cupysparse.tuning import tuner as tuner_module  # noqa: E402
 from cupysparse.tuning.tuner import size_bucket  # noqa: E402
 import gpu_cases  # noqa: E402
 from tolerances import assert_close  # noqa: E402
@@ -115,15 +116,15 @@ def two_layer_inputs(dtype=torch.float16):
     first = cst.SubMConv3d(16, 32, 3).cuda().to(dtype)
     second = cst.SubMConv3d(32, 16, 3).cuda().to(dtype)
     kernel_map = x.kernel_map(3).kernel_map.derive_formats()
-    return x, first, second, ops.pair_table(kernel_map)
+    return x, first, second, torch_functional.pair_table(kernel_map)
 
 
 def test_compiled_two_layer_block_matches_eager_without_graph_breaks():
     x, first, second, table = two_layer_inputs()
 
     def block(features, w1, w2):
-        hidden = torch.relu(ops.convolution(features, w1, table, "", ""))
-        return ops.convolution(hidden, w2, table, "", "")
+        hidden = torch.relu(torch_functional.convolution(features, w1, table, "", ""))
+        return torch_functional.convolution(hidden, w2, table, "", "")
 
     args = (x.features, first.weight, second.weight)
     eager = block(*args)
@@ -155,8 +156,8 @@ def test_cuda_graph_capture_and_replay_of_a_training_step(dtype, name):
     params = (first.weight, second.weight)
 
     def step(features):
-        hidden = torch.relu(ops.convolution(features, params[0], table, name, name))
-        loss = ops.convolution(hidden, params[1], table, name, name).square().mean()
+        hidden = torch.relu(torch_functional.convolution(features, params[0], table, name, name))
+        loss = torch_functional.convolution(hidden, params[1], table, name, name).square().mean()
         return loss, torch.autograd.grad(loss, (features, *params))
 
     side = torch.cuda.Stream()
@@ -217,20 +218,20 @@ def test_a_changed_algorithm_variable_takes_effect_on_a_planned_layer(monkeypatc
     """The layer signature keeps its selection and plans; changing the environment variable behind
     fwd_algo=None must still switch the algorithm, as it does for the core."""
     x, first, _, table = two_layer_inputs(torch.float16)
-    kernel_map = ops._kernel_map(table)
+    kernel_map = torch_functional._kernel_map(table)
     core_features, core_weight = bridge.to_core(x.features), bridge.to_core(first.weight.detach())
     variable = ALGORITHM_MODES[(CONV, "forward")].name
     for name in ("wmma_implicit_gemm", "implicit_gemm", "wmma_implicit_gemm"):
         monkeypatch.setenv(variable, name)
         with torch.no_grad():
-            out = ops.convolution(x.features, first.weight, table, "", "")
+            out = torch_functional.convolution(x.features, first.weight, table, "", "")
         expected = conv_forward(core_features, core_weight, kernel_map, name)
         torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)
 
 
 def test_a_new_scene_runs_the_plans_of_the_first_without_selecting_again(monkeypatch):
-    """The second scene's maps are new, its sizes in the same buckets: no selection, and the plans
-    made for the first scene give the core's results over the second's maps, bitwise."""
+    """The second scene's maps are new, its sizes in the same buckets: the tuner answers from its memory
+    (nothing looked up or measured), and the plans give the core's results over the second's maps, bitwise."""
     scenes = [coordinates(seed=seed) for seed in (5, 6)]
     assert len(scenes[0]) != len(scenes[1]) and size_bucket(len(scenes[0])) == size_bucket(len(scenes[1]))
     torch.manual_seed(0)
@@ -246,8 +247,9 @@ def test_a_new_scene_runs_the_plans_of_the_first_without_selecting_again(monkeyp
 
     step(scenes[0])
     selections = []
-    for name in ("select_forward", "select_backward"):
-        monkeypatch.setattr(functional, name, lambda *args, name=name, **kwargs: selections.append(name))
+    keyed_selection = tuner_module.Tuner._keyed_selection
+    monkeypatch.setattr(tuner_module.Tuner, "_keyed_selection",
+                        lambda *arguments: selections.append(arguments) or keyed_selection(*arguments))
     conv.weight.grad = None
     x, out, grad_output = step(scenes[1])
     assert selections == []
@@ -264,13 +266,13 @@ def test_a_new_scene_runs_the_plans_of_the_first_without_selecting_again(monkeyp
 def test_a_planned_layer_still_refuses_mismatched_tensors():
     x, first, _, table = two_layer_inputs(torch.float16)
     with torch.no_grad():
-        ops.convolution(x.features, first.weight, table, "", "")  # the layer's plans are made
+        torch_functional.convolution(x.features, first.weight, table, "", "")  # the layer's plans are made
         with pytest.raises(ValueError, match="input channels"):
-            ops.convolution(x.features[:, :8].contiguous(), first.weight, table, "", "")
+            torch_functional.convolution(x.features[:, :8].contiguous(), first.weight, table, "", "")
         with pytest.raises(ValueError, match="shape"):
-            ops.convolution(x.features[:-1].contiguous(), first.weight, table, "", "")
+            torch_functional.convolution(x.features[:-1].contiguous(), first.weight, table, "", "")
         with pytest.raises(TypeError, match="dtype"):
-            ops.convolution(x.features, first.weight.float(), table, "", "")
+            torch_functional.convolution(x.features, first.weight.float(), table, "", "")
 
 
 def test_an_inference_layer_with_padded_channels_sees_each_in_place_update_of_its_weight():
@@ -301,13 +303,14 @@ def test_a_network_moved_to_the_gpu_prefetches_its_forward_kernels_and_in_traini
     from cupysparse.scripts.demo import scene_tensor
     from cupysparse.data.scenes import INDOOR_CLASSES
 
-    forget_plans()  # what earlier tests kept: the prefetch must keep this network's plans itself
+    tuner_module.default_tuner().forget_choices()  # what earlier tests chose: the prefetch must recall it itself
     model = MinkUNet18(3, len(INDOOR_CLASSES)).eval().to("cuda", torch.float16)
     inference = model.prefetched.result(timeout=300)
     assert inference.choices > 0 and inference.modules > 0  # the shipped sm_90 file ranks the demo's sizes
     _, scene, _ = scene_tensor("indoor", 200_000, 0, "cuda", "float16")
     with monkeypatch.context() as patched, torch.no_grad():
-        patched.setattr(ops, "select_algorithm", lambda *arguments: pytest.fail("a layer selected at its first call"))
+        patched.setattr(tuner_module.Tuner, "_keyed_selection",
+                        lambda *arguments: pytest.fail("a layer's choice was not recalled ahead of its first call"))
         model(cst.SparseTensor.from_core(scene))
     model.train()
     training = model.prefetched.result(timeout=300)

@@ -11,7 +11,8 @@ from tolerances import EPSILON
 
 torch = pytest.importorskip("torch")
 from cupysparse.adapters import torch as cst  # noqa: E402
-from cupysparse.adapters.torch import epilogue as torch_epilogue  # noqa: E402
+from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
+from cupysparse.functional import epilogue as core_epilogue  # noqa: E402
 from cupysparse.adapters.torch import modules as torch_modules  # noqa: E402
 from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
 
@@ -124,7 +125,7 @@ def counted_epilogues(monkeypatch) -> list:
 
     def recording(features, running_mean, running_var, weight, bias, eps, residual=None, relu=False):
         calls.append((relu, residual is not None))
-        return torch_epilogue.batch_norm_epilogue(features, running_mean, running_var, weight, bias, eps, residual,
+        return torch_functional.batch_norm_epilogue(features, running_mean, running_var, weight, bias, eps, residual,
                                                   relu)
 
     monkeypatch.setattr(torch_modules, "batch_norm_epilogue", recording)
@@ -201,8 +202,8 @@ def gpu_test(test):
 def test_evaluation_on_cuda_equals_torch_batch_norm_and_relu(dtype, parameter_dtype, relu, residual, monkeypatch):
     """On CUDA the kernel runs from the adapter (on device addresses) wherever it takes the dtypes."""
     launches = []
-    launch = torch_epilogue.epilogue.launch
-    monkeypatch.setattr(torch_epilogue.epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
+    launch = core_epilogue.launch
+    monkeypatch.setattr(core_epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
     norm, x, added = norm_case(DTYPES[dtype], DTYPES[parameter_dtype], "cuda")
     added = added if residual else None
     with torch.no_grad():
@@ -221,8 +222,8 @@ def test_a_minkunet_in_inference_on_cuda_launches_one_epilogue_per_norm(dtype, m
     if model.prefetched is not None:
         model.prefetched.result(timeout=300)  # its rehearsal launches the epilogues too, on its own thread
     launches = []
-    launch = torch_epilogue.epilogue.launch
-    monkeypatch.setattr(torch_epilogue.epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
+    launch = core_epilogue.launch
+    monkeypatch.setattr(core_epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
     coords = coordinates(num_per_item=600)
     x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=DTYPES[dtype]))
     with torch.no_grad():

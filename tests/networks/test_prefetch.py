@@ -141,18 +141,18 @@ def test_a_rehearsal_answers_its_choices_else_the_priority_rule_and_keeps_nothin
     mma = get_algorithm("mma_implicit_gemm")
     choices = {rehearsal_key(CONV, "forward", layer): last,
                rehearsal_key(CONV, "forward", old_gpu): Selection(mma, mma.default_params("forward"))}
-    tuner, outside = Tuner(), tuner_module.choices_version()
+    tuner = Tuner()
     with rehearsal(choices):
         assert tuner.select(auto, few_voxels, must_not_run) is last  # the layer's choice, at other sizes
         assert tuner.select(auto, other_layer, must_not_run) == rule_based_selection(auto, other_layer)
         assert tuner.select(auto, old_gpu, must_not_run) == rule_based_selection(auto, old_gpu)
-        assert tuner_module.rehearsing() and tuner_module.choices_version() != outside
+        assert tuner_module.rehearsing()
         elsewhere = []
         thread = threading.Thread(target=lambda: elsewhere.append(tuner_module.rehearsing()))
         thread.start()
         thread.join()
         assert elsewhere == [False]  # a rehearsal is its thread's alone
-    assert not tuner_module.rehearsing() and tuner_module.choices_version() == outside
+    assert not tuner_module.rehearsing()
     assert tuner.measurements == 0 and default_cache().keys(FORWARD) == []
     with pytest.raises(NotMeasured):  # nothing was remembered for the few voxels
         tuner.select(auto, few_voxels, must_not_run)
@@ -184,8 +184,6 @@ def test_the_choices_are_the_networks_layers_at_every_size_the_caches_rank():
         (32, 64, 1, 2**14, 2**14): winners[3],
     }
     assert {c.phase for c in choices} == {"forward"}
-    without_pointwise = prefetch.cached_choices(NETWORK, np.float16, 90, pointwise=False)
-    assert {c.problem.kernel_volume for c in without_pointwise} == {27, 8}
     assert prefetch.cached_choices(NETWORK, np.float16, 80) == []  # another architecture's keys
     assert prefetch.cached_choices(NETWORK, np.float32, 90) == []
 

@@ -7,7 +7,9 @@ import warnings
 import numpy as np
 import pytest
 
+from cupysparse import settings
 from cupysparse.tuning import tuner as tuner_module
+from cupysparse.tuning import measurement as measuring
 from cupysparse.tuning.search_space import AlgorithmFilter
 from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, registered
 from cupysparse.algorithms import base as algorithms_base
@@ -65,7 +67,7 @@ def timings(monkeypatch):
         timed.append((name, size))
         return [table[(name, size)]] * repeats
 
-    monkeypatch.setattr(tuner_module, "candidate_times_ms", fake_samples)
+    monkeypatch.setattr(measuring, "candidate_times_ms", fake_samples)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return table, timed
 
@@ -108,7 +110,7 @@ def scripted(monkeypatch):
                 raise value
         return taken
 
-    monkeypatch.setattr(tuner_module, "candidate_times_ms", fake_samples)
+    monkeypatch.setattr(measuring, "candidate_times_ms", fake_samples)
     monkeypatch.delenv("CUPYSPARSE_AUTOTUNE", raising=False)
     return scripts, order
 
@@ -165,14 +167,14 @@ def test_on_a_gpu_the_modules_of_every_measured_candidate_are_prepared_before_th
     assert len(prepared) == 1  # answered from the cache: nothing to compile
 
 
-FIRST_PASS_RUNS = tuner_module.TIMED_RUNS
-ROUNDS = tuner_module.CONTENDER_ROUNDS
+FIRST_PASS_RUNS = measuring.TIMED_RUNS
+ROUNDS = measuring.CONTENDER_ROUNDS
 
 
 def measure_fast(algorithms):
     """`measure` of fast's three sizes, in the order 1, 2, 3."""
     pool = candidates(space("names", "fast"), PROBLEM)
-    return tuner_module.measure(pool, runner(algorithms)[0], PROBLEM, CONV)
+    return measuring.measure(pool, runner(algorithms)[0], PROBLEM, algorithms["explicit_gemm"])
 
 
 def test_close_contenders_are_timed_again_and_the_faster_over_all_samples_wins(algorithms, scripted, tmp_path):
@@ -190,15 +192,15 @@ def test_close_contenders_are_timed_again_and_the_faster_over_all_samples_wins(a
 
 def test_only_the_fastest_candidates_within_the_margin_are_timed_again(algorithms, scripted, monkeypatch):
     scripts, order = scripted
-    monkeypatch.setattr(tuner_module, "MAX_CONTENDERS", 3)
-    margin = 1 + tuner_module.CONTENDER_MARGIN
+    monkeypatch.setattr(measuring, "MAX_CONTENDERS", 3)
+    margin = 1 + measuring.CONTENDER_MARGIN
     # fast 1-3 and slow 2 within the margin, slow 1 just outside; the cap leaves out fast 3, the slowest of them.
     first_pass = {("fast", 1): 1.0, ("fast", 2): 1.02, ("fast", 3): 1.04, ("slow", 2): 1.01,
                   ("slow", 1): margin + 0.01}
     for candidate, time_ms in first_pass.items():
         scripts[candidate] = [time_ms] * (FIRST_PASS_RUNS + ROUNDS)
     pool = candidates(space("names", "slow", "fast"), PROBLEM)
-    measurement = tuner_module.measure(pool, runner(algorithms)[0], PROBLEM, CONV)
+    measurement = measuring.measure(pool, runner(algorithms)[0], PROBLEM, algorithms["explicit_gemm"])
     runs = {candidate: sum(1 for name, size, _ in order if (name, size) == candidate) for candidate in first_pass}
     assert runs == {("fast", 1): 1 + ROUNDS, ("slow", 2): 1 + ROUNDS, ("fast", 2): 1 + ROUNDS,
                     ("fast", 3): 1, ("slow", 1): 1}
@@ -233,7 +235,7 @@ def test_a_contender_that_raises_while_timed_again_is_skipped_and_a_choice_is_ma
                     ("fast", 2): [1.0] * FIRST_PASS_RUNS + [1.0, RuntimeError("launch failed")],
                     ("fast", 3): [1.05] * FIRST_PASS_RUNS + [1.05] * ROUNDS})
     cache = cache_file(tmp_path / "c.msgpack")
-    with caplog.at_level("INFO", logger="cupysparse.tuning.tuner"):
+    with caplog.at_level("INFO", logger="cupysparse.tuning"):
         chosen = Tuner(cache).select(space("names", "fast"), PROBLEM, runner(algorithms)[0])
     assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 3})
     assert "skipping fast {'size': 2}: RuntimeError: launch failed" in caplog.text
@@ -302,7 +304,7 @@ def test_a_filter_with_unmeasured_candidates_measures_them_and_keeps_the_old_res
 def test_when_every_candidate_fails_the_reference_runs(algorithms, timings, tmp_path, caplog):
     cache = cache_file(tmp_path / "cache.msgpack")
     run, _ = runner(algorithms)
-    with caplog.at_level("WARNING", logger="cupysparse.tuning.tuner"), pytest.warns(RuntimeWarning) as warned:
+    with caplog.at_level("WARNING", logger="cupysparse.tuning"), pytest.warns(RuntimeWarning) as warned:
         chosen = Tuner(cache).select(space("names", "broken", "wrong"), PROBLEM, run)
     assert chosen.algorithm.name == "explicit_gemm"
     (warning,) = [str(w.message) for w in warned]
@@ -407,7 +409,7 @@ def test_a_changed_kernel_source_invalidates_only_its_own_algorithm(algorithms, 
 def test_running_out_of_memory_is_skipped_but_not_remembered(algorithms, timings, tmp_path, caplog):
     algorithms["broken"].error = MemoryError("out of memory allocating 12 GiB")
     cache = cache_file(tmp_path / "c.msgpack")
-    with caplog.at_level("INFO", logger="cupysparse.tuning.tuner"), pytest.warns(RuntimeWarning, match="out of memory"):
+    with caplog.at_level("INFO", logger="cupysparse.tuning"), pytest.warns(RuntimeWarning, match="out of memory"):
         chosen = Tuner(cache).select(space("names", "broken", "fast"), PROBLEM, runner(algorithms)[0])
     assert (chosen.algorithm.name, chosen.params) == ("fast", {"size": 2}) and "12 GiB" in caplog.text
     # A ranking measured while memory was short is not stored at all: the next process measures again.
@@ -455,25 +457,26 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
     assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm", "mma_implicit_gemm", *joined}
 
 
-def test_the_choices_version_changes_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
+def test_the_settings_generation_moves_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
+    """What the plans kept on kernel maps are checked against."""
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "1")
-    before = tuner_module.choices_version()
-    assert tuner_module.choices_version() == before
+    before = settings.generation()
+    assert settings.generation() == before
     tuner_module.default_tuner().forget_choices()
-    after_forgetting = tuner_module.choices_version()
+    after_forgetting = settings.generation()
     assert after_forgetting != before
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
-    assert tuner_module.choices_version() not in (before, after_forgetting)
+    assert settings.generation() not in (before, after_forgetting)
 
 
 def test_the_agreement_check_allows_rounding_in_the_subnormal_range_and_nothing_more():
     reference = np.linspace(-1.5e-5, 1.5e-5, 64).astype(np.float16)  # fp16 subnormals: steps of 2**-24
     step = np.float16(2.0**-24)
-    assert tuner_module.disagreement(reference + 4 * step, reference, np.float16) is None
-    assert "differs" in tuner_module.disagreement(reference + 64 * step, reference, np.float16)
+    assert measuring.disagreement(reference + 4 * step, reference, np.float16) is None
+    assert "differs" in measuring.disagreement(reference + 64 * step, reference, np.float16)
     normal = np.linspace(-1, 1, 64).astype(np.float16)
-    assert tuner_module.disagreement(normal + np.float16(0.005), normal, np.float16) is None
-    assert "differs" in tuner_module.disagreement(normal + np.float16(0.02), normal, np.float16)
+    assert measuring.disagreement(normal + np.float16(0.005), normal, np.float16) is None
+    assert "differs" in measuring.disagreement(normal + np.float16(0.02), normal, np.float16)
 
 
 def test_a_sweep_where_every_candidate_raised_is_not_cached_and_is_reported_once(algorithms, timings, tmp_path):
@@ -577,7 +580,7 @@ def test_a_candidate_that_overflows_where_the_reference_is_finite_is_skipped_as_
     overflowed = reference.copy()
     overflowed[1, 0] = np.inf  # as if it summed in fp16 and passed 65504 on the way
     algorithms["fast"].answer = overflowed
-    with caplog.at_level("WARNING", logger="cupysparse.tuning.tuner"):
+    with caplog.at_level("WARNING", logger="cupysparse.tuning"):
         chosen = Tuner(cache_file(tmp_path / "c.msgpack")).select(
             space("names", "fast", "slow"), PROBLEM, runner(algorithms)[0])
     assert (chosen.algorithm.name, chosen.params) == ("slow", {"size": 2})
@@ -586,24 +589,24 @@ def test_a_candidate_that_overflows_where_the_reference_is_finite_is_skipped_as_
 
 def test_the_check_names_inf_and_nan_in_either_result_with_their_position():
     with_inf = np.array([[1, np.inf], [2, 3]], np.float16)
-    assert tuner_module.disagreement(with_inf, with_inf, np.float16).startswith(
+    assert measuring.disagreement(with_inf, with_inf, np.float16).startswith(
         f"overflow: the fp16 output exceeds {FP16_LARGEST:g} at row 0, channel 1:")
     with_nan = np.array([[1, 2], [np.nan, 3]], np.float32)
-    assert "reference fp32 output is NaN at row 1, channel 0" in tuner_module.disagreement(
+    assert "reference fp32 output is NaN at row 1, channel 0" in measuring.disagreement(
         with_nan, with_nan, np.float32)
     finite = np.array([[1, 2], [4, 3]], np.float32)
-    assert tuner_module.disagreement(with_nan, finite, np.float32) == (
+    assert measuring.disagreement(with_nan, finite, np.float32) == (
         "the fp32 output is NaN at row 1, channel 0, where the reference is 4")
     # A backward's weight gradient [K, C_in, C_out], in bf16, whose range is fp32's.
     bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
     grad_input = np.ones((3, 2), bfloat16)
     grad_weight = np.ones((2, 2, 3), np.float32)
     grad_weight[1, 0, 2] = -np.inf
-    reason = tuner_module.disagreement((grad_input, grad_weight.astype(bfloat16)),
+    reason = measuring.disagreement((grad_input, grad_weight.astype(bfloat16)),
                                        (grad_input, grad_weight.astype(bfloat16)), bfloat16)
     assert reason.startswith(f"overflow: the bf16 weight gradient exceeds {BF16_LARGEST:g} at offset 1, "
                              "input channel 0, output channel 2")
     depthwise_grad_weight = np.ones((3, 4), np.float32)  # [K, C]
     depthwise_grad_weight[2, 3] = np.inf
-    reason = tuner_module.disagreement((grad_input, depthwise_grad_weight), (grad_input, np.ones((3, 4))), np.float32)
+    reason = measuring.disagreement((grad_input, depthwise_grad_weight), (grad_input, np.ones((3, 4))), np.float32)
     assert reason == "overflow: the fp32 weight gradient is inf at offset 2, channel 3, where the reference is 1"

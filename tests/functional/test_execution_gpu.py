@@ -1,19 +1,20 @@
-"""The functional API's kept launch plans on the GPU (`pytest -m gpu`): a layer's calls after its first
-launch the plan its first call selected. They must give what the selected algorithm gives through its
-own entry points (bitwise) and what the fp64 reference gives, over any map of the signature, and
-arguments a plan cannot run must still take the full path, with its errors."""
+"""The execution path's launch plans on the GPU (`pytest -m gpu`): a layer's calls over a map after its
+first launch the plan its first call selected. They must give what the selected algorithm gives through
+its own entry points (bitwise) and what the fp64 reference gives, over any map of the signature (a new
+map selecting from the tuner's memory, measuring nothing), and arguments a plan cannot run must still take
+the full path, with its errors."""
 
 import numpy as np
 import pytest
 
 from cupysparse.functional import convolution as functional
+from cupysparse.functional import execution
 from cupysparse.settings import ALGORITHM_MODES
 from cupysparse.algorithms import CONV, Algorithm, ConvProblem, get_algorithm
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import FLOAT32
 from cupysparse.cuda.precision import fp32_precision
-from cupysparse.tuning.plans import forget_plans
-from cupysparse.tuning.tuner import size_bucket
+from cupysparse.tuning.tuner import default_tuner, size_bucket
 from gpu_cases import build_gpu_map, coordinates, gpu_map, inputs, reference_phase, supported
 from tolerances import assert_close
 
@@ -27,18 +28,19 @@ def _planned_cases():
 
 @pytest.fixture
 def selections(monkeypatch):
-    """The phases the functional API selects an algorithm for, in order, starting with no kept plans."""
-    forget_plans()
+    """The phases the execution path asks the tuner to select for, in order, starting with no plans kept
+    on any map and no choices remembered."""
+    default_tuner().forget_choices()
     selected = []
-    select = functional.select_algorithm
+    select = execution.select_algorithm
 
     def recording(search_space, problem, run=None):
         selected.append(search_space.phase)
         return select(search_space, problem, run)
 
-    monkeypatch.setattr(functional, "select_algorithm", recording)
+    monkeypatch.setattr(execution, "select_algorithm", recording)
     yield selected
-    forget_plans()
+    default_tuner().forget_choices()
 
 
 def _on_gpu(*arrays):
@@ -69,21 +71,26 @@ def _planned_calls_match_the_algorithms_own(algorithm, kernel_map, x, w, dy) -> 
 @pytest.mark.parametrize(("name", "dtype"), _planned_cases())
 def test_a_planned_layer_gives_its_algorithms_results_over_every_map_of_its_signature(name, dtype, channels,
                                                                                       selections):
-    """Two maps of one signature (the same size buckets): the first call of each phase selects and the
-    rest launch the kept plan; every result is bitwise the selected algorithm's own and within the
-    fp64 reference's tolerance."""
+    """Two maps of one signature (the same size buckets): the first call of each phase over a map selects
+    (the second map's from the tuner's memory, measuring nothing) and the rest launch the map's plan; every
+    result is bitwise the selected algorithm's own and within the fp64 reference's tolerance."""
     algorithm = get_algorithm(name)
     coords = coordinates(seed=3)
     maps = (build_gpu_map("submanifold", coords), build_gpu_map("submanifold", coords[: len(coords) - 40]))
     assert maps[0].num_in != maps[1].num_in and size_bucket(maps[0].num_in) == size_bucket(maps[1].num_in)
+    measurements = []
     for seed, kernel_map in enumerate(maps):
         x, w, dy = inputs(kernel_map, *channels, dtype, seed=20 + seed)
         results = _planned_calls_match_the_algorithms_own(algorithm, kernel_map, x, w, dy)
         for phase, actual in results.items():
             expected, (terms, a, b) = reference_phase(phase, kernel_map, x, w, dy)
             assert_close(actual, expected, dtype, terms, a, b, f"{name} planned {phase} map {seed}")
-    # The first map's calls selected; after that only the select_* calls above did.
-    assert selections == ["forward", "backward"] + ["forward", "backward"] * len(maps)
+        measurements.append(default_tuner().measurements)
+    # Each map's first calls selected, then the select_* calls above did; the second map measured nothing.
+    assert selections == ["forward", "backward"] * 2 * len(maps)
+    assert measurements[1] == measurements[0]
+    forward_plans = [[plan for call, (_, plan) in kernel_map.plans.items() if call[0] == "forward"] for kernel_map in maps]
+    assert forward_plans[0] == forward_plans[1]  # the same launches, kept by the algorithm per signature
 
 
 @pytest.mark.parametrize("name", ["mma_implicit_gemm", "wgmma_implicit_gemm"])
@@ -134,8 +141,8 @@ def test_only_the_gradients_asked_for_are_computed(name, dtype, selections):
 
 def test_a_maps_later_calls_select_nothing_yet_follow_the_algorithm_variable(selections, monkeypatch):
     """The plan a call keeps on its map serves the layer's later calls over it without a selection; the
-    variable behind `algo=None`, changed, switches the algorithm on the same map (the signature's plan for
-    that value, kept from before, selects nothing either)."""
+    variable behind `algo=None`, changed, switches the algorithm on the same map, the tuner answering from
+    its memory (nothing is measured)."""
     names = sorted({case.values[0] for case in _planned_cases() if case.values[1] == np.float16})[:2]
     if len(names) < 2:
         pytest.skip("needs two planned algorithms for fp16 on this GPU")
@@ -151,15 +158,17 @@ def test_a_maps_later_calls_select_nothing_yet_follow_the_algorithm_variable(sel
         plans[name] = algorithm.forward_plan(problem, selection.params)
     assert plans[names[0]] != plans[names[1]]
     selections.clear()
-    for name, selects in ((names[0], 1), (names[1], 1), (names[0], 0)):
+    measured = default_tuner().measurements
+    for name in (names[0], names[1], names[0]):
         monkeypatch.setenv(ALGORITHM_MODES[(CONV, "forward")].name, name)
         for _ in range(3):
             out = functional.conv_forward(x_gpu, w_gpu, kernel_map)
             np.testing.assert_array_equal(out.get().view(np.uint16), own[name].view(np.uint16))
-        assert selections == ["forward"] * selects
-        (_, remembered), = kernel_map.layer_plans.values()
+        assert selections == ["forward"]
+        (_, remembered), = kernel_map.plans.values()
         assert remembered == plans[name]
         selections.clear()
+    assert default_tuner().measurements == measured
 
 
 def test_arguments_a_plan_cannot_run_take_the_full_path_with_its_checks(selections):

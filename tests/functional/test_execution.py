@@ -1,0 +1,156 @@
+"""The execution path's bookkeeping without a GPU (`cupysparse.functional.execution`): the canonical
+algorithm argument, which calls share a plan remembered on a kernel map, and when a layer selects again."""
+
+import types
+
+import numpy as np
+import pytest
+
+from cupysparse import settings
+from cupysparse.algorithms import CONV
+from cupysparse.cuda import precision
+from cupysparse.functional import execution
+from cupysparse.settings import ALGORITHM_MODES
+from cupysparse.tuning import tuner
+from cupysparse.tuning.search_space import algorithm_argument, algorithm_filter, parse_algorithm_filter
+
+
+@pytest.fixture(autouse=True)
+def no_algorithm_variables(monkeypatch):
+    for variable in (mode.name for mode in ALGORITHM_MODES.values()):
+        monkeypatch.delenv(variable, raising=False)
+
+
+class PlannableArrays(execution.Arrays):
+    """Arrays every plan takes, on GPU 0 (the selection itself is recorded, not made)."""
+
+    def launch_device(self, features, weight, grad_output=None):
+        return 0
+
+
+@pytest.fixture
+def selections(monkeypatch):
+    """The plans `layer_plan` selects, in order: each selection returns a new "plan N"."""
+    selected = []
+
+    def select(arrays, phase, argument, features, weight, kernel_map, grad_output):
+        selected.append((phase, argument))
+        return f"plan {len(selected)}"
+
+    monkeypatch.setattr(execution, "_selected_plan", select)
+    return selected
+
+
+def _map(num_in: int = 1500):
+    return types.SimpleNamespace(kernel_volume=27, stride=(1, 1, 1), transposed=False, generative=False,
+                                 num_in=num_in, num_out=num_in, plans={})
+
+
+def _array(shape, dtype=np.float16):
+    return types.SimpleNamespace(shape=shape, dtype=np.dtype(dtype))
+
+
+def _plan(kernel_map, argument: str = "", phase: str = "forward", channels=(32, 32), dtype=np.float16):
+    features, weight = _array((kernel_map.num_in, channels[0]), dtype), _array((27, *channels), dtype)
+    grad_output = None if phase == "forward" else _array((kernel_map.num_out, channels[1]), dtype)
+    return execution.layer_plan(PlannableArrays(), phase, argument, features, weight, kernel_map, grad_output)
+
+
+@pytest.mark.parametrize(("algo", "argument"), [
+    (None, ""), ("auto", "auto"), ("ALL", "all"), ("wmma_implicit_gemm", "[wmma_implicit_gemm]"),
+    (["mma_implicit_gemm", "wmma_implicit_gemm"], "[mma_implicit_gemm,wmma_implicit_gemm]"),
+    ("[mma_implicit_gemm, wmma_implicit_gemm]", "[mma_implicit_gemm,wmma_implicit_gemm]"),
+])
+def test_an_algorithm_argument_has_one_canonical_string_which_parses_back_to_it(algo, argument):
+    assert algorithm_argument(algo, CONV, "forward") == argument
+    assert algorithm_filter(argument, CONV, "forward") == parse_algorithm_filter(algo, CONV, "forward")
+
+
+@pytest.mark.parametrize("algo", ["not_an_algorithm", [], ["auto", "nope"]])
+def test_a_bad_algorithm_argument_raises_before_any_plan_is_looked_up(algo):
+    with pytest.raises(ValueError, match="algorithm"):
+        algorithm_argument(algo, CONV, "forward")
+
+
+def test_a_map_remembers_each_call_signatures_plan(selections):
+    kernel_map = _map()
+    first = _plan(kernel_map)
+    assert [_plan(kernel_map) for _ in range(3)] == [first] * 3
+    assert _plan(kernel_map, "auto") == "plan 2"  # another signature on the same map
+    assert _plan(kernel_map, phase="backward") == "plan 3"
+    assert _plan(kernel_map, channels=(32, 64)) == "plan 4"
+    assert _plan(kernel_map, dtype=np.float32) == "plan 5"
+    assert len(kernel_map.plans) == 5 and len(selections) == 5
+    assert _plan(_map()) == "plan 6"  # another map: its own
+
+
+def test_a_layer_selects_again_after_a_change_a_selection_depends_on_and_only_then(selections, monkeypatch):
+    kernel_map = _map()
+    _plan(kernel_map)
+    monkeypatch.setenv("CUPYSPARSE_TEST_UNRELATED_VARIABLE", "changed")
+    monkeypatch.setenv(settings.PREFETCH.name, "0")
+    _plan(kernel_map)
+    assert len(selections) == 1
+    tuner.default_tuner().forget_choices()
+    _plan(kernel_map)
+    monkeypatch.setenv(ALGORITHM_MODES[(CONV, "forward")].name, "wmma_implicit_gemm")
+    _plan(kernel_map)
+    monkeypatch.setenv(settings.AUTOTUNE.name, "0")
+    _plan(kernel_map)
+    with precision.fp32_precision("tf32"):
+        _plan(kernel_map)
+    _plan(kernel_map)
+    assert len(selections) == 6
+
+
+def test_a_remembered_plan_is_checked_without_parsing_a_setting(selections, monkeypatch):
+    kernel_map = _map()
+    first = _plan(kernel_map)
+
+    def unread(*arguments):
+        raise AssertionError("a setting was parsed")
+
+    for reader in ("autotune", "fp32_precision", "algorithm_mode"):
+        monkeypatch.setattr(settings, reader, unread)
+    assert [_plan(kernel_map) for _ in range(3)] == [first] * 3
+
+
+def test_a_selection_that_raises_remembers_nothing(monkeypatch):
+    kernel_map = _map()
+
+    def failing(*arguments):
+        raise ValueError("no algorithm can run this problem")
+
+    monkeypatch.setattr(execution, "_selected_plan", failing)
+    with pytest.raises(ValueError):
+        _plan(kernel_map)
+    assert kernel_map.plans == {}
+
+
+def test_no_plan_is_remembered_too(monkeypatch):
+    """An algorithm without plans: the layer's calls take the full path without selecting again."""
+    calls = []
+    monkeypatch.setattr(execution, "_selected_plan", lambda *arguments: calls.append(1))
+    kernel_map = _map()
+    assert [_plan(kernel_map) for _ in range(3)] == [None] * 3 and len(calls) == 1
+
+
+def test_arrays_no_plan_takes_select_nothing(selections):
+    kernel_map = _map()
+    features, weight = np.zeros((1500, 32), np.float16), np.zeros((27, 32, 32), np.float16)
+    assert execution.layer_plan(execution.core_arrays(), "forward", "", features, weight, kernel_map) is None
+    assert selections == [] and kernel_map.plans == {}
+
+
+def test_shapes_that_do_not_fit_the_map_get_no_plan():
+    kernel_map = _map()
+    fits = execution._fits
+    dtype = np.dtype(np.float16)
+    assert fits(dtype, (1500, 32), (27, 32, 64), kernel_map, None)
+    assert fits(dtype, (1500, 32), (27, 32, 64), kernel_map, (1500, 64))
+    assert not fits(dtype, (1400, 32), (27, 32, 64), kernel_map, None)  # rows
+    assert not fits(dtype, (1500, 32), (8, 32, 64), kernel_map, None)  # kernel volume
+    assert not fits(dtype, (1500, 16), (27, 32, 64), kernel_map, None)  # channels
+    assert not fits(dtype, (1500, 32), (27, 32, 64), kernel_map, (1500, 32))  # output gradient
+    assert not fits(np.dtype(np.int32), (1500, 32), (27, 32, 64), kernel_map, None)
+    assert not fits(dtype, (1500, 0), (27, 0, 64), kernel_map, None)  # nothing to do
