@@ -4,17 +4,17 @@
     cupysparse-populate-shipped-cache --num-voxels 200K --dtypes float16 --dry-run
     cupysparse-populate-shipped-cache --check          # the release check
 
-For each network, scene size and dtype it builds the demo's scene (`cupysparse.scripts.demo.scene_tensor`:
-the indoor room for MinkUNet18, the outdoor LiDAR sweep for CenterPoint's backbone, seed 0) and runs
-the network forward and backward with the tuner measuring every convolution in the `--algo-mode`
-search space (`cupysparse.networks.tuning.tune_network`): the keys a training or inference run on that scene
-meets, strided and transposed layers included. MinkUNet14 and 34 have MinkUNet18's layer problems.
-The results are written to a new file at --output (replaced if it exists; default: this install's
-shipped file of the GPU's architecture, `cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`);
-the user's own cache is neither read nor written, and shipped results are not consulted, so every
-entry is measured in this run. Commit the file from a source checkout to ship it with the wheel.
-`--device cpu` runs the same pipeline on NumPy (CPU keys, which a shipped lookup never matches: for
-testing the script).
+For each network, scene size and dtype it builds the demo's scene
+(`cupysparse.scripts.demo.scene_tensor`: the indoor room for MinkUNet18, the outdoor LiDAR sweep for
+CenterPoint's backbone, seed 0) and runs the network forward and backward with the tuner measuring every
+convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`): the keys a
+training or inference run on that scene meets, strided and transposed layers included. MinkUNet14 and 34
+have MinkUNet18's layer problems. The results are written to a new file at --output (replaced if it
+exists; default: this install's shipped file of the GPU's architecture,
+`cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own cache is neither read
+nor written, and shipped results are not consulted, so every entry is measured in this run. Commit the
+file from a source checkout to ship it with the wheel. `--device cpu` runs the same pipeline on NumPy
+(CPU keys, which a shipped lookup never matches: for testing the script).
 
 `--check` is the release check of the shipped files (this install's, or the files named): for each
 architecture's file it counts the entries that match today's kernel sources and the stale ones, by
@@ -39,12 +39,11 @@ from cupysparse.cuda import backend
 from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV
-from cupysparse.tuning.cache_file import BenchmarkCache
+from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile
 from cupysparse.scripts.demo import scene_tensor
 from cupysparse.networks.tuning import tune_network
 from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
 from cupysparse.scripts.progress import Progress
-from cupysparse.tuning.cache_file import NotACacheFile
 from cupysparse.tuning.shipped import ShippedFileCheck, check_shipped_file, shipped_cache_path, shipped_cache_paths
 from cupysparse.tuning.tuner import Tuner, tuning_enabled
 

@@ -2,19 +2,19 @@
 benchmark cache first, the shipped results where it has no entry.
 
 Shipped files live in the package folder `shipped_caches/`, one per GPU architecture,
-`benchmark_cache_sm_90.msgpack`, in the benchmark cache's own format; `cupysparse-populate-shipped-cache`
-writes them from the reference networks' layers on the demo scenes. A key is looked up in the
-file of its `compute_capability` only, so CPU keys and other architectures never match. Shipped
-entries follow the user's rules: an entry whose kernel sources changed since it was measured is
-stale and ignored (the tuner measures that algorithm on the user's GPU; the other algorithms'
-shipped entries still serve), so a kernel edit needs no re-measured file to be correct. A release
-checks that the files match the sources (`check_shipped_file`, run by
+`benchmark_cache_sm_90.msgpack`, in the benchmark cache's own format;
+`cupysparse-populate-shipped-cache` writes them from the reference networks' layers on the demo
+scenes. A key is looked up in the file of its `compute_capability` only, so CPU keys and other
+architectures never match. Shipped entries follow the user's rules: an entry whose kernel sources
+changed since it was measured is stale and ignored (the tuner measures that algorithm on the user's
+GPU; the other algorithms' shipped entries still serve), so a kernel edit needs no re-measured file
+to be correct. A release checks that the files match the sources (`check_shipped_file`, run by
 `cupysparse-populate-shipped-cache --check`). A missing file means no shipped entries; a file that
-is no cache is ignored with one warning. The file is read by key (`open_for_reading(decode=False)`): a process decodes only
-the entries it asks for, and a malformed entry, found when asked for, makes the file ignored from
-then on, with the same one warning. The user's own measurements always win, and nothing is ever
-written to a shipped file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped results off (to measure a
-cold start, or to tune everything on this machine).
+is no cache is ignored with one warning. The file is read by key (`open_for_reading(decode=False)`):
+a process decodes only the entries it asks for, and a malformed entry, found when asked for, makes
+the file ignored from then on, with the same one warning. The user's own measurements always win,
+and nothing is ever written to a shipped file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped
+results off (to measure a cold start, or to tune everything on this machine).
 
 `TuningCache` also records which (namespace, key) pairs the tuner asked for, so that ranks of a
 distributed job can compare what they chose (`cupysparse.tuning.agreement`).
