@@ -7,10 +7,15 @@
     cupysparse-inspect-benchmark-cache wmma                     # search every namespace
     cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward wmma float16
     cupysparse-inspect-benchmark-cache --cache-file other_machine.msgpack
+    cupysparse-inspect-benchmark-cache --shipped sm_90          # the tuning file this install ships
 
 Search words match case-insensitively as substrings of the namespace name, the configuration
 parameters (names and values) and the measured results (algorithm names and parameters); a
 configuration is shown when it matches every word. The cache is only read, never written.
+
+A configuration is stale when a kernel file it measured (or a header that file includes) changed
+since: the library ignores it, and measures again when it meets the problem. The summary counts the
+stale ones, also in the shipped files; a stale configuration is marked where it is shown.
 """
 
 from __future__ import annotations
@@ -20,8 +25,16 @@ import datetime
 import json
 import pathlib
 import sys
+from collections import Counter
 
 from cupysparse.tuning.cache_file import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
+from cupysparse.tuning.shipped import (
+    check_shipped_file,
+    shipped_architecture,
+    shipped_cache_path,
+    shipped_cache_paths,
+    shipped_caches_enabled,
+)
 
 RULE = "-" * 40
 SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters
@@ -44,8 +57,9 @@ def format_best_result(algorithm: str, params: dict, time_ms: float) -> list[str
     return lines
 
 
-def format_configuration(number: int, entry: CacheEntry, top_k: int | None) -> str:
-    lines = [RULE, f"Configuration {number}:", RULE, "Config Parameters:"]
+def format_configuration(number: int, entry: CacheEntry, top_k: int | None, changed_sources: list[str]) -> str:
+    stale = f" (stale: {', '.join(changed_sources)} changed since measured; ignored)" if changed_sources else ""
+    lines = [RULE, f"Configuration {number}{stale}:", RULE, "Config Parameters:"]
     lines.extend(f"  {name}: {value}" for name, value in entry.key)
     lines += ["", "Results:"]
     results = entry.results[:top_k]  # the cache keeps them best first
@@ -83,14 +97,30 @@ def human_size(num_bytes: int) -> str:
     return f"{num_bytes / 1024**2:.1f} MiB"
 
 
+def stale_counts(cache: BenchmarkCache) -> tuple[Counter, Counter]:
+    """Stale configurations by namespace, and by the kernel file that changed."""
+    by_namespace, by_source = Counter(), Counter()
+    for entry in cache.entries():
+        changed = cache.changed_sources(entry)
+        if changed:
+            by_namespace[entry.namespace] += 1
+            by_source.update(changed)
+    return by_namespace, by_source
+
+
 def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
     stat = path.stat()
     modified = datetime.datetime.fromtimestamp(stat.st_mtime).strftime("%Y-%m-%d %H:%M:%S")
     counts = cache.namespace_counts()
+    stale, stale_sources = stale_counts(cache)
     print(f"Cache file:    {path}")
     print(f"Size:          {stat.st_size:,} bytes ({human_size(stat.st_size)})")
     print(f"Last modified: {modified}")
     print(f"Namespaces:    {len(counts)} ({sum(counts.values())} configurations)")
+    print(f"Stale:         {sum(stale.values())} of {sum(counts.values())} configurations (a kernel file they "
+          "measured changed since; the library ignores them)")
+    if stale_sources:
+        print("  changed: " + ", ".join(f"{name} ({count})" for name, count in sorted(stale_sources.items())))
     groups = {
         f"algorithm choice ({SELECTION_PREFIX}*)": sorted(ns for ns in counts if ns.startswith(SELECTION_PREFIX)),
         "kernel parameters": sorted(ns for ns in counts if not ns.startswith(SELECTION_PREFIX)),
@@ -100,7 +130,8 @@ def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
         if namespaces:
             print(f"  {group}")
             for namespace in namespaces:
-                print(f"    {namespace:<{width}}  {counts[namespace]}")
+                marked = f"  ({stale[namespace]} stale)" if stale[namespace] else ""
+                print(f"    {namespace:<{width}}  {counts[namespace]}{marked}")
     # A cache holds timings of one GPU architecture; several here means it was merged from different machines.
     architectures: dict[str, int] = {}
     for entry in cache.entries():
@@ -113,13 +144,31 @@ def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
     print("\nShow one namespace with: namespace=NAME   (search with extra words, e.g. wmma)")
 
 
-def print_namespace(namespace: str, entries: list[CacheEntry], total: int, words: list[str], top_k: int | None):
+def print_shipped_summary() -> None:
+    """The shipped files the library reads where the user's cache has no entry, with their stale counts."""
+    paths = shipped_cache_paths()
+    if not paths:
+        return
+    off = "" if shipped_caches_enabled() else "; turned off by CUPYSPARSE_SHIPPED_CACHE=0"
+    print(f"\nShipped tuning files (used where this cache has no entry{off}):")
+    for path in paths:
+        try:
+            result = check_shipped_file(path)
+        except (NotACacheFile, OSError) as error:
+            print(f"  {shipped_architecture(path)}  cannot be read: {error}")
+            continue
+        print(f"  {result.architecture}  {result.entries} configurations, {result.stale} stale  {path}")
+    print("Show one with: --shipped ARCH")
+
+
+def print_namespace(cache: BenchmarkCache, namespace: str, entries: list[CacheEntry], total: int, words: list[str],
+                    top_k: int | None):
     described = (
         f'{len(entries)} of {total} configurations match "{" ".join(words)}"' if words else f"{total} configurations"
     )
     print(f"Namespace: {namespace} ({described})")
     for number, entry in enumerate(entries, start=1):
-        print(format_configuration(number, entry, top_k))
+        print(format_configuration(number, entry, top_k, cache.changed_sources(entry)))
         print()
 
 
@@ -134,7 +183,7 @@ def search_all(cache: BenchmarkCache, words: list[str], top_k: int | None) -> No
         if hits:
             found = True
             print()
-            print_namespace(namespace, hits, counts[namespace], words, top_k)
+            print_namespace(cache, namespace, hits, counts[namespace], words, top_k)
     if not found:
         print(f'Nothing in the cache matches "{" ".join(words)}".')
 
@@ -147,7 +196,9 @@ def parse_args(argv):
     limit = parser.add_mutually_exclusive_group()
     limit.add_argument("--best-only", action="store_true", help="show only the fastest result of each configuration")
     limit.add_argument("--top-k", type=int, metavar="K", help="show the K fastest results of each configuration")
-    parser.add_argument("--cache-file", type=pathlib.Path, help="inspect this file instead of the user's cache")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--cache-file", type=pathlib.Path, help="inspect this file instead of the user's cache")
+    source.add_argument("--shipped", metavar="ARCH", help="inspect this install's shipped tuning file of ARCH (sm_90)")
     args = parser.parse_args(argv)
     if args.top_k is not None and args.top_k < 1:
         parser.error("--top-k must be at least 1")
@@ -161,10 +212,20 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    path = args.cache_file or cache_file_path()
+    if args.shipped is not None:
+        path = shipped_cache_path(args.shipped)
+        if not path.is_file():
+            shipped = ", ".join(shipped_architecture(p) for p in shipped_cache_paths()) or "none"
+            print(f"This install ships no tuning file for {args.shipped} (it ships: {shipped}).", file=sys.stderr)
+            return 1
+    else:
+        path = args.cache_file or cache_file_path()
+    users_cache = args.cache_file is None and args.shipped is None
     if not path.is_file():
         print(f"No benchmark cache at {path} yet.")
         print("It is written the first time a convolution is tuned, or by cupysparse-populate-benchmark-cache.")
+        if users_cache:
+            print_shipped_summary()
         return 0
     try:
         cache = open_for_reading(path)
@@ -180,6 +241,8 @@ def main(argv=None) -> int:
             search_all(cache, args.search, top_k)
         else:
             print_summary(path, cache)
+            if users_cache:
+                print_shipped_summary()
         return 0
     counts = cache.namespace_counts()
     if args.namespace not in counts:
@@ -188,7 +251,7 @@ def main(argv=None) -> int:
             print(f"  {namespace} ({counts[namespace]})", file=sys.stderr)
         return 1
     entries = [entry for entry in cache.entries(args.namespace) if matches(args.namespace, entry, args.search)]
-    print_namespace(args.namespace, entries, counts[args.namespace], args.search, top_k)
+    print_namespace(cache, args.namespace, entries, counts[args.namespace], args.search, top_k)
     return 0
 
 

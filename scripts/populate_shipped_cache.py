@@ -1,19 +1,28 @@
 """Write a shipped tuning cache: the reference networks' layers tuned on this GPU, on the demo's scenes.
 
-    cupysparse-populate-shipped-cache --output cupysparse/shipped_caches/benchmark_cache_sm_90.msgpack
+    cupysparse-populate-shipped-cache --output cupysparse/tuning/shipped_caches/benchmark_cache_sm_90.msgpack
     cupysparse-populate-shipped-cache --num-voxels 200K --dtypes float16 --dry-run
+    cupysparse-populate-shipped-cache --check          # the release check
 
-For each network, scene size and dtype it builds the demo's scene (`cupysparse.scripts.demo.scene_tensor`:
-the indoor room for MinkUNet18, the outdoor LiDAR sweep for CenterPoint's backbone, seed 0) and runs
-the network forward and backward with the tuner measuring every convolution in the `--algo-mode`
-search space (`network_tuning.tune_network`): the keys a training or inference run on that scene
-meets, strided and transposed layers included. MinkUNet14 and 34 have MinkUNet18's layer problems.
-The results are written to a new file at --output (replaced if it exists; default: this install's
-shipped file of the GPU's architecture, `cupysparse/shipped_caches/benchmark_cache_sm_XY.msgpack`);
-the user's own cache is neither read nor written, and shipped results are not consulted, so every
-entry is measured in this run. Commit the file from a source checkout to ship it with the wheel.
-`--device cpu` runs the same pipeline on NumPy (CPU keys, which a shipped lookup never matches: for
-testing the script).
+For each network, scene size and dtype it builds the demo's scene
+(`cupysparse.scripts.demo.scene_tensor`: the indoor room for MinkUNet18, the outdoor LiDAR sweep for
+CenterPoint's backbone, seed 0) and runs the network forward and backward with the tuner measuring every
+convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`): the keys a
+training or inference run on that scene meets, strided and transposed layers included. MinkUNet14 and 34
+have MinkUNet18's layer problems. The results are written to a new file at --output (replaced if it
+exists; default: this install's shipped file of the GPU's architecture,
+`cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own cache is neither read
+nor written, and shipped results are not consulted, so every entry is measured in this run. Commit the
+file from a source checkout to ship it with the wheel. `--device cpu` runs the same pipeline on NumPy
+(CPU keys, which a shipped lookup never matches: for testing the script).
+
+`--check` is the release check of the shipped files (this install's, or the files named): for each
+architecture's file it counts the entries that match today's kernel sources and the stale ones, by
+the kernel file that changed (a file's digest covers the headers it includes), and exits 1 when any
+entry is stale or keyed for another architecture. It needs no GPU. A kernel edit does not have to
+re-measure the files at once: at run time a stale shipped entry is ignored and its algorithm tuned
+on the user's GPU. Before a release, re-populate each file the check reports on a GPU of its
+architecture.
 """
 
 from __future__ import annotations
@@ -30,12 +39,12 @@ from cupysparse.cuda import backend
 from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV
-from cupysparse.tuning.cache_file import BenchmarkCache
+from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile
 from cupysparse.scripts.demo import scene_tensor
 from cupysparse.networks.tuning import tune_network
 from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
 from cupysparse.scripts.progress import Progress
-from cupysparse.tuning.shipped import shipped_cache_path
+from cupysparse.tuning.shipped import ShippedFileCheck, check_shipped_file, shipped_cache_path, shipped_cache_paths
 from cupysparse.tuning.tuner import Tuner, tuning_enabled
 
 NETWORKS = {
@@ -74,7 +83,12 @@ def parse_args(argv=None):
     parser.add_argument("--algo-mode", default="auto", help="the search space of both phases: auto, all, a name, [a,b]")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dry-run", action="store_true", help="list the runs; measure nothing")
+    parser.add_argument("--check", nargs="*", type=Path, metavar="FILE",
+                        help="the release check: report the stale entries of the shipped files (default: this "
+                             "install's) and exit 1 when there are any; measures nothing")
     args = parser.parse_args(argv)
+    if args.check is not None:
+        return args
     try:
         for phase in ("forward", "backward"):
             parse_algorithm_filter(args.algo_mode, CONV, phase)
@@ -140,8 +154,45 @@ def write_output(cache: BenchmarkCache, output: Path) -> None:
     os.replace(partial, output)
 
 
+def check_report(result: ShippedFileCheck) -> list[str]:
+    """What the release check says about one shipped file."""
+    lines = [f"{result.path.name} ({result.architecture}): {result.entries} entries, {result.fresh} fresh, "
+             f"{result.stale} stale"]
+    lines += [f"  {filename}: {count} stale (it or a header it includes changed since measured)"
+              for filename, count in result.stale_by_source.items()]
+    if result.other_architecture:
+        lines.append(f"  {result.other_architecture} keyed for another architecture than {result.architecture} "
+                     "(never looked up in this file)")
+    if not result.passes:
+        lines.append(f"  re-populate it on an {result.architecture} GPU: cupysparse-populate-shipped-cache "
+                     f"--output {result.path}")
+    return lines
+
+
+def check(paths: list[Path]) -> int:
+    """The release check (`--check`): 0 when every shipped file matches the kernel sources, else 1."""
+    paths = paths or shipped_cache_paths()
+    if not paths:
+        print("no shipped tuning files to check", file=sys.stderr)
+        return 1
+    failed = 0
+    for path in paths:
+        try:
+            result = check_shipped_file(path)
+        except (NotACacheFile, OSError) as error:
+            print(f"{path.name}: cannot be read as a tuning cache: {error}")
+            failed += 1
+            continue
+        print("\n".join(check_report(result)))
+        failed += not result.passes
+    print(f"{len(paths) - failed} of {len(paths)} shipped tuning files match the kernel sources")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.check is not None:
+        return check(args.check)
     planned = runs(args)
     if args.dry_run:
         for name, count, dtype in planned:

@@ -19,8 +19,10 @@ One msgpack file (never pickle), `settings.benchmark_cache_dir() / CACHE_FILENAM
   replace the file, they share it: another user's lock file is locked read-only.
 - Opened `read_only` (the inspection scripts), nothing is ever written or moved: a bad file raises
   `NotACacheFile` instead, an unreadable one its OSError.
-- Entries record the digests of the kernel sources they measured; an entry whose sources changed
-  is stale: invisible to `get` but listed by `entries` until a new measurement overwrites it.
+- Entries record the digests of the kernel sources they measured (`Algorithm.kernel_sources`, each
+  digest covering the project headers the file includes); an entry whose sources changed is stale:
+  invisible to `get`, so the tuner measures it again, but listed by `entries` (with
+  `changed_sources` saying why) until a new measurement overwrites it.
 """
 
 from __future__ import annotations
@@ -504,14 +506,19 @@ class BenchmarkCache:
     def _lock_path(self) -> pathlib.Path:
         return self._path.with_name(self._path.name + ".lock")
 
+    def changed_sources(self, entry: CacheEntry) -> list[str]:
+        """The kernel files `entry` measured that changed since, or are gone: none when it is fresh.
+        A file's digest covers the project headers it includes, so an edited header names its includers."""
+        return [filename for filename, digest in entry.kernel_sources if self._digest_now(filename) != digest]
+
     def _is_stale(self, entry: CacheEntry) -> bool:
-        for filename, digest in entry.kernel_sources:
-            try:
-                if self._current_digests(filename) != digest:
-                    return True
-            except (FileNotFoundError, KeyError):
-                return True
-        return False
+        return any(self._digest_now(filename) != digest for filename, digest in entry.kernel_sources)
+
+    def _digest_now(self, filename: str) -> str | None:
+        try:
+            return self._current_digests(filename)
+        except (FileNotFoundError, KeyError):
+            return None  # the source is gone
 
     def _ensure_loaded(self) -> None:
         if self._loaded:

@@ -2,16 +2,19 @@
 benchmark cache first, the shipped results where it has no entry.
 
 Shipped files live in the package folder `shipped_caches/`, one per GPU architecture,
-`benchmark_cache_sm_90.msgpack`, in the benchmark cache's own format; `cupysparse-populate-shipped-cache`
-writes them from the reference networks' layers on the demo scenes. A key is looked up in the
-file of its `compute_capability` only, so CPU keys and other architectures never match. Shipped
-entries follow the user's rules: an entry whose kernel sources changed since it was measured is
-stale and ignored; a missing file means no shipped entries; a file that is no cache is ignored
-with one warning. The file is read by key (`open_for_reading(decode=False)`): a process decodes only
-the entries it asks for, and a malformed entry, found when asked for, makes the file ignored from
-then on, with the same one warning. The user's own measurements always win, and nothing is ever
-written to a shipped file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped results off (to measure a
-cold start, or to tune everything on this machine).
+`benchmark_cache_sm_90.msgpack`, in the benchmark cache's own format;
+`cupysparse-populate-shipped-cache` writes them from the reference networks' layers on the demo
+scenes. A key is looked up in the file of its `compute_capability` only, so CPU keys and other
+architectures never match. Shipped entries follow the user's rules: an entry whose kernel sources
+changed since it was measured is stale and ignored (the tuner measures that algorithm on the user's
+GPU; the other algorithms' shipped entries still serve), so a kernel edit needs no re-measured file
+to be correct. A release checks that the files match the sources (`check_shipped_file`, run by
+`cupysparse-populate-shipped-cache --check`). A missing file means no shipped entries; a file that
+is no cache is ignored with one warning. The file is read by key (`open_for_reading(decode=False)`):
+a process decodes only the entries it asks for, and a malformed entry, found when asked for, makes
+the file ignored from then on, with the same one warning. The user's own measurements always win,
+and nothing is ever written to a shipped file. `CUPYSPARSE_SHIPPED_CACHE=0` turns the shipped
+results off (to measure a cold start, or to tune everything on this machine).
 
 `TuningCache` also records which (namespace, key) pairs the tuner asked for, so that ranks of a
 distributed job can compare what they chose (`cupysparse.tuning.agreement`).
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from cupysparse import settings
@@ -35,6 +40,16 @@ _shipped_lock = threading.Lock()
 def shipped_cache_path(architecture: str) -> Path:
     """The shipped file of `architecture` ('sm_90'), whether it exists or not."""
     return SHIPPED_CACHE_DIR / f"benchmark_cache_{architecture}.msgpack"
+
+
+def shipped_cache_paths() -> list[Path]:
+    """The shipped files of this install, in architecture order."""
+    return sorted(SHIPPED_CACHE_DIR.glob("benchmark_cache_sm_*.msgpack"))
+
+
+def shipped_architecture(path: Path) -> str:
+    """The architecture a shipped file serves, from its name ('sm_90')."""
+    return path.stem.removeprefix("benchmark_cache_")
 
 
 def shipped_caches_enabled() -> bool:
@@ -91,8 +106,7 @@ def shipped_entry(namespace: str, key) -> CacheEntry | None:
 def shipped_keys(namespace: str) -> list[tuple]:
     """The keys of every shipped file's entries in `namespace`, as `BenchmarkCache.keys`; none when
     shipped results are turned off."""
-    architectures = sorted(path.stem.removeprefix("benchmark_cache_") for path in
-                           SHIPPED_CACHE_DIR.glob("benchmark_cache_sm_*.msgpack"))
+    architectures = [shipped_architecture(path) for path in shipped_cache_paths()]
     return [key for architecture in architectures
             for key in _read_shipped(architecture, lambda cache: cache.keys(namespace), [])]
 
@@ -101,6 +115,46 @@ def forget_shipped_caches() -> None:
     """Read the shipped files again at their next use (after one was replaced)."""
     with _shipped_lock:
         _shipped.clear()
+
+
+@dataclass(frozen=True)
+class ShippedFileCheck:
+    """How a shipped file stands against the kernel sources of this tree (`check_shipped_file`)."""
+
+    path: Path
+    architecture: str
+    entries: int
+    stale: int
+    # Kernel file -> the stale entries that measured another version of it (or a file now gone).
+    stale_by_source: dict[str, int]
+    # Entries keyed for another architecture: never looked up in this file.
+    other_architecture: int
+
+    @property
+    def fresh(self) -> int:
+        return self.entries - self.stale
+
+    @property
+    def passes(self) -> bool:
+        return self.stale == 0 and self.other_architecture == 0
+
+
+def check_shipped_file(path: Path) -> ShippedFileCheck:
+    """Count the entries of the shipped file at `path` that the runtime would ignore: stale ones (by the
+    kernel files that changed) and those of another architecture. Raises NotACacheFile or OSError when
+    the file cannot be read as a cache."""
+    cache = open_for_reading(path)
+    architecture = shipped_architecture(path)
+    entries = cache.entries()
+    changed = [cache.changed_sources(entry) for entry in entries]
+    return ShippedFileCheck(
+        path=path,
+        architecture=architecture,
+        entries=len(entries),
+        stale=sum(1 for files in changed if files),
+        stale_by_source=dict(sorted(Counter(name for files in changed for name in files).items())),
+        other_architecture=sum(1 for entry in entries if dict(entry.key).get("compute_capability") != architecture),
+    )
 
 
 class TuningCache:

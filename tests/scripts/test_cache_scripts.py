@@ -11,6 +11,8 @@ import pytest
 from cupysparse.scripts import analyze_autotune_cache as analyze
 from cupysparse.scripts import inspect_benchmark_cache as inspect_cache
 
+from cupysparse.cuda.compile import KERNEL_DIR, source_digest
+from cupysparse.tuning import shipped
 from cupysparse.tuning.cache_file import BenchmarkCache, cache_file_path
 
 ISSUE_KEY = (
@@ -388,3 +390,71 @@ def test_analyze_empty_and_missing_caches(cache_dir, capsys):
     out = capsys.readouterr().out
     assert "no measured configurations in sparse_conv_forward, sparse_conv_backward" in out
     assert "Namespaces it has: sparse_conv_depthwise_forward (1)" in out
+
+
+# ---- inspect: stale configurations, shipped files ----
+
+KERNEL_FILE = sorted(path.name for path in KERNEL_DIR.glob("*.cu"))[0]
+
+
+def write_with_sources(path, stale_keys):
+    """INSPECT_CACHE's wmma entries, each measured with KERNEL_FILE: at another version of it for the keys
+    named in `stale_keys` (by their in_channels), else at today's."""
+    cache = BenchmarkCache(path, autosave=False)
+    for config_key, results in INSPECT_CACHE["wmma_implicit_gemm_sm80"]:
+        stale = dict(config_key)["in_channels"] in stale_keys
+        cache.put("wmma_implicit_gemm_sm80", config_key, results,
+                  [(KERNEL_FILE, "0" * 16 if stale else source_digest(KERNEL_FILE))])
+    cache.put("sparse_conv_forward", key(18, 32, 64), INSPECT_CACHE["sparse_conv_forward"][1][1])
+    cache.save()
+
+
+@pytest.fixture
+def shipped_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(shipped, "SHIPPED_CACHE_DIR", tmp_path / "shipped")
+    (tmp_path / "shipped").mkdir()
+    return tmp_path / "shipped"
+
+
+def test_inspect_counts_and_marks_stale_configurations(cache_dir, shipped_dir, capsys):
+    write_with_sources(cache_file_path(), stale_keys={64})
+    _, out, _ = run_inspect(capsys)
+    lines = out.splitlines()
+    assert "Stale:         1 of 3 configurations (a kernel file they measured changed since; the library ignores " \
+           "them)" in lines
+    assert f"  changed: {KERNEL_FILE} (1)" in lines
+    counts = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("    ")}
+    assert counts == {"sparse_conv_forward": "1", "wmma_implicit_gemm_sm80": "2  (1 stale)"}
+
+    _, out, _ = run_inspect(capsys, "namespace=wmma_implicit_gemm_sm80")
+    stale, fresh = sorted(configuration_blocks(out), key=lambda block: "stale" not in block)
+    assert stale.splitlines()[1].endswith(f"(stale: {KERNEL_FILE} changed since measured; ignored):")
+    assert "  in_channels: 64\n" in stale
+    assert "stale" not in fresh and "  in_channels: 32\n" in fresh
+
+
+def test_inspect_summarises_the_shipped_files_and_shows_one(cache_dir, shipped_dir, capsys):
+    write_with_sources(shipped_dir / "benchmark_cache_sm_90.msgpack", stale_keys={32, 64})
+    (shipped_dir / "benchmark_cache_sm_80.msgpack").write_bytes(b"\x92\x01\x02")
+    write_cache(INSPECT_CACHE)
+    _, out, _ = run_inspect(capsys)
+    shipped_part = out[out.index("Shipped tuning files"):].splitlines()
+    assert shipped_part[0] == "Shipped tuning files (used where this cache has no entry):"
+    assert shipped_part[1].startswith("  sm_80  cannot be read: ")
+    assert shipped_part[2] == f"  sm_90  3 configurations, 2 stale  {shipped_dir / 'benchmark_cache_sm_90.msgpack'}"
+
+    status, out, _ = run_inspect(capsys, "--shipped", "sm_90")
+    assert status == 0
+    assert f"Cache file:    {shipped_dir / 'benchmark_cache_sm_90.msgpack'}" in out
+    assert "Stale:         2 of 3 configurations" in out and "Shipped tuning files" not in out
+
+    status, _, err = run_inspect(capsys, "--shipped", "sm_75")
+    assert status == 1 and "ships no tuning file for sm_75 (it ships: sm_80, sm_90)" in err
+
+
+def test_inspect_says_when_shipped_results_are_turned_off(cache_dir, shipped_dir, monkeypatch, capsys):
+    write_with_sources(shipped_dir / "benchmark_cache_sm_90.msgpack", stale_keys=())
+    monkeypatch.setenv("CUPYSPARSE_SHIPPED_CACHE", "0")
+    _, out, _ = run_inspect(capsys)  # no cache of the user's yet
+    assert "Shipped tuning files (used where this cache has no entry; turned off by CUPYSPARSE_SHIPPED_CACHE=0):" in out
+    assert "  sm_90  3 configurations, 0 stale  " in out

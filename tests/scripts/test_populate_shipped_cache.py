@@ -5,7 +5,9 @@ import pytest
 from cupysparse.scripts import populate_shipped_cache as populate
 
 from cupysparse.networks import descriptions as networks
-from cupysparse.tuning.cache_file import open_for_reading
+from cupysparse.cuda.compile import KERNEL_DIR, source_digest
+from cupysparse.tuning import shipped
+from cupysparse.tuning.cache_file import BenchmarkCache, open_for_reading
 from cupysparse.data.scenes import INDOOR_CLASSES
 from cupysparse.tuning.shipped import shipped_cache_path
 
@@ -58,3 +60,85 @@ def test_cpu_results_need_an_explicit_output_and_the_default_is_the_shipped_file
         populate.main(["--device", "cpu"])
     assert "--output" in capsys.readouterr().err
     assert shipped_cache_path("sm_90").name == "benchmark_cache_sm_90.msgpack"
+
+
+# ---- the release check (--check) ----
+
+KERNEL_FILES = sorted(path.name for path in KERNEL_DIR.glob("*.cu"))[:3]
+RESULTS = [("implicit_gemm", {"fwd_block_size": 16}, 0.25)]
+
+
+@pytest.fixture
+def shipped_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "shipped"
+    directory.mkdir()
+    monkeypatch.setattr(shipped, "SHIPPED_CACHE_DIR", directory)
+    return directory
+
+
+def write_shipped(path, stale_files=(), architecture=None):
+    """An entry per kernel file of KERNEL_FILES, recorded at today's digest unless named in `stale_files`,
+    and one that measured no kernel file; keyed for the file's architecture unless told another."""
+    cache = BenchmarkCache(path, autosave=False)
+    key = (("in_channels", 32), ("compute_capability", architecture or shipped.shipped_architecture(path)))
+    for filename in KERNEL_FILES:
+        digest = "0" * 16 if filename in stale_files else source_digest(filename)
+        cache.put("ns", (*key, ("measured", filename)), RESULTS, [(filename, digest)])
+    cache.put("ns", (*key, ("measured", "nothing")), RESULTS)
+    cache.save()
+    return path
+
+
+ENTRIES = len(KERNEL_FILES) + 1
+
+
+def run_check(capsys, *argv):
+    status = populate.main(["--check", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out.splitlines(), captured.err
+
+
+def test_the_release_check_passes_files_that_match_the_kernel_sources(shipped_dir, capsys):
+    write_shipped(shipped_dir / "benchmark_cache_sm_90.msgpack")
+    assert run_check(capsys) == (0, [
+        f"benchmark_cache_sm_90.msgpack (sm_90): {ENTRIES} entries, {ENTRIES} fresh, 0 stale",
+        "1 of 1 shipped tuning files match the kernel sources",
+    ], "")
+
+
+def test_the_release_check_fails_on_stale_entries_and_names_the_changed_files(shipped_dir, capsys):
+    write_shipped(shipped_dir / "benchmark_cache_sm_80.msgpack")
+    stale = write_shipped(shipped_dir / "benchmark_cache_sm_90.msgpack", stale_files=KERNEL_FILES[:2])
+    status, out, _ = run_check(capsys)
+    assert status == 1
+    assert out == [
+        f"benchmark_cache_sm_80.msgpack (sm_80): {ENTRIES} entries, {ENTRIES} fresh, 0 stale",
+        f"benchmark_cache_sm_90.msgpack (sm_90): {ENTRIES} entries, {ENTRIES - 2} fresh, 2 stale",
+        *(f"  {name}: 1 stale (it or a header it includes changed since measured)" for name in KERNEL_FILES[:2]),
+        f"  re-populate it on an sm_90 GPU: cupysparse-populate-shipped-cache --output {stale}",
+        "1 of 2 shipped tuning files match the kernel sources",
+    ]
+
+
+def test_the_release_check_fails_on_entries_of_another_architecture(shipped_dir, capsys):
+    write_shipped(shipped_dir / "benchmark_cache_sm_90.msgpack", architecture="sm_80")
+    status, out, _ = run_check(capsys)
+    assert status == 1
+    assert f"  {ENTRIES} keyed for another architecture than sm_90 (never looked up in this file)" in out
+
+
+def test_the_release_check_fails_on_a_file_that_is_no_cache_and_leaves_it_alone(shipped_dir, capsys):
+    path = shipped_dir / "benchmark_cache_sm_90.msgpack"
+    path.write_bytes(b"\x92\x01\x02")
+    status, out, _ = run_check(capsys)
+    assert status == 1
+    assert out[0].startswith("benchmark_cache_sm_90.msgpack: cannot be read as a tuning cache: ")
+    assert path.read_bytes() == b"\x92\x01\x02" and [p.name for p in shipped_dir.iterdir()] == [path.name]
+
+
+def test_the_release_check_of_named_files_and_of_none(shipped_dir, tmp_path, capsys):
+    named = write_shipped(tmp_path / "benchmark_cache_sm_90.msgpack", stale_files=KERNEL_FILES[:1])
+    status, out, _ = run_check(capsys, str(named))
+    assert status == 1 and out[-1] == "0 of 1 shipped tuning files match the kernel sources"
+    status, out, err = run_check(capsys)  # this install's folder holds none
+    assert (status, out, err) == (1, [], "no shipped tuning files to check\n")

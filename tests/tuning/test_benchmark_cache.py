@@ -137,9 +137,13 @@ def test_changing_one_kernel_source_hides_only_the_entries_that_measured_it():
     visible = {key for key in ("a", "b", "ab", "cpu") if cache.get("ns", {"k": key}) is not None}
     assert visible == {"b", "cpu"}
     assert len(cache.entries("ns")) == 4  # stale entries stay listed for inspection
+    changed = {dict(entry.key)["k"]: cache.changed_sources(entry) for entry in cache.entries("ns")}
+    assert changed == {"a": ["a.cu"], "b": [], "ab": ["a.cu"], "cpu": []}
 
     del digests["b.cu"]  # a kernel file that no longer exists
     assert cache.get("ns", {"k": "b"}) is None
+    (both,) = [entry for entry in cache.entries("ns") if dict(entry.key)["k"] == "ab"]
+    assert cache.changed_sources(both) == ["a.cu", "b.cu"]
     cache.put("ns", {"k": "a"}, RESULTS, [("a.cu", "2")])  # re-measured: visible again
     assert cache.get("ns", {"k": "a"}).kernel_sources == (("a.cu", "2"),)
 
