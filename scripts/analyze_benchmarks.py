@@ -520,13 +520,26 @@ def relative(path: str, start_directory: str) -> str:
     return os.path.relpath(os.path.abspath(path), start_directory).replace(os.sep, "/")
 
 
+def metadata_path(csv_path: str) -> str:
+    """Where the metadata of `NAME.csv` lives: `NAME.json` beside it."""
+    return f"{os.path.splitext(csv_path)[0]}.json"
+
+
+def write_metadata(csv_path: str, metadata: dict) -> None:
+    """`metadata` (the run's command, device, …) into `NAME.json` beside `csv_path`, as the results pages
+    read it."""
+    with open(metadata_path(csv_path), "w") as handle:
+        json.dump({"metadata": metadata}, handle, indent=1)
+        handle.write("\n")
+
+
 def read_metadata(input_path: str) -> dict:
     """The run's metadata: from `NAME.json` next to `NAME.csv`, else from the harness's
     `heatmap_data.json` in the same folder, or {} without either."""
-    stem = os.path.splitext(os.path.abspath(input_path))[0]
-    for path in (f"{stem}.json", os.path.join(os.path.dirname(stem), "heatmap_data.json")):
-        if os.path.isfile(path):
-            with open(path) as handle:
+    path = os.path.abspath(input_path)
+    for candidate in (metadata_path(path), os.path.join(os.path.dirname(path), "heatmap_data.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as handle:
                 return json.load(handle).get("metadata", {})
     return {}
 

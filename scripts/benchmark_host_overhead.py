@@ -14,11 +14,20 @@ kernel through a prepared launch (`compile.PreparedLaunch`). `launches` counts t
 of one call (torch's own kernels, e.g. autograd's, are not counted).
 
     cupysparse-benchmark-host-overhead --num-voxels 100000 --channels 32 --dtype float16 --csv host.csv
+    cupysparse-benchmark-host-overhead --csv results/host.csv --markdown results/host.md
+    cupysparse-benchmark-host-overhead --from-csv results/host.csv --markdown results/host.md
+
+--markdown writes a results page from the --csv file and the run's metadata (command, device), which
+goes to NAME.json beside NAME.csv; --from-csv measures nothing and writes the page again from such
+files.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -31,6 +40,7 @@ from cupysparse.cuda.timing import WAIT_KERNELS
 from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.functional.convolution import conv_backward, conv_forward, select_backward, select_forward
 from cupysparse.geometry.kernel_map import submanifold_map
+from cupysparse.scripts.analyze_benchmarks import read_metadata, write_metadata
 from cupysparse.scripts.benchmarking import add_layer_arguments, indoor_layer_coordinates, time_samples_ms, write_csv
 
 # The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.
@@ -45,7 +55,16 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
     parser.add_argument("--csv", metavar="FILE")
-    return parser.parse_args(argv)
+    parser.add_argument("--markdown", metavar="PAGE", help="also write a results page of the --csv file")
+    parser.add_argument("--from-csv", metavar="FILE",
+                        help="measure nothing: write the --markdown page from FILE, a CSV of this benchmark")
+    args = parser.parse_args(argv)
+    args.command = shlex.join(["cupysparse-benchmark-host-overhead", *(sys.argv[1:] if argv is None else argv)])
+    if args.from_csv and not args.markdown:
+        parser.error("--from-csv writes the --markdown page: name it")
+    if args.markdown and not (args.csv or args.from_csv):
+        parser.error("--markdown needs --csv (the page shows that file's data)")
+    return args
 
 
 def host_us_per_call(fn, calls: int, repeats: int) -> list[float]:
@@ -132,8 +151,59 @@ def floor_calls(channels: int, num_voxels: int, dtype) -> dict:
     }
 
 
+# The results page: generated whole from the CSV and its metadata, so it is never edited by hand
+
+METHOD = (
+    "Each call runs on a submanifold 3³ layer of the indoor scene with its kernel map built and the tuner's "
+    "choice made. Host µs: the host clock per call over batches of calls queued behind a wait kernel, so the "
+    "GPU never holds the host back (median and quartiles of the batches). GPU µs: CUDA events per call of "
+    "the same calls back to back. Where host time passes GPU time, the layer is host-bound. `launches` counts "
+    "our prepared launches per call (torch's own kernels are not counted); the floor rows are what every call "
+    "pays per output (one allocation from CuPy's pool) and per kernel (one launch of an empty kernel)."
+)
+
+
+def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str) -> str:
+    """The markdown results page of `rows` (a CSV of this benchmark, as strings)."""
+    first = rows[0]
+    data_link = os.path.relpath(os.path.abspath(csv_path), os.path.dirname(os.path.abspath(page_path)))
+    device = metadata.get("device", "an unnamed device")
+    lines = [
+        "# Host time per convolution call", "",
+        f"Measured on **{device}**: {int(first['num_voxels']):,} voxels, {first['channels']} → {first['channels']} "
+        f"channels, {first['dtype']}. Data: [{os.path.basename(csv_path)}]({data_link.replace(os.sep, '/')}).", "",
+        "| call | launches | host µs | host µs, quartiles | GPU µs | host / GPU |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        gpu = (row["gpu_us"], row["host_over_gpu"]) if row["gpu_us"] else ("", "")
+        lines.append(f"| {row['call']} | {row['launches']} | {row['host_us']} | "
+                     f"{row['host_us_q1']}-{row['host_us_q3']} | {gpu[0]} | {gpu[1]} |")
+    lines += ["", METHOD, "", "Reproduce (the measurement, then this page from its files):", "", "```bash"]
+    if metadata.get("command"):
+        lines.append(metadata["command"])
+    lines += [shlex.join(["cupysparse-benchmark-host-overhead", "--from-csv", csv_path, "--markdown", page_path]),
+              "```"]
+    return "\n".join(lines)
+
+
+def write_results_page(csv_path: str, page_path: str) -> None:
+    with open(csv_path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        raise SystemExit(f"cupysparse-benchmark-host-overhead: {csv_path} holds no measurement")
+    page = results_page(rows, read_metadata(csv_path), csv_path, page_path)
+    os.makedirs(os.path.dirname(os.path.abspath(page_path)), exist_ok=True)
+    with open(page_path, "w") as handle:
+        handle.write(page + "\n")
+    print(f"wrote {page_path}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_csv:
+        write_results_page(args.from_csv, args.markdown)
+        return 0
     if not backend.gpu_available():
         print("this benchmark needs a CUDA GPU: host time per call is what a call costs before the GPU runs it",
               file=sys.stderr)
@@ -171,6 +241,9 @@ def main(argv=None) -> int:
               f"{gpu[0]:>8} {gpu[1]:>10}", flush=True)
     if args.csv:
         write_csv(rows, args.csv)
+    if args.markdown:
+        write_metadata(args.csv, {"command": args.command, "device": backend.describe_device("cuda")})
+        write_results_page(args.csv, args.markdown)
     return 0
 
 
