@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from cupysparse.backend import gpu_available
-
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RESULTS = ROOT / "docs" / "results"
@@ -67,8 +65,7 @@ def test_python_blocks_run_on_the_cpu(page, tmp_path, monkeypatch):
     run_blocks(page, [block for block in python_blocks(page) if not needs_gpu(block)], tmp_path, monkeypatch)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu  # tests/conftest.py skips it without a GPU
 @pytest.mark.parametrize("page", pages_with(needs_gpu))
 def test_python_blocks_run_on_the_gpu(page, tmp_path, monkeypatch):
     run_blocks(page, python_blocks(page), tmp_path, monkeypatch)
