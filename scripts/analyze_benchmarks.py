@@ -533,6 +533,36 @@ def write_metadata(csv_path: str, metadata: dict) -> None:
         handle.write("\n")
 
 
+def add_results_page_arguments(parser) -> None:
+    """--markdown and --from-csv of a benchmark that writes its results page from its --csv file."""
+    parser.add_argument("--markdown", metavar="PAGE", help="also write a results page of the --csv file")
+    parser.add_argument("--from-csv", metavar="FILE",
+                        help="measure nothing: write the --markdown page from FILE, a CSV of this benchmark")
+
+
+def check_results_page_arguments(parser, args, program: str, argv) -> None:
+    """Refuse a page without data or data without a page; keep the run's command line in `args.command`."""
+    args.command = shlex.join([program, *(sys.argv[1:] if argv is None else argv)])
+    if args.from_csv and not args.markdown:
+        parser.error("--from-csv writes the --markdown page: name it")
+    if args.markdown and not (args.csv or args.from_csv):
+        parser.error("--markdown needs --csv (the page shows that file's data)")
+
+
+def write_results_page(csv_path: str, page_path: str, results_page, program: str) -> None:
+    """`results_page(rows, metadata, csv_path, page_path)` of the rows of `csv_path` (as strings) and its
+    metadata, written whole to `page_path`."""
+    with open(csv_path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        raise SystemExit(f"{program}: {csv_path} holds no measurement")
+    page = results_page(rows, read_metadata(csv_path), csv_path, page_path)
+    os.makedirs(os.path.dirname(os.path.abspath(page_path)), exist_ok=True)
+    with open(page_path, "w") as handle:
+        handle.write(page + "\n")
+    print(f"wrote {page_path}")
+
+
 def read_metadata(input_path: str) -> dict:
     """The run's metadata: from `NAME.json` next to `NAME.csv`, else from the harness's
     `heatmap_data.json` in the same folder, or {} without either."""

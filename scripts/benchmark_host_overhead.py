@@ -25,7 +25,6 @@ files.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shlex
 import statistics
@@ -40,9 +39,16 @@ from cupysparse.cuda.timing import WAIT_KERNELS
 from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.functional.convolution import conv_backward, conv_forward, select_backward, select_forward
 from cupysparse.geometry.kernel_map import submanifold_map
-from cupysparse.scripts.analyze_benchmarks import read_metadata, write_metadata
+from cupysparse.scripts.analyze_benchmarks import (
+    add_results_page_arguments,
+    check_results_page_arguments,
+    relative,
+    write_metadata,
+    write_results_page,
+)
 from cupysparse.scripts.benchmarking import add_layer_arguments, indoor_layer_coordinates, time_samples_ms, write_csv
 
+PROGRAM = "cupysparse-benchmark-host-overhead"
 # The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.
 WAIT_NS_PER_CALL = 2_000_000
 
@@ -55,15 +61,9 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
     parser.add_argument("--csv", metavar="FILE")
-    parser.add_argument("--markdown", metavar="PAGE", help="also write a results page of the --csv file")
-    parser.add_argument("--from-csv", metavar="FILE",
-                        help="measure nothing: write the --markdown page from FILE, a CSV of this benchmark")
+    add_results_page_arguments(parser)
     args = parser.parse_args(argv)
-    args.command = shlex.join(["cupysparse-benchmark-host-overhead", *(sys.argv[1:] if argv is None else argv)])
-    if args.from_csv and not args.markdown:
-        parser.error("--from-csv writes the --markdown page: name it")
-    if args.markdown and not (args.csv or args.from_csv):
-        parser.error("--markdown needs --csv (the page shows that file's data)")
+    check_results_page_arguments(parser, args, PROGRAM, argv)
     return args
 
 
@@ -166,12 +166,12 @@ METHOD = (
 def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str) -> str:
     """The markdown results page of `rows` (a CSV of this benchmark, as strings)."""
     first = rows[0]
-    data_link = os.path.relpath(os.path.abspath(csv_path), os.path.dirname(os.path.abspath(page_path)))
+    data_link = relative(csv_path, os.path.dirname(os.path.abspath(page_path)))
     device = metadata.get("device", "an unnamed device")
     lines = [
         "# Host time per convolution call", "",
         f"Measured on **{device}**: {int(first['num_voxels']):,} voxels, {first['channels']} → {first['channels']} "
-        f"channels, {first['dtype']}. Data: [{os.path.basename(csv_path)}]({data_link.replace(os.sep, '/')}).", "",
+        f"channels, {first['dtype']}. Data: [{os.path.basename(csv_path)}]({data_link}).", "",
         "| call | launches | host µs | host µs, quartiles | GPU µs | host / GPU |",
         "|---|---:|---:|---|---:|---:|",
     ]
@@ -182,27 +182,14 @@ def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str
     lines += ["", METHOD, "", "Reproduce (the measurement, then this page from its files):", "", "```bash"]
     if metadata.get("command"):
         lines.append(metadata["command"])
-    lines += [shlex.join(["cupysparse-benchmark-host-overhead", "--from-csv", csv_path, "--markdown", page_path]),
-              "```"]
+    lines += [shlex.join([PROGRAM, "--from-csv", csv_path, "--markdown", page_path]), "```"]
     return "\n".join(lines)
-
-
-def write_results_page(csv_path: str, page_path: str) -> None:
-    with open(csv_path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    if not rows:
-        raise SystemExit(f"cupysparse-benchmark-host-overhead: {csv_path} holds no measurement")
-    page = results_page(rows, read_metadata(csv_path), csv_path, page_path)
-    os.makedirs(os.path.dirname(os.path.abspath(page_path)), exist_ok=True)
-    with open(page_path, "w") as handle:
-        handle.write(page + "\n")
-    print(f"wrote {page_path}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_csv:
-        write_results_page(args.from_csv, args.markdown)
+        write_results_page(args.from_csv, args.markdown, results_page, PROGRAM)
         return 0
     if not backend.gpu_available():
         print("this benchmark needs a CUDA GPU: host time per call is what a call costs before the GPU runs it",
@@ -243,7 +230,7 @@ def main(argv=None) -> int:
         write_csv(rows, args.csv)
     if args.markdown:
         write_metadata(args.csv, {"command": args.command, "device": backend.describe_device("cuda")})
-        write_results_page(args.csv, args.markdown)
+        write_results_page(args.csv, args.markdown, results_page, PROGRAM)
     return 0
 
 

@@ -50,7 +50,6 @@ tensors), without spconv and without peak memory.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import math
 import os
@@ -71,11 +70,18 @@ from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
 from cupysparse.adapters.torch.networks import MinkUNet14, MinkUNet18, MinkUNet34
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
-from cupysparse.scripts.analyze_benchmarks import read_metadata, write_metadata
+from cupysparse.scripts.analyze_benchmarks import (
+    add_results_page_arguments,
+    check_results_page_arguments,
+    relative,
+    write_metadata,
+    write_results_page,
+)
 from cupysparse.scripts.benchmarking import peak_extra_bytes, route_cupy_through_torch, write_csv
 from cupysparse.geometry.sparse_tensor import SparseTensor
 from cupysparse.networks.weight_layouts import to_spconv_weight
 
+PROGRAM = "cupysparse-benchmark-network"
 MINKUNETS = {14: MinkUNet14, 18: MinkUNet18, 34: MinkUNet34}
 PHASES = ("inference", "training step")
 SPATIAL_DIMS = 3
@@ -490,15 +496,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs (the median is reported)")
     parser.add_argument("--no-spconv", action="store_true", help="time cupysparse only")
     parser.add_argument("--csv", metavar="FILE", help="also write one row per library and phase")
-    parser.add_argument("--markdown", metavar="PAGE", help="also write a results page of the --csv file")
-    parser.add_argument("--from-csv", metavar="FILE",
-                        help="measure nothing: write the --markdown page from FILE, a CSV of this benchmark")
+    add_results_page_arguments(parser)
     args = parser.parse_args(argv)
-    args.command = shlex.join(["cupysparse-benchmark-network", *(sys.argv[1:] if argv is None else argv)])
-    if args.from_csv and not args.markdown:
-        parser.error("--from-csv writes the --markdown page: name it")
-    if args.markdown and not (args.csv or args.from_csv):
-        parser.error("--markdown needs --csv (the page shows that file's data)")
+    check_results_page_arguments(parser, args, PROGRAM, argv)
     if args.from_csv:
         return args
     gpu = torch.cuda.is_available() and backend.gpu_available()
@@ -584,12 +584,12 @@ def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str
     for row in rows:
         by_phase.setdefault(row["phase"], {})[row["library"]] = row
     libraries = list(dict.fromkeys(row["library"] for row in rows))
-    data_link = os.path.relpath(os.path.abspath(csv_path), os.path.dirname(os.path.abspath(page_path)))
+    data_link = relative(csv_path, os.path.dirname(os.path.abspath(page_path)))
     lines = [
         f"# End to end: {first['network']}" + (f", {' against '.join(libraries)}" if len(libraries) > 1 else ""), "",
         f"Measured on **{first['device']}**: {first['network']} (width {first['width']}), {first['dtype']}, a batch "
         f"of {first['batch_size']} indoor scenes, {int(first['voxels']):,} voxels in all. "
-        f"Data: [{os.path.basename(csv_path)}]({data_link.replace(os.sep, '/')}).", "",
+        f"Data: [{os.path.basename(csv_path)}]({data_link}).", "",
     ]
     header = ["phase", *(f"{name} ms" for name in libraries)]
     if len(libraries) > 1:
@@ -615,26 +615,14 @@ def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str
     lines += [METHOD, "", "Reproduce (the measurement, then this page from its files):", "", "```bash"]
     if metadata.get("command"):
         lines.append(metadata["command"])
-    lines += [shlex.join(["cupysparse-benchmark-network", "--from-csv", csv_path, "--markdown", page_path]), "```"]
+    lines += [shlex.join([PROGRAM, "--from-csv", csv_path, "--markdown", page_path]), "```"]
     return "\n".join(lines)
-
-
-def write_results_page(csv_path: str, page_path: str) -> None:
-    with open(csv_path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    if not rows:
-        raise SystemExit(f"cupysparse-benchmark-network: {csv_path} holds no measurement")
-    page = results_page(rows, read_metadata(csv_path), csv_path, page_path)
-    os.makedirs(os.path.dirname(os.path.abspath(page_path)), exist_ok=True)
-    with open(page_path, "w") as handle:
-        handle.write(page + "\n")
-    print(f"wrote {page_path}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_csv:
-        write_results_page(args.from_csv, args.markdown)
+        write_results_page(args.from_csv, args.markdown, results_page, PROGRAM)
         return 0
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda":
@@ -701,7 +689,7 @@ def main(argv=None) -> int:
         write_csv(rows, args.csv)
     if args.markdown:
         write_metadata(args.csv, {"command": args.command, "device": described})
-        write_results_page(args.csv, args.markdown)
+        write_results_page(args.csv, args.markdown, results_page, PROGRAM)
     return 0
 
 
