@@ -1,7 +1,10 @@
 """Plots, tables and a results page from `cupysparse-benchmark-memory-analysis`'s `benchmark_full.csv`.
 
     cupysparse-analyze-benchmarks --input bench-results/benchmark_full.csv --output-dir plots --baseline spconv
-    cupysparse-analyze-benchmarks --input bench-results/benchmark_full.csv --format pdf --markdown docs/benchmarks.md
+    cupysparse-analyze-benchmarks --input fp16.csv tf32.csv --output-dir results/layers --markdown results/layers.md
+
+Several inputs (runs that measured different configurations, e.g. one per dtype) are analysed as one
+grid.
 
 Only measurements with status `ok` enter the plots and ratios. A plot draws one line per backend and
 per value of every other configuration field that varies in the data (channels, dtype, kernel size,
@@ -23,8 +26,10 @@ Tables: `summary_stats.csv` (status counts and speed per backend and phase),
 without the voxel count: the voxel count from which the faster one no longer changes, when it
 changes at all, the rows of the two merged on the full configuration key) and
 `baseline_ratios.csv`. `--markdown PAGE` writes a results page embedding the plots by paths
-relative to the page, with the device, versions and commands from the run's `heatmap_data.json`
-(next to the input); the same inputs give the same page.
+relative to the page: the device, versions and commands of each run, from its metadata file next to
+its input (`NAME.json` for `NAME.csv`, else the harness's `heatmap_data.json`), every measurement
+per dtype beside the baseline's, and the command that writes the page again. The page is generated
+whole: the same inputs give the same page, so nothing written by hand belongs in it.
 """
 
 from __future__ import annotations
@@ -515,34 +520,151 @@ def relative(path: str, start_directory: str) -> str:
     return os.path.relpath(os.path.abspath(path), start_directory).replace(os.sep, "/")
 
 
+def metadata_path(csv_path: str) -> str:
+    """Where the metadata of `NAME.csv` lives: `NAME.json` beside it."""
+    return f"{os.path.splitext(csv_path)[0]}.json"
+
+
+def write_metadata(csv_path: str, metadata: dict) -> None:
+    """`metadata` (the run's command, device, …) into `NAME.json` beside `csv_path`, as the results pages
+    read it."""
+    with open(metadata_path(csv_path), "w") as handle:
+        json.dump({"metadata": metadata}, handle, indent=1)
+        handle.write("\n")
+
+
+def add_results_page_arguments(parser) -> None:
+    """--markdown and --from-csv of a benchmark that writes its results page from its --csv file."""
+    parser.add_argument("--markdown", metavar="PAGE", help="also write a results page of the --csv file")
+    parser.add_argument("--from-csv", metavar="FILE",
+                        help="measure nothing: write the --markdown page from FILE, a CSV of this benchmark")
+
+
+def check_results_page_arguments(parser, args, program: str, argv) -> None:
+    """Refuse a page without data or data without a page; keep the run's command line in `args.command`."""
+    args.command = shlex.join([program, *(sys.argv[1:] if argv is None else argv)])
+    if args.from_csv and not args.markdown:
+        parser.error("--from-csv writes the --markdown page: name it")
+    if args.markdown and not (args.csv or args.from_csv):
+        parser.error("--markdown needs --csv (the page shows that file's data)")
+
+
+def write_results_page(csv_path: str, page_path: str, results_page, program: str) -> None:
+    """`results_page(rows, metadata, csv_path, page_path)` of the rows of `csv_path` (as strings) and its
+    metadata, written whole to `page_path`."""
+    with open(csv_path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        raise SystemExit(f"{program}: {csv_path} holds no measurement")
+    page = results_page(rows, read_metadata(csv_path), csv_path, page_path)
+    os.makedirs(os.path.dirname(os.path.abspath(page_path)), exist_ok=True)
+    with open(page_path, "w") as handle:
+        handle.write(page + "\n")
+    print(f"wrote {page_path}")
+
+
 def read_metadata(input_path: str) -> dict:
-    """The run's metadata from `heatmap_data.json` next to the input, or {} without one."""
-    path = os.path.join(os.path.dirname(os.path.abspath(input_path)), "heatmap_data.json")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as handle:
-        return json.load(handle).get("metadata", {})
+    """The run's metadata: from `NAME.json` next to `NAME.csv`, else from the harness's
+    `heatmap_data.json` in the same folder, or {} without either."""
+    path = os.path.abspath(input_path)
+    for candidate in (metadata_path(path), os.path.join(os.path.dirname(path), "heatmap_data.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as handle:
+                return json.load(handle).get("metadata", {})
+    return {}
 
 
-def results_page(page_path: str, rows, tables: dict, plot_paths: dict, table_paths: dict, metadata: dict,
-                 baseline: str, analysis_command: str) -> str:
-    """The markdown results page: setup, summary, every plot, crossovers and ratios."""
-    directory = os.path.dirname(os.path.abspath(page_path))
-    devices = list(dict.fromkeys(row["device"] for row in rows)) or [metadata.get("device", "unknown")]
-    when = f" on {metadata['date']}" if metadata.get("date") else ""
-    lines = ["# Benchmark results", "", f"Measured on **{', '.join(devices)}**{when}.", ""]
-    if metadata.get("versions"):
-        lines += ["Versions: " + ", ".join(f"{name} {version}" for name, version in metadata["versions"].items())
-                  + ".", ""]
+def joined(values) -> str:
+    values = list(values)
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
+
+
+def run_lines(label: str, runs: list[dict], describe) -> list[str]:
+    """One line `label: …` when every run that has the field agrees, else one bullet per run."""
+    described = {name: describe(metadata) for name, metadata in runs if describe(metadata)}
+    if not described:
+        return []
+    if len(set(described.values())) == 1:
+        return [f"{label}: {next(iter(described.values()))}.", ""]
+    return [f"{label}:", "", *(f"- `{name}`: {text}" for name, text in described.items()), ""]
+
+
+def versions_text(metadata: dict) -> str:
+    return ", ".join(f"{name} {version}" for name, version in metadata.get("versions", {}).items())
+
+
+def settings_text(metadata: dict) -> str:
     settings = metadata.get("settings", {})
-    if settings:
-        lines += ["Settings: " + ", ".join(f"{name} {value}" for name, value in settings.items())
-                  + (f"; memory measured by {metadata['memory_source']}" if metadata.get("memory_source") else "")
-                  + ".", ""]
-    lines += ["Reproduce:", "", "```bash"]
-    if metadata.get("command"):
-        lines.append(metadata["command"])
-    lines += [analysis_command, "```", "",
+    if not settings:
+        return ""
+    return (", ".join(f"{name} {value}" for name, value in settings.items())
+            + (f"; memory measured by {metadata['memory_source']}" if metadata.get("memory_source") else ""))
+
+
+def cell_text(row: dict | None, column: str) -> str:
+    if row is None:
+        return ""
+    if row["status"] != OK:
+        return row["status"]
+    value = row[column]
+    return "" if value is None else f"{value:#.4g}"
+
+
+def measurement_tables(rows: list[dict], baseline: str) -> list[str]:
+    """Per dtype, one line per configuration and phase: each backend's median time (or its status),
+    the TFLOP/s and time / the baseline's of the others."""
+    columns = varying_columns(rows, ("dtype", "in_channels", "out_channels"))
+    lines = []
+    for dtype in dict.fromkeys(row["dtype"] for row in rows):
+        mine = [row for row in rows if row["dtype"] == dtype]
+        backends = list(dict.fromkeys(row["backend"] for row in mine))
+        others = [backend for backend in backends if backend != baseline]
+        by_key: dict[tuple, dict[str, dict]] = {}
+        for row in mine:
+            by_key.setdefault((configuration_key(row), row["phase"]), {})[row["backend"]] = row
+        header = [*columns, "channels", "phase"]
+        for backend in others:
+            header += [f"{backend} ms", f"{backend} TFLOP/s"]
+        if baseline in backends:
+            header.append(f"{baseline} ms")
+            header += [f"{backend} / {baseline}" for backend in others]
+        table = []
+        for (key, phase), by_backend in by_key.items():
+            values = dict(zip(KEY_COLUMNS, key))
+            line = [*(str(values[column]) for column in columns),
+                    f"{values['in_channels']}→{values['out_channels']}", phase]
+            for backend in others:
+                line += [cell_text(by_backend.get(backend), "median_ms"), cell_text(by_backend.get(backend), "tflops")]
+            if baseline in backends:
+                reference = by_backend.get(baseline)
+                line.append(cell_text(reference, "median_ms"))
+                for backend in others:
+                    row = by_backend.get(backend)
+                    timed = all(item is not None and item["status"] == OK and item["median_ms"]
+                                for item in (row, reference))
+                    line.append(f"{row['median_ms'] / reference['median_ms']:.3f}" if timed else "")
+            table.append(line)
+        lines += [f"### {dtype}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(line) + " |" for line in table]
+        lines.append("")
+    return lines
+
+
+def results_page(page_path: str, rows, tables: dict, plot_paths: dict, table_paths: dict, runs: list[dict],
+                 baseline: str, analysis_command: str) -> str:
+    """The markdown results page: setup of every run, summary, every measurement, every plot,
+    crossovers and ratios. `runs` holds (input file name, its metadata) per input."""
+    directory = os.path.dirname(os.path.abspath(page_path))
+    devices = (list(dict.fromkeys(row["device"] for row in rows))
+               or list(dict.fromkeys(metadata.get("device", "unknown") for _, metadata in runs)))
+    dates = list(dict.fromkeys(metadata["date"] for _, metadata in runs if metadata.get("date")))
+    when = f" on {joined(dates)}" if dates else ""
+    lines = ["# Benchmark results", "", f"Measured on **{', '.join(devices)}**{when}.", ""]
+    lines += run_lines("Versions", runs, versions_text)
+    lines += run_lines("Settings", runs, settings_text)
+    commands = list(dict.fromkeys(metadata["command"] for _, metadata in runs if metadata.get("command")))
+    lines += ["Reproduce (the measurements, then this page from their files):", "", "```bash", *commands,
+              analysis_command, "```", "",
               "Times are medians of timed samples (quartiles in the CSV), TFLOP/s count the sparse work "
               "(2 · pairs · C_in · C_out per GEMM: one for forward, dgrad and wgrad, two for backward, three for "
               "both), and peak memory is what one call holds at its peak: its inputs, weight and kernel map plus "
@@ -550,6 +672,10 @@ def results_page(page_path: str, rows, tables: dict, plot_paths: dict, table_pat
               "## Summary", "", *markdown_table(tables["summary_stats"], SUMMARY_COLUMNS), ""]
     lines += ["Full tables: " + ", ".join(f"[{name}]({relative(path, directory)})"
                                            for name, path in table_paths.items()) + ".", ""]
+    lines += ["## Measurements", "",
+              "Median milliseconds per call; `both` is forward + backward. A status (`oom`, `not_supported`, "
+              "`error`, `not_tested`) stands where nothing was measured.", "",
+              *measurement_tables(rows, baseline)]
     lines += ["## Plots", ""]
     for stem, title, description in PLOTS:
         if "baseline" in stem:
@@ -575,7 +701,7 @@ def results_page(page_path: str, rows, tables: dict, plot_paths: dict, table_pat
         lines += [*markdown_table(summary, ("backend", "phase", "configurations", "time_ratio", "memory_ratio")), ""]
     else:
         lines += [f"No configuration was measured with both `{baseline}` and another backend.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def parse_args(argv=None):
@@ -583,7 +709,8 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
-    parser.add_argument("--input", default="bench-results/benchmark_full.csv", help="benchmark_full.csv")
+    parser.add_argument("--input", nargs="+", default=["bench-results/benchmark_full.csv"], metavar="CSV",
+                        help="benchmark_full.csv of one or more runs")
     parser.add_argument("--output-dir", default="plots", help="where plots and tables go")
     parser.add_argument("--format", default="png", choices=("png", "pdf"))
     parser.add_argument("--baseline", default=None, help="backend the ratios divide by (default: the first "
@@ -596,10 +723,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not os.path.isfile(args.input):
-        print(f"cupysparse-analyze-benchmarks: no such file {args.input}", file=sys.stderr)
+    missing = [path for path in args.input if not os.path.isfile(path)]
+    if missing:
+        print(f"cupysparse-analyze-benchmarks: no such file {', '.join(missing)}", file=sys.stderr)
         return 2
-    rows = read_rows(args.input)
+    rows = [row for path in args.input for row in read_rows(path)]
     plt = pyplot()
     baseline = choose_baseline(rows, args.baseline)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -624,7 +752,8 @@ def main(argv=None) -> int:
         print(f"wrote {plot_paths[stem]}")
     if args.markdown:
         page = results_page(args.markdown, rows, {name: table for name, (table, _) in tables.items()}, plot_paths,
-                            table_paths, read_metadata(args.input), baseline, args.command)
+                            table_paths, [(os.path.basename(path), read_metadata(path)) for path in args.input],
+                            baseline, args.command)
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as handle:
             handle.write(page + "\n")

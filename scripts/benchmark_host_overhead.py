@@ -14,11 +14,19 @@ kernel through a prepared launch (`compile.PreparedLaunch`). `launches` counts t
 of one call (torch's own kernels, e.g. autograd's, are not counted).
 
     cupysparse-benchmark-host-overhead --num-voxels 100000 --channels 32 --dtype float16 --csv host.csv
+    cupysparse-benchmark-host-overhead --csv results/host.csv --markdown results/host.md
+    cupysparse-benchmark-host-overhead --from-csv results/host.csv --markdown results/host.md
+
+--markdown writes a results page from the --csv file and the run's metadata (command, device), which
+goes to NAME.json beside NAME.csv; --from-csv measures nothing and writes the page again from such
+files.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -31,8 +39,16 @@ from cupysparse.cuda.timing import WAIT_KERNELS
 from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.functional.convolution import conv_backward, conv_forward, select_backward, select_forward
 from cupysparse.geometry.kernel_map import submanifold_map
+from cupysparse.scripts.analyze_benchmarks import (
+    add_results_page_arguments,
+    check_results_page_arguments,
+    relative,
+    write_metadata,
+    write_results_page,
+)
 from cupysparse.scripts.benchmarking import add_layer_arguments, indoor_layer_coordinates, time_samples_ms, write_csv
 
+PROGRAM = "cupysparse-benchmark-host-overhead"
 # The wait ahead of each batch: long enough for the slowest call's batch to queue behind it.
 WAIT_NS_PER_CALL = 2_000_000
 
@@ -45,7 +61,10 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
     parser.add_argument("--csv", metavar="FILE")
-    return parser.parse_args(argv)
+    add_results_page_arguments(parser)
+    args = parser.parse_args(argv)
+    check_results_page_arguments(parser, args, PROGRAM, argv)
+    return args
 
 
 def host_us_per_call(fn, calls: int, repeats: int) -> list[float]:
@@ -132,8 +151,46 @@ def floor_calls(channels: int, num_voxels: int, dtype) -> dict:
     }
 
 
+# The results page: generated whole from the CSV and its metadata, so it is never edited by hand
+
+METHOD = (
+    "Each call runs on a submanifold 3³ layer of the indoor scene with its kernel map built and the tuner's "
+    "choice made. Host µs: the host clock per call over batches of calls queued behind a wait kernel, so the "
+    "GPU never holds the host back (median and quartiles of the batches). GPU µs: CUDA events per call of "
+    "the same calls back to back. Where host time passes GPU time, the layer is host-bound. `launches` counts "
+    "our prepared launches per call (torch's own kernels are not counted); the floor rows are what every call "
+    "pays per output (one allocation from CuPy's pool) and per kernel (one launch of an empty kernel)."
+)
+
+
+def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str) -> str:
+    """The markdown results page of `rows` (a CSV of this benchmark, as strings)."""
+    first = rows[0]
+    data_link = relative(csv_path, os.path.dirname(os.path.abspath(page_path)))
+    device = metadata.get("device", "an unnamed device")
+    lines = [
+        "# Host time per convolution call", "",
+        f"Measured on **{device}**: {int(first['num_voxels']):,} voxels, {first['channels']} → {first['channels']} "
+        f"channels, {first['dtype']}. Data: [{os.path.basename(csv_path)}]({data_link}).", "",
+        "| call | launches | host µs | host µs, quartiles | GPU µs | host / GPU |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        gpu = (row["gpu_us"], row["host_over_gpu"]) if row["gpu_us"] else ("", "")
+        lines.append(f"| {row['call']} | {row['launches']} | {row['host_us']} | "
+                     f"{row['host_us_q1']}-{row['host_us_q3']} | {gpu[0]} | {gpu[1]} |")
+    lines += ["", METHOD, "", "Reproduce (the measurement, then this page from its files):", "", "```bash"]
+    if metadata.get("command"):
+        lines.append(metadata["command"])
+    lines += [shlex.join([PROGRAM, "--from-csv", csv_path, "--markdown", page_path]), "```"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_csv:
+        write_results_page(args.from_csv, args.markdown, results_page, PROGRAM)
+        return 0
     if not backend.gpu_available():
         print("this benchmark needs a CUDA GPU: host time per call is what a call costs before the GPU runs it",
               file=sys.stderr)
@@ -171,6 +228,9 @@ def main(argv=None) -> int:
               f"{gpu[0]:>8} {gpu[1]:>10}", flush=True)
     if args.csv:
         write_csv(rows, args.csv)
+    if args.markdown:
+        write_metadata(args.csv, {"command": args.command, "device": backend.describe_device("cuda")})
+        write_results_page(args.csv, args.markdown, results_page, PROGRAM)
     return 0
 
 

@@ -36,6 +36,12 @@ floor(x / stride) stay ours). Before timing, both inference outputs of one input
 maximum difference above 1e-2 of the largest output is reported loudly.
 
     cupysparse-benchmark-network --depth 18 --batch-size 2 --num-voxels 200000 --csv network.csv
+    cupysparse-benchmark-network --csv results/network.csv --markdown results/network.md
+    cupysparse-benchmark-network --from-csv results/network.csv --markdown results/network.md
+
+--markdown writes a results page from the --csv file and the run's metadata (command, device), which
+goes to NAME.json beside NAME.csv; --from-csv measures nothing and writes the page again from such
+files.
 
 Needs PyTorch. Without a GPU it runs the cupysparse part on the CPU (NumPy kernels, torch CPU
 tensors), without spconv and without peak memory.
@@ -46,6 +52,8 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -62,10 +70,18 @@ from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
 from cupysparse.adapters.torch.networks import MinkUNet14, MinkUNet18, MinkUNet34
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
+from cupysparse.scripts.analyze_benchmarks import (
+    add_results_page_arguments,
+    check_results_page_arguments,
+    relative,
+    write_metadata,
+    write_results_page,
+)
 from cupysparse.scripts.benchmarking import peak_extra_bytes, route_cupy_through_torch, write_csv
 from cupysparse.geometry.sparse_tensor import SparseTensor
 from cupysparse.networks.weight_layouts import to_spconv_weight
 
+PROGRAM = "cupysparse-benchmark-network"
 MINKUNETS = {14: MinkUNet14, 18: MinkUNet18, 34: MinkUNet34}
 PHASES = ("inference", "training step")
 SPATIAL_DIMS = 3
@@ -480,7 +496,11 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs (the median is reported)")
     parser.add_argument("--no-spconv", action="store_true", help="time cupysparse only")
     parser.add_argument("--csv", metavar="FILE", help="also write one row per library and phase")
+    add_results_page_arguments(parser)
     args = parser.parse_args(argv)
+    check_results_page_arguments(parser, args, PROGRAM, argv)
+    if args.from_csv:
+        return args
     gpu = torch.cuda.is_available() and backend.gpu_available()
     if args.device == "auto":
         args.device = "cuda" if gpu else "cpu"
@@ -537,8 +557,73 @@ def print_table(summaries: dict[str, dict]) -> None:
         print(f"{phase:<14}" + "".join(f" {cell:>{len(title)}}" for (title, _, _), cell in zip(TABLE_COLUMNS, cells)))
 
 
+# --------------------------------------------------------------------------------------------
+# The results page: generated whole from the CSV and its metadata, so it is never edited by hand
+
+
+METHOD = (
+    "Each phase runs on a fresh input tensor every time, so both libraries build every kernel map, as for "
+    "a new scene in training. Inference is `model.eval()` and one forward under `torch.no_grad()`; a "
+    "training step is a forward, cross-entropy on the per-voxel logits, the backward and an SGD step. Both "
+    "models hold the same weights in the same dtype (no autocast). Times are CUDA events (the host clock on "
+    "the CPU), the median of the timed runs after the warm-up runs; ratio = cupysparse / spconv (< 1: "
+    "cupysparse is faster, or needs less memory). Peak memory is what one run allocates beyond the resident "
+    "model, optimizer state and inputs (torch's allocator, with CuPy routed through it). The first call of "
+    "each phase, made before any timing, compiles kernels and tunes; its wall time is reported apart."
+)
+
+
+def number_text(text: str, unit: str = "") -> str:
+    return "n/a" if text == "" else f"{text}{unit}"
+
+
+def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str) -> str:
+    """The markdown results page of `rows` (a CSV of this benchmark, as strings)."""
+    first = rows[0]
+    by_phase: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        by_phase.setdefault(row["phase"], {})[row["library"]] = row
+    libraries = list(dict.fromkeys(row["library"] for row in rows))
+    data_link = relative(csv_path, os.path.dirname(os.path.abspath(page_path)))
+    lines = [
+        f"# End to end: {first['network']}" + (f", {' against '.join(libraries)}" if len(libraries) > 1 else ""), "",
+        f"Measured on **{first['device']}**: {first['network']} (width {first['width']}), {first['dtype']}, a batch "
+        f"of {first['batch_size']} indoor scenes, {int(first['voxels']):,} voxels in all. "
+        f"Data: [{os.path.basename(csv_path)}]({data_link}).", "",
+    ]
+    header = ["phase", *(f"{name} ms" for name in libraries)]
+    if len(libraries) > 1:
+        header.append(" / ".join(libraries))
+    header += [f"{name} peak MB" for name in libraries]
+    if len(libraries) > 1:
+        header.append("memory ratio")
+    header += [f"{name} first call s" for name in libraries]
+    lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for phase, by_library in by_phase.items():
+        mine = by_library[libraries[0]]
+        cells = [phase, *(number_text(by_library[name]["ms"]) for name in libraries)]
+        if len(libraries) > 1:
+            cells.append(number_text(mine["time_ratio"]))
+        cells += [number_text(by_library[name]["peak_mb"]) for name in libraries]
+        if len(libraries) > 1:
+            cells.append(number_text(mine["memory_ratio"]))
+        cells += [number_text(by_library[name]["first_call_s"]) for name in libraries]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    if first["output_rel_diff"]:
+        lines += [f"The two networks' outputs differ by {first['output_rel_diff']} of the largest output.", ""]
+    lines += [METHOD, "", "Reproduce (the measurement, then this page from its files):", "", "```bash"]
+    if metadata.get("command"):
+        lines.append(metadata["command"])
+    lines += [shlex.join([PROGRAM, "--from-csv", csv_path, "--markdown", page_path]), "```"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_csv:
+        write_results_page(args.from_csv, args.markdown, results_page, PROGRAM)
+        return 0
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda":
         route_cupy_through_torch(torch)
@@ -602,6 +687,9 @@ def main(argv=None) -> int:
     ]
     if args.csv:
         write_csv(rows, args.csv)
+    if args.markdown:
+        write_metadata(args.csv, {"command": args.command, "device": described})
+        write_results_page(args.csv, args.markdown, results_page, PROGRAM)
     return 0
 
 
