@@ -138,12 +138,6 @@ def cupy_stream(device: torch.device):
     return _external_stream(torch._C._cuda_getCurrentRawStream(device_id), device_id)
 
 
-def stream_handle(device: torch.device) -> int:
-    """The raw handle of torch's current stream on CUDA `device`, for launches on device addresses
-    (the private call skips building a `torch.cuda.Stream`, which costs microseconds per launch)."""
-    return torch._C._cuda_getCurrentRawStream(_device_id(device))
-
-
 @contextlib.contextmanager
 def on_torch_stream(device: torch.device):
     """Run the core on `device`'s torch stream and allocator; a no-op for CPU tensors."""
@@ -188,7 +182,7 @@ class TorchArrays(Arrays):
         return array.data_ptr()
 
     def stream(self, like: torch.Tensor) -> int:
-        return stream_handle(like.device)
+        return torch._C._cuda_getCurrentRawStream(like.device.index)  # a CUDA tensor's index is never None
 
     def padded_weight(self, weight: torch.Tensor, shape: tuple, transposed: bool, reuse: bool) -> torch.Tensor:
         """See `Arrays.padded_weight`; with `reuse`, the padded copy is kept from call to call while `weight`

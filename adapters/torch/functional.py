@@ -263,10 +263,10 @@ def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
         raise ValueError(f"weight must have shape [K={kernel_map.kernel_volume}, C_in={features.shape[1]}, C_out], "
                          f"got {tuple(weight.shape)}")
-    out = map_convolution(
-        features, weight.contiguous(), kernel_map,
-        algorithm_argument(fwd_algo, CONV, "forward"), algorithm_argument(bwd_algo, CONV, "backward"),
-    )
+    # A layer's algorithms are None (the environment variables) but where asked for: "" without a call.
+    fwd_argument = "" if fwd_algo is None else algorithm_argument(fwd_algo, CONV, "forward")
+    bwd_argument = "" if bwd_algo is None else algorithm_argument(bwd_algo, CONV, "backward")
+    out = map_convolution(features, weight.contiguous(), kernel_map, fwd_argument, bwd_argument)
     if bias is not None:
         out = out + bias.to(out.dtype)
     return _output(result, out, input)

@@ -321,7 +321,7 @@ def test_a_network_moved_to_the_gpu_prefetches_its_forward_kernels_and_in_traini
     assert evaluation is not training and evaluation.rehearsed
 
 
-def test_a_pointwise_convolution_without_gradients_runs_over_its_identity_map_on_our_kernels():
+def test_a_pointwise_convolution_runs_over_its_identity_map_on_our_kernels_with_and_without_gradients():
     coords = coordinates(seed=3)
     x = cst.SparseTensor(torch.from_numpy(coords).cuda(),
                          torch.randn(len(coords), 24, device="cuda", dtype=torch.float16))
@@ -331,9 +331,16 @@ def test_a_pointwise_convolution_without_gradients_runs_over_its_identity_map_on
     with torch.no_grad():
         out = conv(x)
     assert_close(out.features.double().cpu().numpy(), expected, np.float16, 24, x64, w64, "without gradients")
-    assert len(x.core.map_cache) == 1  # the identity map: not the torch product
-    differentiated = cst.SparseTensor(x.coordinates, x.features.clone())  # a map cache of its own
+    assert len(x.core.map_cache) == 1  # the identity map
+    differentiated = cst.SparseTensor(x.coordinates, x.features.clone().requires_grad_())  # a map cache of its own
     trained = conv(differentiated)
-    assert len(differentiated.core.map_cache) == 0  # the torch product, which autograd differentiates
+    assert len(differentiated.core.map_cache) == 1  # the same path with gradients
     assert_close(trained.features.detach().double().cpu().numpy(), expected, np.float16, 24, x64, w64,
                  "with gradients")
+    grad_output = torch.randn_like(trained.features)
+    trained.features.backward(grad_output)
+    dy64 = grad_output.double().cpu().numpy()
+    assert_close(differentiated.features.grad.double().cpu().numpy(), dy64 @ w64.T, np.float16, 40, dy64, w64,
+                 "input gradient")
+    assert_close(conv.weight.grad[0].double().cpu().numpy(), x64.T @ dy64, np.float16, len(coords), x64, dy64,
+                 "weight gradient")
