@@ -18,17 +18,17 @@ call; an invalid value raises ValueError naming the variable and listing the val
 device. Algorithm names are checked against the registry where the modes are parsed
 (`cupysparse.tuning.search_space`), which lists the valid names likewise.
 
-A layer's kept launch plan (`cupysparse.tuning.plans`) holds for as long as the settings it was
-selected under: `generation()` is a number that changes whenever one of them may have. It compares
-the raw values of the variables that steer a selection with those it saw last, reading them straight
-from the process environment's mapping (a dictionary lookup of tens of nanoseconds, where
-`os.environ.get` of an unset name raises and catches a KeyError inside, 2 µs), and counts the
-in-process changes reported through `changed()` (an fp32 precision set in code, a tuner forgetting
-its choices).
+A layer's launch plan, kept on its kernel map (`cupysparse.functional.execution`), holds for as long
+as the settings it was selected under: `selection_state()` is the count of in-process changes reported
+through `changed()` (an fp32 precision set in code, a tuner forgetting its choices) and the raw values
+of the variables that steer a selection, read straight from the process environment's mapping (a
+dictionary lookup of tens of nanoseconds, where `os.environ.get` of an unset name raises and catches
+a KeyError inside, 2 µs).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -184,25 +184,24 @@ def cuda_roots() -> tuple[str, ...]:
     return tuple(root for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")) if root)
 
 
-_generation = 0
-_seen: tuple | None = None
+# In-process changes that may change a selection (an fp32 precision set in code, a tuner forgetting its
+# choices), counted by `changed()`.
+changes = 0
+# The raw values of the selection variables, as an iterator, from C alone: a planned call reads them
+# without entering a Python frame (`selection_state` writes out what it takes).
+if _DIRECT:
+    selection_values = functools.partial(map, _environment.get, _SELECTION_KEYS)
+else:
+    selection_values = functools.partial(map, os.environ.get, _SELECTION_KEYS)
 
 
 def changed() -> None:
-    """Report an in-process change that may change a selection: the next `generation()` differs."""
-    global _generation
-    _generation += 1
+    """Report an in-process change that may change a selection: `selection_state()` differs after it."""
+    global changes
+    changes += 1
 
 
-def generation() -> int:
-    """A number that differs after any change that may change a selection: a selection variable's
-    value, or a `changed()` call."""
-    global _generation, _seen
-    if _DIRECT:
-        current = tuple(map(_environment.get, _SELECTION_KEYS))
-    else:
-        current = tuple(map(os.environ.get, _SELECTION_KEYS))
-    if current != _seen:
-        _seen = current
-        _generation += 1
-    return _generation
+def selection_state() -> tuple:
+    """What a selection depends on beyond its call: the count of in-process changes and the raw values
+    of the selection variables. Equal states select alike."""
+    return (changes, *selection_values())

@@ -1,5 +1,5 @@
 """`cupysparse.settings`: every variable defined there and read nowhere else, values parsed strictly,
-and `generation()` moving with every change that may change a selection, and only then."""
+and `selection_state()` moving with every change that may change a selection, and only then."""
 
 import os
 import re
@@ -89,19 +89,18 @@ def test_readers_see_every_way_python_changes_the_environment(monkeypatch):
     assert not settings.autotune()
 
 
-def test_generation_moves_with_a_selection_variable_and_changed_and_only_then(monkeypatch):
+def test_the_selection_state_moves_with_a_selection_variable_and_changed_and_only_then(monkeypatch):
     monkeypatch.delenv(settings.FWD_ALGO_MODE.name, raising=False)
-    before = settings.generation()
-    assert settings.generation() == before
+    before = settings.selection_state()
+    assert settings.selection_state() == before
     monkeypatch.setenv("CUPYSPARSE_TEST_UNRELATED_VARIABLE", "1")
     monkeypatch.setenv(settings.PREFETCH.name, "0")  # no selection depends on it
-    assert settings.generation() == before
+    assert settings.selection_state() == before
     monkeypatch.setenv(settings.FWD_ALGO_MODE.name, "implicit_gemm")
-    after_setting = settings.generation()
+    after_setting = settings.selection_state()
     assert after_setting != before
-    assert settings.generation() == after_setting
+    assert settings.selection_state() == after_setting
     monkeypatch.delenv(settings.FWD_ALGO_MODE.name)
-    after_unsetting = settings.generation()
-    assert after_unsetting not in (before, after_setting)
+    assert settings.selection_state() == before  # the values select as before
     settings.changed()
-    assert settings.generation() != after_unsetting
+    assert settings.selection_state() not in (before, after_setting)

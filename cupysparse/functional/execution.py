@@ -7,7 +7,7 @@ adapters bring theirs (`cupysparse.adapters.torch.bridge`). A call then:
 
 1. finds the layer's launch plan: what the call's signature (its arrays' shapes, dtype and device and
    its algorithm argument) selected over this kernel map the first time, remembered on the map until
-   a setting a selection depends on changes (`settings.generation()`). A selection asks the tuner
+   a setting a selection depends on changes (`settings.selection_state()`). A selection asks the tuner
    (which measures the candidates on the call's own data the first time it meets the problem, and
    remembers its choice for every map of the problem's size bucket) and the selected algorithm for its
    launch plan (`Algorithm.forward_plan` / `backward_plan`); a new map of a known signature (the next
@@ -248,12 +248,12 @@ def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kern
     call = (phase, argument, features.dtype, features.shape, weight.shape, device)
     if grad_output is not None:
         call += (grad_output.shape,)
-    generation = settings.generation()
+    state = (settings.changes, *settings.selection_values())  # `settings.selection_state()`, without a call
     remembered = kernel_map.plans.get(call)
-    if remembered is not None and remembered[0] == generation:
+    if remembered is not None and remembered[0] == state:
         return remembered[1]
     plan = _selected_plan(arrays, phase, argument, features, weight, kernel_map, grad_output)
-    kernel_map.plans[call] = (generation, plan)
+    kernel_map.plans[call] = (state, plan)
     return plan
 
 

@@ -117,13 +117,13 @@ def test_the_agreement_check_allows_tf32_rounding_only_for_tf32_problems():
     assert "differs" in measuring.disagreement(reference + np.float32(0.1), reference, np.float32, tf32=True)
 
 
-def test_the_settings_generation_moves_with_the_precision():
+def test_the_selection_state_moves_with_the_precision():
     """Plans kept on kernel maps select again when the precision is set in code, either way."""
-    exact = settings.generation()
+    exact = settings.selection_state()
     with precision.fp32_precision("tf32"):
-        in_tf32 = settings.generation()
+        in_tf32 = settings.selection_state()
         assert in_tf32 != exact
-    assert settings.generation() not in (exact, in_tf32)
+    assert settings.selection_state() not in (exact, in_tf32)
 
 
 def test_the_default_tf32_configuration_fits_every_sm80_gpu():

@@ -457,16 +457,16 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
     assert {algorithm.name for algorithm, _ in pool} == {"wmma_implicit_gemm", "mma_implicit_gemm", *joined}
 
 
-def test_the_settings_generation_moves_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
+def test_the_selection_state_moves_when_choices_are_forgotten_or_tuning_is_switched(monkeypatch):
     """What the plans kept on kernel maps are checked against."""
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "1")
-    before = settings.generation()
-    assert settings.generation() == before
+    before = settings.selection_state()
+    assert settings.selection_state() == before
     tuner_module.default_tuner().forget_choices()
-    after_forgetting = settings.generation()
+    after_forgetting = settings.selection_state()
     assert after_forgetting != before
     monkeypatch.setenv("CUPYSPARSE_AUTOTUNE", "0")
-    assert settings.generation() not in (before, after_forgetting)
+    assert settings.selection_state() not in (before, after_forgetting)
 
 
 def test_the_agreement_check_allows_rounding_in_the_subnormal_range_and_nothing_more():
