@@ -56,7 +56,7 @@ def _table_key(table: torch.Tensor) -> tuple[str, int]:
 def _kernel_map(table: torch.Tensor) -> KernelMap:
     kernel_map = _maps_by_table.get(_table_key(table))
     if kernel_map is None:
-        raise ValueError("this pair table belongs to no live kernel map; pass tables from ops.pair_table(kernel_map)")
+        raise ValueError("this pair table belongs to no live kernel map; pass tables from functional.pair_table(kernel_map)")
     return kernel_map
 
 
