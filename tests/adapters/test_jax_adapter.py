@@ -17,16 +17,17 @@ import math
 import os
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 
-from cupysparse.functional import convolution as functional
-from cupysparse.adapters import jax as cj
-from cupysparse.geometry.kernel_map import KernelMap
-from tolerances import assert_close
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+from cupysparse.adapters import jax as cj  # noqa: E402
+from cupysparse.functional import convolution as functional  # noqa: E402
+from cupysparse.geometry.kernel_map import KernelMap  # noqa: E402
+from tolerances import assert_close  # noqa: E402
 
 # The GPU tests share the GPU between JAX and CuPy: keep JAX from preallocating most of it. JAX
 # reads this when it first touches a device, not at import; a value already set wins.
