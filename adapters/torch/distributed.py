@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cupysparse.tuning import agreement as tuning_agreement
+from cupysparse.tuning import agreement
 
 from cupysparse.adapters.torch.modules import SparseBatchNorm
 from cupysparse.adapters.torch.tensor import SparseTensor
@@ -197,7 +197,7 @@ def share_tuning(group=None) -> int:
     `cupysparse.tuning.agreement`). Call it after a step in which each rank tuned on its own, e.g.
     a warm-up step under `DistributedDataParallel.no_sync()`. Returns how many cache entries this
     rank took from others. With NCCL, `torch.cuda.set_device(local_rank)` must come first."""
-    entries = tuning_agreement.local_entries()
+    entries = agreement.local_entries()
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, entries, group=group)
-    return tuning_agreement.adopt(gathered)
+    return agreement.adopt(gathered)

@@ -3,7 +3,7 @@
 A `KernelMap` holds the pair table `[K, N_out]` (input row, or -1 when offset k of output row i
 has no input) and derives on demand the per-offset CSR lists, the per-row offset bitmask and the
 mask-sorted row order. The builders below work on NumPy (CPU reference) or CuPy (GPU) coordinates
-alike; only the coordinate index (`coordinate_index`) and the bitmask differ per backend.
+alike; only the coordinate index (`hashing`) and the bitmask differ per backend.
 
 Conventions, with coordinates in units of each tensor's own stride and `o_k` the k-th kernel
 offset (`coords.kernel_offsets`):
@@ -506,7 +506,7 @@ def _geometry(coords, kernel_size, stride, dilation):
 
 
 def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
-    """Output = input coordinates. `index` reuses a `coordinate_index.build_index(in_coords)`."""
+    """Output = input coordinates. `index` reuses a `hashing.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
     if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
         rows = array_module(in_coords).arange(in_coords.shape[0], dtype=np.int32)

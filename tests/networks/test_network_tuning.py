@@ -1,4 +1,4 @@
-"""`network_tuning.tune_network` on the CPU: it meets the problems a training step of the torch network
+"""`networks.tuning.tune_network` on the CPU: it meets the problems a training step of the torch network
 meets on the same scene, and leaves the default tuner's cache alone."""
 
 import pytest
