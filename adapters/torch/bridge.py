@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import warnings
 import weakref
 
@@ -178,8 +179,8 @@ class TorchArrays(Arrays):
     def empty_float32(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32, device=like.device)
 
-    def address(self, array: torch.Tensor) -> int:
-        return array.data_ptr()
+    # A C-level call, not a method: it costs no Python frame on the hot path.
+    address = operator.methodcaller("data_ptr")
 
     def stream(self, like: torch.Tensor) -> int:
         return torch._C._cuda_getCurrentRawStream(like.device.index)  # a CUDA tensor's index is never None
