@@ -22,6 +22,7 @@ from cupysparse.algorithms import CONV, DEPTHWISE, ConvProblem, registered
 from cupysparse.cuda import compile as kernel_compile
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 from cupysparse.tuning import shipped as shipped_cache
+from cupysparse.tuning import measurement as measuring
 from cupysparse.tuning import tuner as tuner_module
 from cupysparse.tuning.cache_file import BenchmarkCache, default_cache, open_for_reading
 from cupysparse.tuning.search_space import AlgorithmFilter, candidates
@@ -95,8 +96,8 @@ def measurable(monkeypatch):
         timed.append(last_run[0])
         return [float(len(timed))] * repeats
 
-    monkeypatch.setattr(tuner_module, "candidate_times_ms", samples)
-    monkeypatch.setattr(tuner_module, "QueuedTimer", lambda: None)
+    monkeypatch.setattr(measuring, "candidate_times_ms", samples)
+    monkeypatch.setattr(measuring, "QueuedTimer", lambda: None)
     monkeypatch.setattr(tuner_module, "prepare_kernels", lambda pool, phase, problem: None)
     monkeypatch.setattr(tuner_module, "_is_capturing", lambda problem: False)
     return run, timed
