@@ -18,8 +18,8 @@
 #include <mma.h>
 
 #include "float_conversion.cuh"
+#include "forward_tile.cuh"
 #include "gather_tiles.cuh"
-#include "wgrad_sum.cuh"
 
 namespace wmma = nvcuda::wmma;
 
@@ -63,7 +63,7 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // BLOCK_K. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is its own
 // reverse with the offsets flipped (a submanifold map), without a reversed table.
 // The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
-// (wgrad_sum.cuh).
+// (forward_tile_or_wgrad_sum).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
@@ -100,25 +100,20 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   __shared__ unsigned warp_offset_masks[WARPS];
   float* c_tile = reinterpret_cast<float*>(shared);
 
-  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
   static_assert(SHARED_BYTES >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the operand buffers");
-  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
-  if ((int)blockIdx.x >= tiles) {
-    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
-                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles, c_tile);
+  long long row_base;
+  int col_base;
+  if (!forward_tile_or_wgrad_sum<T, BLOCK_M, BLOCK_N, THREADS>(num_out, in_channels, in_channels_padded, out_channels,
+                                                               out_channels_padded, wgrad_workspace, grad_weight,
+                                                               wgrad_slot_starts, wgrad_slot_groups, c_tile,
+                                                               row_base, col_base))
     return;
-  }
-  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
-  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_TILE;
   const int warp_col = (warp % WARPS_N) * WARP_TILE;
   const int active_col_fragments = fragments_inside(out_channels_padded, col_base + warp_col);
 
-  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
-    const long long row = row_base + m;
-    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
-  }
+  read_tile_rows<BLOCK_M, THREADS>(row_order, row_base, num_out, out_rows);
 
   Fragment acc[WARP_FRAGMENTS][WARP_FRAGMENTS];
 #pragma unroll
