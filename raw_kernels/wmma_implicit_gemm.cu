@@ -5,7 +5,7 @@
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
 // offset's compact pair list, fp32 partials into a workspace summed in a fixed order by the dgrad launch
-// or, where dgrad is not wanted, a kernel of its own (wgrad_sum.cuh).
+// or, where dgrad is not wanted, a kernel of its own (wgrad_sum.cu).
 //
 // STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
 // copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
@@ -355,19 +355,4 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
       wmma::store_matrix_sync(partial + row * out_channels_padded + col, acc[i][j], out_channels_padded,
                               wmma::mem_row_major);
     }
-}
-
-// The sum of wgrad's partials where only the weight gradient is wanted (wgrad_sum.cuh): block (x, k) sums
-// block x of offset k's elements.
-constexpr int SUM_THREADS = 256;
-
-template <typename T>
-__global__ void __launch_bounds__(SUM_THREADS)
-    wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight,
-                            const int* __restrict__ slot_starts, int in_channels, int in_channels_padded,
-                            int out_channels, int out_channels_padded, int slot_groups) {
-  __shared__ float group_sums[SUM_THREADS];
-  const WgradSum sum{workspace,    slot_starts,         in_channels, in_channels_padded,
-                     out_channels, out_channels_padded, slot_groups};
-  sum_wgrad_partials<T, SUM_THREADS>(sum, grad_weight, blockIdx.y, blockIdx.x, group_sums);
 }

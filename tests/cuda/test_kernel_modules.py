@@ -141,7 +141,10 @@ def test_the_split_families_declare_every_instantiation_once():
     fp16 = wmma_module._SOURCES[FLOAT16].name_expressions
     assert sum(e.startswith("wmma_conv_forward") and e.endswith("false>") for e in fp16) == 24
     assert sum(e.startswith("wmma_conv_forward") and e.endswith("true>") for e in fp16) == 16
-    assert sum(e.startswith("wmma_conv_wgrad") for e in fp16) == 12 and "wmma_sum_wgrad_partials<__half>" in fp16
+    assert sum(e.startswith("wmma_conv_wgrad") for e in fp16) == 12 and len(fp16) == 24 + 16 + 12
+    sums = [wmma_module._sum_source(dtype) for dtype in (FLOAT16, BFLOAT16, FLOAT32)]
+    assert [(source.filename, source.name_expressions) for source in sums] == [
+        ("wgrad_sum.cu", (f"wgrad_sum<{type_name}>",)) for type_name in ("__half", "__nv_bfloat16", "float")]
     assert len(mma_module._SOURCES[FLOAT16].sources) == 6 * 3 + 6 + 9  # forward: 6 tiles x 3 depths; dgrad; wgrad
 
 
@@ -198,5 +201,5 @@ def test_a_backward_of_both_gradients_is_two_launches_the_wgrad_gemm_then_dgrad_
 
         (dgrad,) = kernels(_BOTH[0], 0)
         gemm, wgrad_sum = kernels(0, _BOTH[1])
-        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wmma_sum_wgrad_partials"
+        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wgrad_sum"
         assert kernels(*_BOTH) == [gemm, dgrad], (dtype, channels)

@@ -333,11 +333,12 @@ def test_the_kernel_modules_a_gpu_grid_needs_follow_backend_and_dtype():
                         " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
                        for source in harness.kernel_sources_needed(backends, problems)})
 
-    # auto in fp16 on sm_90: tensor cores only (the three kernels, wgmma's where NVRTC compiles sm_90a);
-    # the fp16 modules, not the bf16 ones.
+    # auto in fp16 on sm_90: tensor cores only (the three kernels, wgmma's where NVRTC compiles sm_90a, and
+    # their wgrad sum); the fp16 modules, not the bf16 ones.
     wgmma = [("wgmma_implicit_gemm.cu", True, False)] if nvrtc_knows("sm_90a") else []
     assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [
-        ("mma_implicit_gemm.cu", True, False), *wgmma, ("wmma_implicit_gemm.cu", True, False)
+        ("mma_implicit_gemm.cu", True, False), *wgmma, ("wgrad_sum.cu", True, False),
+        ("wmma_implicit_gemm.cu", True, False),
     ]
     # auto in fp32 on a narrow layer: SIMT implicit GEMM (the module of fp32 and fp16); wide: cuBLAS, no module.
     assert needed(["auto"], [problem(np.float32, 32)]) == [("implicit_gemm.cu", True, False)]

@@ -227,7 +227,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 @register
 class MmaImplicitGemm(WmmaImplicitGemm):
     name = "mma_implicit_gemm"
-    kernel_sources = ("mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    kernel_sources = ("mma_implicit_gemm.cu", "wgrad_sum.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "mma_implicit_gemm_sm80",
         "backward": "mma_implicit_gemm_backward_sm80",

@@ -187,7 +187,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 @register
 class WgmmaImplicitGemm(MmaImplicitGemm):
     name = "wgmma_implicit_gemm"
-    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wgrad_sum.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wgmma_implicit_gemm_sm90a",
         "backward": "wgmma_implicit_gemm_backward_sm90a",

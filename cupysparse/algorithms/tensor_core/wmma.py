@@ -57,8 +57,8 @@ MIN_WORKSPACE_CAP_BYTES = 128 * 2**20
 WORKSPACE_OPERAND_FRACTION = 8
 # wgrad's blocks go round-major past this many times the L2 cache of operands (WgradPlan.round_major).
 ROUND_MAJOR_L2_MULTIPLE = 2
-# Threads of a block of the wgrad sum, and at most how many of them share an element (the sum of an
-# offset's shares, raw_kernels/wgrad_sum.cuh). With one thread per element, 100K voxels x 32
+# Threads of a block of the wgrad sum (SUM_THREADS in raw_kernels/wgrad_sum.cu), and at most how many of
+# them share an element (the sum of an offset's shares, raw_kernels/wgrad_sum.cuh). With one thread per element, 100K voxels x 32
 # channels (27,648 elements) summed their 157 shares an offset in 52 us, against 45 for the GEMM; 8 threads
 # an element took 13 (H100).
 SUM_THREADS = 256
@@ -107,7 +107,7 @@ def _wgrad_kernel_name(type_name: str, tile: tuple[int, int], stages: int) -> st
 
 
 def _sum_kernel_name(type_name: str) -> str:
-    return f"wmma_sum_wgrad_partials<{type_name}>"
+    return f"wgrad_sum<{type_name}>"
 
 
 def _block_k(in_padded: int) -> int:
@@ -135,19 +135,20 @@ def _kernel_family(dtype) -> KernelFamily:
         for stages in (WGRAD_STAGES, SYNCHRONOUS_STAGES)
     )
     # One module per kernel: a layer's tuning launches a few of them, which then compile side by side.
-    names = (*forward, *dgrad, *wgrad, _sum_kernel_name(type_name))
-    return KernelFamily("wmma_implicit_gemm.cu", ((name,) for name in names))
+    return KernelFamily("wmma_implicit_gemm.cu", ((name,) for name in (*forward, *dgrad, *wgrad)))
 
 
 # Sources per dtype: the bf16 fragments exist from sm_80 on, and nothing bf16 may be compiled for an
 # sm_7x GPU running fp16.
 _SOURCES = {dtype: _kernel_family(dtype) for dtype in (FLOAT16, BFLOAT16) if dtype is not None}
-# The sum of wgrad's partials, for every dtype a wgrad plan runs (mma_implicit_gemm's TF32 too).
-_SUM_SOURCES = {**_SOURCES, FLOAT32: KernelFamily("wmma_implicit_gemm.cu", [(_sum_kernel_name("float"),)])}
+# The sum of wgrad's partials, one module per dtype a wgrad plan runs (mma_implicit_gemm's TF32 too; bf16's
+# compiled on sm_80+ only).
+_SUM_SOURCES = {dtype: KernelSource("wgrad_sum.cu", (_sum_kernel_name(cuda_type_name(dtype)),))
+                for dtype in (FLOAT16, BFLOAT16, FLOAT32) if dtype is not None}
 
 
 def _sum_source(dtype) -> KernelSource:
-    return _SUM_SOURCES[dtype].source_of(_sum_kernel_name(cuda_type_name(dtype)))
+    return _SUM_SOURCES[dtype]
 
 
 class PaddedWeight:
@@ -579,7 +580,7 @@ def wgrad_plan(device: int, dtype, kernel_volume: int, in_channels: int, out_cha
 @register
 class WmmaImplicitGemm(Algorithm):
     name = "wmma_implicit_gemm"
-    kernel_sources = ("wmma_implicit_gemm.cu",)
+    kernel_sources = ("wmma_implicit_gemm.cu", "wgrad_sum.cu")
     feature_dtypes: ClassVar[tuple] = tuple(_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wmma_implicit_gemm_sm80",
