@@ -72,7 +72,8 @@ from cupysparse.cuda import backend
 from cupysparse.cuda import compile
 from cupysparse.tuning.search_space import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
-from cupysparse.algorithms.tensor_core.wmma import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
+from cupysparse.algorithms.tensor_core.common import MIN_PAIRS_PER_SHARE, padded_channels
+from cupysparse.algorithms.tensor_core.wmma import WARP_TILE
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
 from cupysparse.functional.convolution import backward_runner, conv_backward, conv_forward, forward_runner
 from cupysparse.geometry.kernel_map import KernelMapCache
