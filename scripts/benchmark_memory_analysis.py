@@ -36,8 +36,9 @@ width) as a configuration that ran out of memory for the same backend, phase, sc
 Memory: the peak bytes one call allocates (torch's allocator with CuPy routed through it when torch
 sees the GPU, else a CuPy allocator hook; tracemalloc on the CPU, which sees NumPy but not torch)
 plus what the call reads that already lives in memory (inputs, weight, kernel map: their exact
-sizes). `memory_breakdown.csv` sets the measured peak next to a formula estimate of features,
-outputs, weights, kernel map and workspace.
+sizes). `memory_breakdown.csv` sets the measured peak next to an estimate of features, outputs,
+weights, kernel map and workspace (the temporary bytes of the chosen algorithm,
+`Algorithm.transient_bytes`).
 
 Files in `--output-dir`: `benchmark_full.csv` (a row per configuration × backend × phase),
 `memory_breakdown.csv`, `heatmap_data.json` (status, time and memory per voxel count × channel
@@ -72,9 +73,7 @@ from cupysparse.cuda import backend
 from cupysparse.cuda import compile
 from cupysparse.tuning.search_space import AUTO, parse_algorithm_filter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
-from cupysparse.algorithms.tensor_core.common import MIN_PAIRS_PER_SHARE, padded_channels
-from cupysparse.algorithms.tensor_core.wmma import WARP_TILE
-from cupysparse.cuda.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
+from cupysparse.cuda.dtypes import FLOAT32, accumulation_dtype, as_feature_dtype, short_name
 from cupysparse.functional.convolution import backward_runner, conv_backward, conv_forward, forward_runner
 from cupysparse.geometry.kernel_map import KernelMapCache
 from cupysparse.cuda.precision import IEEE, TF32, fp32_precision
@@ -370,16 +369,14 @@ class LayerArrays:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The sizes the memory formulas need."""
+    """The sizes of a layer's arrays."""
 
     num_in: int
     num_out: int
     in_channels: int
     out_channels: int
     kernel_volume: int
-    max_offset_pairs: int
     dtype: np.dtype
-    device: str
 
     @property
     def itemsize(self) -> int:
@@ -397,76 +394,10 @@ class LayerShape:
         return elements * self.itemsize
 
 
-def _multiprocessors(device: str) -> int:
-    if device != "cuda":
-        return 1
-    runtime = backend.cupy_module().cuda.runtime
-    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, 0))
-
-
-def _explicit_gemm_workspace(shape: LayerShape, phase: str) -> int:
-    """Accumulator and cast copies in the accumulation dtype, plus the busiest offset's gathered rows
-    and product (GEMMs in the input dtype on the GPU, except bf16; in the accumulation dtype on the CPU)."""
-    wide = accumulation_dtype(shape.dtype).itemsize
-    gemm = shape.itemsize if shape.device == "cuda" and shape.dtype != BFLOAT16 else wide
-    cast = wide if gemm != shape.itemsize else 0
-    total = 0
-    if phase in ("forward", "both"):
-        total = max(total, shape.num_out * shape.out_channels * wide
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
-                    + shape.num_in * shape.in_channels * cast)
-    if phase in ("dgrad", "backward", "both"):
-        total = max(total, shape.num_in * shape.in_channels * wide
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
-                    + shape.num_out * shape.out_channels * cast)
-    if phase in ("wgrad", "backward", "both"):  # its GEMMs run in the accumulation dtype everywhere
-        inputs_cast = wide if shape.itemsize != wide else 0
-        total = max(total, shape.kernel_volume * shape.in_channels * shape.out_channels * wide
-                    + (shape.num_in * shape.in_channels + shape.num_out * shape.out_channels) * inputs_cast
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * wide)
-    return total
-
-
-def _implicit_gemm_workspace(shape: LayerShape, phase: str, params: dict) -> int:
-    """wgrad's fp32 split-K partials and their sum."""
-    if phase in ("forward", "dgrad"):
-        return 0
-    split = params.get("split_k_factor", 1)
-    return (split + 1) * shape.kernel_volume * shape.in_channels * shape.out_channels * 4
-
-
-def _tensor_core_workspace(shape: LayerShape, phase: str, params: dict) -> int:
-    """wmma_implicit_gemm and mma_implicit_gemm: the padded weight made per call by forward and by
-    dgrad, and wgrad's fp32 partials: about `wgrad_warps_per_sm` warps per SM over the offsets' 32x32
-    warp tiles, at least 256 pairs each."""
-    in_padded, out_padded = padded_channels(shape.in_channels), padded_channels(shape.out_channels)
-    padded_weight = shape.kernel_volume * in_padded * out_padded * shape.itemsize
-    total = 0
-    if phase in ("forward", "both"):
-        total += padded_weight
-    if phase in ("dgrad", "backward", "both"):
-        total += padded_weight
-    if phase in ("wgrad", "backward", "both"):
-        warp_tiles = shape.kernel_volume * -(-in_padded // WARP_TILE) * -(-out_padded // WARP_TILE)
-        wanted = params.get("wgrad_warps_per_sm", 32) * _multiprocessors(shape.device)
-        shares = max(1, min(-(-wanted // warp_tiles), -(-shape.num_out // MIN_PAIRS_PER_SHARE)))
-        total += shares * shape.kernel_volume * in_padded * out_padded * 4
-    return total
-
-
-def workspace_bytes(algorithm_name: str, shape: LayerShape, phase: str, params: dict) -> int:
-    """Estimated temporary bytes of one call of `phase` by `algorithm_name` (formulas above)."""
-    if algorithm_name == "explicit_gemm":
-        return _explicit_gemm_workspace(shape, phase)
-    if algorithm_name == "implicit_gemm":
-        return _implicit_gemm_workspace(shape, phase, params)
-    if algorithm_name in ("wmma_implicit_gemm", "mma_implicit_gemm"):
-        return _tensor_core_workspace(shape, phase, params)
-    return 0
-
-
 @dataclass
 class MemoryEstimate:
+    """The bytes one call holds: what it reads and writes, its weights and kernel map, and its temporaries."""
+
     features: int
     output: int
     weights: int
@@ -576,7 +507,8 @@ class OursRunner:
         for tuning_phase in TUNING_PHASES[phase]:
             chosen = self._predicted(tuning_phase)
             part = tuning_phase if phase == "both" else phase
-            workspace = max(workspace, workspace_bytes(chosen.algorithm.name, self.shape, part, chosen.params))
+            workspace = max(workspace, chosen.algorithm.transient_bytes(self.layer.problem, part, chosen.params,
+                                                                        self.case.max_offset_pairs))
         weights = self.shape.bytes_of("weight")
         return sparse_estimate(self.shape, phase, weights, self.case.nbytes, workspace)
 
@@ -738,7 +670,7 @@ class DenseTorchRunner:
         out_cells = self.config.batch_size * math.prod(
             (size - self.config.kernel_size) // self.config.stride + 1 for size in self.grid_shape)
         return LayerShape(self.cells, out_cells, self.config.in_channels, self.config.out_channels,
-                          self.shape.kernel_volume, 0, self.shape.dtype, self.device)
+                          self.shape.kernel_volume, self.shape.dtype)
 
     def resident_bytes(self, phase: str) -> int:
         shape = self._dense_shape()
@@ -809,7 +741,7 @@ class Harness:
     def runners(self, config: Configuration, coordinates_numpy, layer: LayerArrays, case: MapCase):
         kernel_map = case.kernel_map
         shape = LayerShape(kernel_map.num_in, kernel_map.num_out, config.in_channels, config.out_channels,
-                           kernel_map.kernel_volume, case.max_offset_pairs, config.feature_dtype, self.device)
+                           kernel_map.kernel_volume, config.feature_dtype)
         torch_gpu = torch_cuda() if self.device == "cuda" else None
         for name in self.args.backends:
             if name == SPCONV:

@@ -481,6 +481,27 @@ def fp32_as_tf32_unsupported_reason(algorithm, problem: ConvProblem) -> str | No
     return None
 
 
+def padded_weight_and_partials_bytes(problem: ConvProblem, phase: str, params: dict) -> int:
+    """What a tensor-core call allocates beyond its operands: the padded weight made per call by forward
+    and by dgrad, and wgrad's fp32 partials: about `wgrad_warps_per_sm` warps per SM over the offsets'
+    32 x 32 warp tiles, at least MIN_PAIRS_PER_SHARE pairs each (`Algorithm.transient_bytes`)."""
+    in_padded, out_padded = padded_channels(problem.in_channels), padded_channels(problem.out_channels)
+    padded_weight = problem.kernel_volume * in_padded * out_padded * problem.dtype.itemsize
+    total = 0
+    if phase == "forward":
+        total += padded_weight
+    if phase in ("dgrad", "backward"):
+        total += padded_weight
+    if phase in ("wgrad", "backward"):
+        warp_tile = 32
+        warp_tiles = problem.kernel_volume * -(-in_padded // warp_tile) * -(-out_padded // warp_tile)
+        sms = multiprocessors(current_device()) if problem.device == "cuda" else 1
+        wanted = params.get("wgrad_warps_per_sm", WGRAD_WARPS_PER_SM[0]) * sms
+        shares = max(1, min(-(-wanted // warp_tiles), -(-problem.num_out // MIN_PAIRS_PER_SHARE)))
+        total += shares * problem.kernel_volume * in_padded * out_padded * 4
+    return total
+
+
 class TensorCoreImplicitGemm(Algorithm):
     """The base of the tensor-core algorithms: the entry points, launch plans and declared modules of the
     dataflow above, over the kernels a subclass names. A subclass sets `name`, `kernel_sources`,

@@ -25,6 +25,7 @@ from cupysparse.algorithms.tensor_core.common import (
     WgradPlan,
     forward_arguments,
     fp32_as_tf32_unsupported_reason,
+    padded_weight_and_partials_bytes,
 )
 
 STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32
@@ -183,3 +184,6 @@ class MmaImplicitGemm(TensorCoreImplicitGemm):
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         return MmaWgradPlan
+
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        return padded_weight_and_partials_bytes(problem, phase, params)

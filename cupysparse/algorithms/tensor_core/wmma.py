@@ -29,6 +29,7 @@ from cupysparse.algorithms.tensor_core.common import (
     current_stream,
     forward_map_values,
     padded_channels,
+    padded_weight_and_partials_bytes,
     with_wgrad_sum,
 )
 
@@ -256,3 +257,6 @@ class WmmaImplicitGemm(TensorCoreImplicitGemm):
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         return WmmaWgradPlan
+
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        return padded_weight_and_partials_bytes(problem, phase, params)
