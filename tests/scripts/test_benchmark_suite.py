@@ -19,6 +19,7 @@ from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.data.scenes import make_scene
 from cupysparse.scripts import analyze_benchmarks as analysis
 from cupysparse.scripts import benchmark_memory_analysis as harness
+from cupysparse.scripts import memory_analysis_backends
 from cupysparse.scripts.benchmarking import interleaved_samples_ms
 from cupysparse.geometry.sparse_tensor import SparseTensor
 
@@ -357,7 +358,7 @@ def test_the_dense_torch_baseline_computes_our_convolution(kernel_size, stride):
     result = SparseTensor(coordinates, features).kernel_map(kernel_size, stride)
     ours = get_algorithm("explicit_gemm").forward(features, weight, result.kernel_map)
     config = harness.Configuration("outdoor", 1, 1000, 4, 5, kernel_size, stride, "fp64")
-    dense = harness.DenseTorchLayer(torch, coordinates, features, weight, config, "cpu")
+    dense = memory_analysis_backends.DenseTorchLayer(torch, coordinates, features, weight, config, "cpu")
     theirs = dense.output_rows(dense.forward(), result.out_coordinates).numpy()
     np.testing.assert_allclose(theirs, ours, rtol=1e-10, atol=1e-10)
 
