@@ -1,6 +1,6 @@
-// Shared pieces of the gather-GEMM kernels (wmma_implicit_gemm.cu, mma_implicit_gemm.cu): asynchronous
-// copies into shared memory, staging a tile of gathered rows, and reading a tile's pair-table entries
-// for a batch of offsets.
+// Shared pieces of the gather-GEMM kernels (wmma_implicit_gemm.cu, mma_implicit_gemm.cu,
+// wgmma_implicit_gemm.cu): asynchronous copies into shared memory, staging a tile of gathered rows, and
+// reading a tile's pair-table entries for a batch of offsets.
 #pragma once
 #include "float_conversion.cuh"
 
@@ -18,6 +18,13 @@ constexpr int MAX_OFFSET_BATCH = 32;
 constexpr int ROW_TABLE_LIMIT = 16 * 1024;
 
 __host__ __device__ constexpr int smaller(int a, int b) { return a < b ? a : b; }
+
+// The dynamic shared memory this block was launched with: kernels that size it by a layout check it.
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
 
 // Copies 16 bytes from global `src` to shared `dst`, or writes 16 zero bytes when !valid (`src` is then
 // not read). On sm_80+ the copy is asynchronous (cp.async, L2 only): it lands after the wait_async_copies

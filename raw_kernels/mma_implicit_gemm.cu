@@ -19,8 +19,8 @@
 // works.
 // Shared memory is dynamic, sized by the host with the same formula as `shared_bytes` below.
 #include "float_conversion.cuh"
+#include "forward_tile.cuh"
 #include "gather_tiles.cuh"
-#include "wgrad_sum.cuh"
 
 constexpr int MMA_M = 16, MMA_N = 8;
 // The k of one mma: 16 for 16-bit operands, 8 for TF32. An 8 x 8 matrix of ldmatrix is 8 rows of 16
@@ -93,12 +93,6 @@ __device__ __forceinline__ void load_matrices(unsigned (&r)[4], const void* shar
   }
 }
 
-__device__ __forceinline__ unsigned dynamic_shared_bytes() {
-  unsigned bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
-  return bytes;
-}
-
 // Per stage: the gathered feature tile [BLOCK_M][BLOCK_K + pad], then the weight tile as it lies in
 // memory, [BLOCK_K][BLOCK_N + pad] or transposed [BLOCK_N][BLOCK_K + pad]; after the stages, the pair-table
 // entries [OFFSET_BATCH][BLOCK_M], the output rows [BLOCK_M] and one mask word per warp. Rows that
@@ -124,7 +118,7 @@ struct ForwardSharedLayout {
 // out_channels]. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is
 // its own reverse with the offsets flipped (a submanifold map), without a reversed table.
 // The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
-// (wgrad_sum.cuh).
+// (forward_tile_or_wgrad_sum).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int WARPS_M, int WARPS_N, int STAGES,
           bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
@@ -150,24 +144,18 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   int* out_rows = reinterpret_cast<int*>(shared + Layout::OUT_ROWS);
   unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
 
-  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
   static_assert(Layout::IN_ROWS >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the stages");
-  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
-  if ((int)blockIdx.x >= tiles) {
-    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
-                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles,
-                                   reinterpret_cast<float*>(shared));
+  long long row_base;
+  int col_base;
+  if (!forward_tile_or_wgrad_sum<T, BLOCK_M, BLOCK_N, THREADS>(num_out, in_channels, in_channels_padded, out_channels,
+                                                               out_channels_padded, wgrad_workspace, grad_weight,
+                                                               wgrad_slot_starts, wgrad_slot_groups,
+                                                               reinterpret_cast<float*>(shared), row_base, col_base))
     return;
-  }
-  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
-  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_M, warp_col = (warp % WARPS_N) * WARP_N;
 
-  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
-    const long long row = row_base + m;
-    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
-  }
+  read_tile_rows<BLOCK_M, THREADS>(row_order, row_base, num_out, out_rows);
 
   float acc[TILES_M][TILES_N][4];
 #pragma unroll

@@ -3,16 +3,14 @@
 // runs in a fixed order, so results are deterministic without atomics.
 //
 // Pair tables are int32 [K, num_rows] (source row, or -1); features are row-major [rows, C].
-// fp16 and bf16 are 16-bit storage structs converted through PTX, so no CUDA header is needed;
-// the bf16 rounding instruction (cvt.rn.bf16.f32) needs sm_80, which is why the bf16
-// instantiations are compiled as a separate module.
+// The feature types are named after the dtypes' short names, as the host instantiates them; fp16 and bf16
+// convert through float_conversion.cuh. Their narrowing rounds to nearest even, as NumPy / ml_dtypes do
+// on the CPU. The bf16 instantiations are compiled as a module of their own, so that nothing bf16 is
+// compiled for a GPU older than sm_80.
+#include "float_conversion.cuh"
 
-struct fp16 {
-  unsigned short bits;
-};
-struct bf16 {
-  unsigned short bits;
-};
+using fp16 = __half;
+using bf16 = __nv_bfloat16;
 using fp32 = float;
 using fp64 = double;
 
@@ -29,27 +27,15 @@ template <typename T>
 using acc_t = typename Accumulator<T>::type;
 
 __device__ __forceinline__ double to_acc(double value) { return value; }
-__device__ __forceinline__ float to_acc(float value) { return value; }
-__device__ __forceinline__ float to_acc(fp16 value) {
-  float result;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(result) : "h"(value.bits));
-  return result;
+template <typename T>
+__device__ __forceinline__ float to_acc(T value) {
+  return to_float(value);
 }
-// bf16 is the upper half of an fp32: widening is a shift.
-__device__ __forceinline__ float to_acc(bf16 value) { return __uint_as_float(static_cast<unsigned int>(value.bits) << 16); }
 
-// Narrowing rounds to nearest even, as NumPy / ml_dtypes do on the CPU.
 __device__ __forceinline__ void store(double* target, double value) { *target = value; }
-__device__ __forceinline__ void store(float* target, float value) { *target = value; }
-__device__ __forceinline__ void store(fp16* target, float value) {
-  unsigned short bits;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  target->bits = bits;
-}
-__device__ __forceinline__ void store(bf16* target, float value) {
-  unsigned short bits;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  target->bits = bits;
+template <typename T>
+__device__ __forceinline__ void store(T* target, float value) {
+  *target = from_float<T>(value);
 }
 
 // a > b with NaN above every number, so a NaN in a window propagates (as in torch max pooling).
@@ -164,7 +150,7 @@ __global__ void avg_pool_backward(const T* __restrict__ grad, const int* __restr
 // cut into num_splits equal ranges, one block per (channel tile, split, batch). A block's threadIdx.x
 // is the channel within the tile (coalesced row reads), threadIdx.y one of the row lanes striding the
 // range; the lanes are combined in lane order, then the finish kernel combines the splits in order.
-// The block shape must match _GLOBAL_POOL_BLOCK in cupysparse/pooling.py.
+// The block shape must match _GLOBAL_POOL_BLOCK in cupysparse/functional/pooling.py.
 constexpr int kChannelTile = 32;
 constexpr int kRowLanes = 8;
 

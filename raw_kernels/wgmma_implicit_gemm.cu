@@ -38,8 +38,8 @@
 // Everything is compiled for sm_90a only (NVRTC -arch=sm_90a); for any other target the kernel is an empty
 // stub, and the host never launches it off compute capability 9.0.
 #include "float_conversion.cuh"
+#include "forward_tile.cuh"
 #include "gather_tiles.cuh"
-#include "wgrad_sum.cuh"
 
 constexpr int WARPGROUP_THREADS = 4 * WARP_SIZE;
 constexpr int WGMMA_M = 64;
@@ -228,12 +228,6 @@ WGMMA_ASYNC_TF32_A_IN_REGISTERS(128, "m64n256", "%128, %129, %130, %131", "%132"
 #undef WGMMA_ACCUMULATORS_64
 #undef WGMMA_ACCUMULATORS_128
 
-__device__ __forceinline__ unsigned dynamic_shared_bytes() {
-  unsigned bytes;
-  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
-  return bytes;
-}
-
 // Copies ROWS gathered rows (row r is matrix row `row_of(r)`, -1: zeros) of 128 bytes of columns from col0
 // of a row-major matrix with `num_cols` columns into 128-byte swizzled rows at `dst` (columns at or past
 // `num_cols` zero). VECTOR_COPIES moves 16 bytes at once (asynchronously) and needs rows of whole 16-byte
@@ -404,8 +398,8 @@ __device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 
 // takes weight K-1-k (dgrad over a mirror-symmetric map, see dgrad_operands). A step stages one 128-byte
 // channel chunk of one offset: every chunk of an offset before the next offset, or with CHUNK_MAJOR one
 // chunk of every offset of the batch before the next chunk (faster for 256-column tiles, see
-// CHUNK_MAJOR_COLUMNS in wgmma_implicit_gemm.py). The blocks past the tiles (a dgrad launch's, none in a
-// forward) sum wgrad's partials instead (wgrad_sum.cuh).
+// CHUNK_MAJOR_COLUMNS in cupysparse/algorithms/tensor_core/wgmma.py). The blocks past the tiles (a dgrad
+// launch's, none in a forward) sum wgrad's partials instead (forward_tile_or_wgrad_sum).
 template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED, bool CHUNK_MAJOR>
 __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
@@ -427,24 +421,18 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
   int* out_rows = reinterpret_cast<int*>(shared + Layout::OUT_ROWS);
   unsigned* warp_masks = reinterpret_cast<unsigned*>(shared + Layout::MASKS);
 
-  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
   static_assert(Layout::IN_ROWS >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the stages");
-  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
-  if ((int)blockIdx.x >= tiles) {
-    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
-                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles,
-                                   reinterpret_cast<float*>(shared));
+  long long row_base;
+  int col_base;
+  if (!forward_tile_or_wgrad_sum<T, BLOCK_M, BLOCK_N, THREADS>(num_out, in_channels, in_channels_padded, out_channels,
+                                                               out_channels_padded, wgrad_workspace, grad_weight,
+                                                               wgrad_slot_starts, wgrad_slot_groups,
+                                                               reinterpret_cast<float*>(shared), row_base, col_base))
     return;
-  }
-  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
-  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
   const int warpgroup = threadIdx.x / WARPGROUP_THREADS;
 
-  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
-    const long long row = row_base + m;
-    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
-  }
+  read_tile_rows<BLOCK_M, THREADS>(row_order, row_base, num_out, out_rows);
 
   float acc[BLOCK_N / 2];
 #pragma unroll

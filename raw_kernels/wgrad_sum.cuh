@@ -1,7 +1,7 @@
 // The sum of the split-K wgrad's fp32 partials into the weight gradient: a kernel of its own
-// (wmma_sum_wgrad_partials) where only the weight gradient is wanted, else the last blocks of the dgrad
-// launch (the forward kernels' `sum_wgrad_in_dgrad`), which runs after the wgrad GEMM: the backward is
-// then two launches.
+// (wgrad_sum.cu) where only the weight gradient is wanted, else the last blocks of the dgrad launch (the
+// forward kernels' `sum_wgrad_in_dgrad`, from forward_tile.cuh), which runs after the wgrad GEMM: the
+// backward is then two launches.
 //
 // grad_weight [kernel_volume, in_channels, out_channels] = for each offset k, the sum of its shares'
 // partials, slots slot_starts[k] .. slot_starts[k + 1] - 1 of the wgrad workspace [slots,

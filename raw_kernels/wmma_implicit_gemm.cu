@@ -5,7 +5,7 @@
 // output-stationary, each block owns BLOCK_M output rows x BLOCK_N output channels and writes every
 // element of it once (no atomics, deterministic). Weight gradient: per offset, split-K over that
 // offset's compact pair list, fp32 partials into a workspace summed in a fixed order by the dgrad launch
-// or, where dgrad is not wanted, a kernel of its own (wgrad_sum.cuh).
+// or, where dgrad is not wanted, a kernel of its own (wgrad_sum.cu).
 //
 // STAGES >= 2 kernels move 16-byte vectors through a STAGES-deep cp.async pipeline (sm_80+; plain
 // copies before, same results) and need the feature / gradient channel counts to be multiples of 8 and
@@ -18,8 +18,8 @@
 #include <mma.h>
 
 #include "float_conversion.cuh"
+#include "forward_tile.cuh"
 #include "gather_tiles.cuh"
-#include "wgrad_sum.cuh"
 
 namespace wmma = nvcuda::wmma;
 
@@ -63,7 +63,7 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // BLOCK_K. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is its own
 // reverse with the offsets flipped (a submanifold map), without a reversed table.
 // The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
-// (wgrad_sum.cuh).
+// (forward_tile_or_wgrad_sum).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
@@ -100,25 +100,20 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
   __shared__ unsigned warp_offset_masks[WARPS];
   float* c_tile = reinterpret_cast<float*>(shared);
 
-  const int col_tiles = (out_channels_padded + BLOCK_N - 1) / BLOCK_N;
   static_assert(SHARED_BYTES >= THREADS * (int)sizeof(float), "the wgrad sum's scratch fits the operand buffers");
-  const int tiles = (num_out + BLOCK_M - 1) / BLOCK_M * col_tiles;
-  if ((int)blockIdx.x >= tiles) {
-    sum_wgrad_in_dgrad<T, THREADS>(wgrad_workspace, grad_weight, wgrad_slot_starts, wgrad_slot_groups, in_channels,
-                                   in_channels_padded, out_channels, out_channels_padded, blockIdx.x - tiles, c_tile);
+  long long row_base;
+  int col_base;
+  if (!forward_tile_or_wgrad_sum<T, BLOCK_M, BLOCK_N, THREADS>(num_out, in_channels, in_channels_padded, out_channels,
+                                                               out_channels_padded, wgrad_workspace, grad_weight,
+                                                               wgrad_slot_starts, wgrad_slot_groups, c_tile,
+                                                               row_base, col_base))
     return;
-  }
-  const long long row_base = (long long)(blockIdx.x / col_tiles) * BLOCK_M;
-  const int col_base = (blockIdx.x % col_tiles) * BLOCK_N;
   const int warp = threadIdx.x / WARP_SIZE;
   const int warp_row = (warp / WARPS_N) * WARP_TILE;
   const int warp_col = (warp % WARPS_N) * WARP_TILE;
   const int active_col_fragments = fragments_inside(out_channels_padded, col_base + warp_col);
 
-  for (int m = threadIdx.x; m < BLOCK_M; m += THREADS) {
-    const long long row = row_base + m;
-    out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
-  }
+  read_tile_rows<BLOCK_M, THREADS>(row_order, row_base, num_out, out_rows);
 
   Fragment acc[WARP_FRAGMENTS][WARP_FRAGMENTS];
 #pragma unroll
@@ -360,19 +355,4 @@ __global__ void __launch_bounds__((TILE_M / WARP_TILE) * (TILE_N / WARP_TILE) * 
       wmma::store_matrix_sync(partial + row * out_channels_padded + col, acc[i][j], out_channels_padded,
                               wmma::mem_row_major);
     }
-}
-
-// The sum of wgrad's partials where only the weight gradient is wanted (wgrad_sum.cuh): block (x, k) sums
-// block x of offset k's elements.
-constexpr int SUM_THREADS = 256;
-
-template <typename T>
-__global__ void __launch_bounds__(SUM_THREADS)
-    wmma_sum_wgrad_partials(const float* __restrict__ workspace, T* __restrict__ grad_weight,
-                            const int* __restrict__ slot_starts, int in_channels, int in_channels_padded,
-                            int out_channels, int out_channels_padded, int slot_groups) {
-  __shared__ float group_sums[SUM_THREADS];
-  const WgradSum sum{workspace,    slot_starts,         in_channels, in_channels_padded,
-                     out_channels, out_channels_padded, slot_groups};
-  sum_wgrad_partials<T, SUM_THREADS>(sum, grad_weight, blockIdx.y, blockIdx.x, group_sums);
 }

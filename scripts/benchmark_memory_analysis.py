@@ -36,8 +36,9 @@ width) as a configuration that ran out of memory for the same backend, phase, sc
 Memory: the peak bytes one call allocates (torch's allocator with CuPy routed through it when torch
 sees the GPU, else a CuPy allocator hook; tracemalloc on the CPU, which sees NumPy but not torch)
 plus what the call reads that already lives in memory (inputs, weight, kernel map: their exact
-sizes). `memory_breakdown.csv` sets the measured peak next to a formula estimate of features,
-outputs, weights, kernel map and workspace.
+sizes). `memory_breakdown.csv` sets the measured peak next to an estimate of features, outputs,
+weights, kernel map and workspace (the temporary bytes of the chosen algorithm,
+`Algorithm.transient_bytes`).
 
 Files in `--output-dir`: `benchmark_full.csv` (a row per configuration × backend × phase),
 `memory_breakdown.csv`, `heatmap_data.json` (status, time and memory per voxel count × channel
@@ -53,70 +54,41 @@ import argparse
 import contextlib
 import datetime
 import functools
-import importlib
 import itertools
 import json
-import math
 import os
 import shlex
 import shutil
 import signal
 import sys
 import tempfile
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.cuda import backend
 from cupysparse.cuda import compile
-from cupysparse.tuning.search_space import AUTO, parse_algorithm_filter
-from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
-from cupysparse.algorithms.tensor_core.wmma import MIN_PAIRS_PER_SHARE, WARP_TILE, padded_channels
-from cupysparse.cuda.dtypes import BFLOAT16, FLOAT32, accumulation_dtype, as_feature_dtype, short_name
-from cupysparse.functional.convolution import conv_backward, conv_forward
-from cupysparse.functional.execution import backward_runner, forward_runner
-from cupysparse.geometry.kernel_map import KernelMapCache
-from cupysparse.cuda.precision import IEEE, TF32, fp32_precision
-from cupysparse.data.scenes import make_scene
+from cupysparse.cuda.dtypes import short_name
+from cupysparse.cuda.precision import TF32, fp32_precision
 from cupysparse.scripts.benchmark_first_call import host_ms, synchronize
-from cupysparse.scripts.benchmarking import (
-    interleaved_samples_ms,
-    memory_meter,
-    spconv_layer,
-    spconv_matches_geometry,
-    torch_cuda,
-    torch_module,
-    write_csv,
+from cupysparse.scripts.benchmarking import interleaved_samples_ms, memory_meter, torch_cuda, write_csv
+from cupysparse.scripts.memory_analysis_backends import SPCONV, TORCH_DENSE, DenseTorchRunner, OursRunner, SpconvRunner
+from cupysparse.scripts.memory_analysis_estimates import BREAKDOWN_PARTS, LayerShape, MemoryEstimate
+from cupysparse.scripts.memory_analysis_grid import (
+    Configuration,
+    LayerArrays,
+    MapCase,
+    build_map,
+    configurations,
+    sampled_together,
+    scene_coordinates,
 )
 from cupysparse.scripts.populate_benchmark_cache import _comma_items, _parse_channel_pair, _parse_voxel_count
-from cupysparse.tuning.search_space import candidates
-from cupysparse.tuning.tuner import default_tuner
-from cupysparse.networks.weight_layouts import to_torch_conv_weight
+from cupysparse.tuning.search_space import AUTO, candidates, parse_algorithm_filter
 
-SPCONV = "spconv"
-TORCH_DENSE = "torch"
 PHASES = ("forward", "dgrad", "wgrad", "backward", "both")
 GEMMS_PER_PHASE = {"forward": 1, "dgrad": 1, "wgrad": 1, "backward": 2, "both": 3}
-PHASE_INPUTS = {
-    "forward": ("features",),
-    "dgrad": ("grad_output",),
-    "wgrad": ("features", "grad_output"),
-    "backward": ("features", "grad_output"),
-    "both": ("features", "grad_output"),
-}
-PHASE_OUTPUTS = {
-    "forward": ("output",),
-    "dgrad": ("grad_input",),
-    "wgrad": ("grad_weight",),
-    "backward": ("grad_input", "grad_weight"),
-    "both": ("output", "grad_input", "grad_weight"),
-}
-# The tuner's choice a phase runs with: dgrad and wgrad are parts of the tuned backward.
-TUNING_PHASES = {
-    "forward": ("forward",), "dgrad": ("backward",), "wgrad": ("backward",), "backward": ("backward",),
-    "both": ("forward", "backward"),
-}
 OK, OOM, NOT_SUPPORTED, ERROR, NOT_TESTED = "ok", "oom", "not_supported", "error", "not_tested"
 STATUSES = (OK, OOM, NOT_SUPPORTED, ERROR, NOT_TESTED)
 KEY_COLUMNS = ("scene", "batch_size", "num_voxels", "in_channels", "out_channels", "kernel_size", "stride", "dtype")
@@ -125,7 +97,6 @@ FULL_COLUMNS = (
     "kernel_map_ms", "first_call_ms", "median_ms", "q25_ms", "q75_ms", "samples", "iterations", "tflops",
     "resident_mb", "call_peak_mb", "peak_memory_mb", "estimated_mb", "memory_source",
 )
-BREAKDOWN_PARTS = ("features", "output", "weights", "kernel_map", "workspace")
 BREAKDOWN_COLUMNS = (
     *KEY_COLUMNS, "backend", "phase", "status", "dispatched", *(f"{part}_mb" for part in BREAKDOWN_PARTS),
     "estimated_mb", "peak_memory_mb",
@@ -136,69 +107,6 @@ DEFAULT_CHANNELS = ("32,32", "64,64", "128,128", "256,256")
 DTYPE_CHOICES = ("fp16", "bf16", "fp32", "tf32", "fp64", "float16", "bfloat16", "float32", "float64")
 DEFAULT_DENSE_MAX_CELLS = 2**24
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One layer of the grid; its fields are the configuration key of every output file."""
-
-    scene: str
-    batch_size: int
-    num_voxels: int
-    in_channels: int
-    out_channels: int
-    kernel_size: int
-    stride: int
-    dtype: str  # short name: fp16, bf16, fp32, tf32 (fp32 features, TF32 products), fp64
-
-    @property
-    def feature_dtype(self) -> np.dtype:
-        return FLOAT32 if self.dtype == TF32 else as_feature_dtype(self.dtype)
-
-    @property
-    def fp32_precision(self) -> str:
-        return TF32 if self.dtype == TF32 else IEEE
-
-    def sizes(self) -> tuple[int, ...]:
-        return (self.num_voxels, self.in_channels, self.out_channels, self.kernel_size, self.feature_dtype.itemsize)
-
-    def at_least_as_large_as(self, other: Configuration) -> bool:
-        """Whether this layer needs at least the memory of `other`: same scene, batch and stride,
-        and no size smaller (voxels, channels, kernel size, dtype width)."""
-        same_kind = (self.scene, self.batch_size, self.stride) == (other.scene, other.batch_size, other.stride)
-        return same_kind and all(mine >= theirs for mine, theirs in zip(self.sizes(), other.sizes()))
-
-    def label(self) -> str:
-        return (f"{self.num_voxels:>9,} vox {self.in_channels:>3}->{self.out_channels:<3} k{self.kernel_size} "
-                f"s{self.stride} {self.dtype}")
-
-
-def configurations(args) -> list[Configuration]:
-    """The grid in run order: voxel counts ascending and outermost (one scene at a time), then
-    kernel size and stride (one kernel map at a time), channels, dtype; small before large, so an
-    out-of-memory frontier is found before the layers beyond it."""
-    return [
-        Configuration(args.scene, args.batch_size, count, c_in, c_out, kernel_size, stride, dtype)
-        for count in sorted(args.num_voxels)
-        for kernel_size in args.kernel_sizes
-        for stride in args.strides
-        for c_in, c_out in args.channels
-        for dtype in args.dtypes
-    ]
-
-
-def sampled_together(grid: list[Configuration], dtypes_together: bool) -> list[list[Configuration]]:
-    """The grid cut into groups whose measurements take their samples in turns: the dtypes of one
-    shape when `dtypes_together` (their ratios then see the same clocks), else one layer each (a
-    memory cap is checked one layer at a time, so no other dtype's arrays may be resident)."""
-    groups: list[list[Configuration]] = []
-    for config in grid:
-        previous = groups[-1][-1] if groups else None
-        if dtypes_together and previous is not None and replace(previous, dtype=config.dtype) == config:
-            groups[-1].append(config)
-        else:
-            groups.append([config])
-    return groups
 
 
 def _positive_ints(values, flag: str) -> tuple[int, ...]:
@@ -296,459 +204,6 @@ def cache_folders(args):
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def scene_coordinates(kind: str, num_voxels: int, batch_size: int) -> np.ndarray:
-    """int32 `[N, 4]`, N ≤ num_voxels: `batch_size` scenes of `kind` (seeds 0, 1, …), batch index first."""
-    per_item = num_voxels // batch_size
-    items = [make_scene(kind, per_item, seed=seed).voxel_coordinates()[:per_item] for seed in range(batch_size)]
-    batch_index = np.repeat(np.arange(batch_size, dtype=np.int32), [len(voxels) for voxels in items])
-    return np.concatenate([batch_index[:, None], np.concatenate(items)], axis=1)
-
-
-def kernel_map_bytes(kernel_map) -> int:
-    """The bytes of a map with every derived format, in both directions, as built."""
-    total = 0
-    for direction in (kernel_map, kernel_map.reversed()):
-        csr = direction.csr()
-        arrays = (direction.pair_table, direction.offset_mask(), direction.mask_sorted_order(), csr.in_idx,
-                  csr.out_idx, csr.offsets)
-        total += sum(int(array.nbytes) for array in arrays)
-    return total
-
-
-@dataclass
-class MapCase:
-    """The kernel map of one (voxel count, kernel size, stride), its build time and size."""
-
-    kernel_map: object
-    build_ms: float
-    pairs: int
-    nbytes: int
-    max_offset_pairs: int  # the pairs of the busiest offset: what explicit GEMM gathers at once
-
-
-def build_map(coordinates, kernel_size: int, stride: int, device: str, warmup: bool) -> MapCase:
-    """Build the map (index, pairs, every derived format) from scratch, timed by the host clock up to
-    the synchronised result, after one untimed build when `warmup` (kernel loading)."""
-
-    def build():
-        result = KernelMapCache(coordinates, (1, 1, 1)).kernel_map((1, 1, 1), kernel_size, stride).kernel_map
-        built = result.derive_formats()
-        synchronize(device)
-        return built
-
-    if warmup:
-        build()
-    begin = time.perf_counter()
-    kernel_map = build()
-    build_ms = (time.perf_counter() - begin) * 1e3
-    csr_bounds = backend.to_numpy(kernel_map.csr().offsets)
-    return MapCase(kernel_map, build_ms, kernel_map.num_pairs, kernel_map_bytes(kernel_map),
-                   int(np.diff(csr_bounds).max(initial=0)))
-
-
-class LayerArrays:
-    """Seeded random features `[N_in, C_in]`, weight `[K, C_in, C_out]` and output gradient
-    `[N_out, C_out]` of one configuration on `device`."""
-
-    def __init__(self, config: Configuration, case: MapCase, device: str):
-        kernel_map = case.kernel_map
-        dtype = config.feature_dtype
-        rng = np.random.default_rng([config.num_voxels, config.in_channels, config.out_channels, config.kernel_size])
-        scale = 1.0 / math.sqrt(config.in_channels * kernel_map.kernel_volume)  # keeps fp16 outputs O(1)
-        self.host = {
-            "features": rng.standard_normal((kernel_map.num_in, config.in_channels), np.float32).astype(dtype),
-            "weight": (rng.standard_normal((kernel_map.kernel_volume, config.in_channels, config.out_channels),
-                                           np.float32) * scale).astype(dtype),
-            "grad_output": rng.standard_normal((kernel_map.num_out, config.out_channels), np.float32).astype(dtype),
-        }
-        self.features, self.weight, self.grad_output = (
-            backend.to_device(self.host[name], device) for name in ("features", "weight", "grad_output"))
-        self.kernel_map = kernel_map
-        with fp32_precision(config.fp32_precision):  # what the tuner is told: TF32 products or exact fp32
-            self.problem = ConvProblem.of(self.features, kernel_map, config.out_channels)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """The sizes the memory formulas need."""
-
-    num_in: int
-    num_out: int
-    in_channels: int
-    out_channels: int
-    kernel_volume: int
-    max_offset_pairs: int
-    dtype: np.dtype
-    device: str
-
-    @property
-    def itemsize(self) -> int:
-        return self.dtype.itemsize
-
-    def bytes_of(self, name: str) -> int:
-        elements = {
-            "features": self.num_in * self.in_channels,
-            "grad_input": self.num_in * self.in_channels,
-            "grad_output": self.num_out * self.out_channels,
-            "output": self.num_out * self.out_channels,
-            "grad_weight": self.kernel_volume * self.in_channels * self.out_channels,
-            "weight": self.kernel_volume * self.in_channels * self.out_channels,
-        }[name]
-        return elements * self.itemsize
-
-
-def _multiprocessors(device: str) -> int:
-    if device != "cuda":
-        return 1
-    runtime = backend.cupy_module().cuda.runtime
-    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, 0))
-
-
-def _explicit_gemm_workspace(shape: LayerShape, phase: str) -> int:
-    """Accumulator and cast copies in the accumulation dtype, plus the busiest offset's gathered rows
-    and product (GEMMs in the input dtype on the GPU, except bf16; in the accumulation dtype on the CPU)."""
-    wide = accumulation_dtype(shape.dtype).itemsize
-    gemm = shape.itemsize if shape.device == "cuda" and shape.dtype != BFLOAT16 else wide
-    cast = wide if gemm != shape.itemsize else 0
-    total = 0
-    if phase in ("forward", "both"):
-        total = max(total, shape.num_out * shape.out_channels * wide
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
-                    + shape.num_in * shape.in_channels * cast)
-    if phase in ("dgrad", "backward", "both"):
-        total = max(total, shape.num_in * shape.in_channels * wide
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * gemm
-                    + shape.num_out * shape.out_channels * cast)
-    if phase in ("wgrad", "backward", "both"):  # its GEMMs run in the accumulation dtype everywhere
-        inputs_cast = wide if shape.itemsize != wide else 0
-        total = max(total, shape.kernel_volume * shape.in_channels * shape.out_channels * wide
-                    + (shape.num_in * shape.in_channels + shape.num_out * shape.out_channels) * inputs_cast
-                    + shape.max_offset_pairs * (shape.in_channels + shape.out_channels) * wide)
-    return total
-
-
-def _implicit_gemm_workspace(shape: LayerShape, phase: str, params: dict) -> int:
-    """wgrad's fp32 split-K partials and their sum."""
-    if phase in ("forward", "dgrad"):
-        return 0
-    split = params.get("split_k_factor", 1)
-    return (split + 1) * shape.kernel_volume * shape.in_channels * shape.out_channels * 4
-
-
-def _tensor_core_workspace(shape: LayerShape, phase: str, params: dict) -> int:
-    """wmma_implicit_gemm and mma_implicit_gemm: the padded weight made per call by forward and by
-    dgrad, and wgrad's fp32 partials: about `wgrad_warps_per_sm` warps per SM over the offsets' 32x32
-    warp tiles, at least 256 pairs each."""
-    in_padded, out_padded = padded_channels(shape.in_channels), padded_channels(shape.out_channels)
-    padded_weight = shape.kernel_volume * in_padded * out_padded * shape.itemsize
-    total = 0
-    if phase in ("forward", "both"):
-        total += padded_weight
-    if phase in ("dgrad", "backward", "both"):
-        total += padded_weight
-    if phase in ("wgrad", "backward", "both"):
-        warp_tiles = shape.kernel_volume * -(-in_padded // WARP_TILE) * -(-out_padded // WARP_TILE)
-        wanted = params.get("wgrad_warps_per_sm", 32) * _multiprocessors(shape.device)
-        shares = max(1, min(-(-wanted // warp_tiles), -(-shape.num_out // MIN_PAIRS_PER_SHARE)))
-        total += shares * shape.kernel_volume * in_padded * out_padded * 4
-    return total
-
-
-def workspace_bytes(algorithm_name: str, shape: LayerShape, phase: str, params: dict) -> int:
-    """Estimated temporary bytes of one call of `phase` by `algorithm_name` (formulas above)."""
-    if algorithm_name == "explicit_gemm":
-        return _explicit_gemm_workspace(shape, phase)
-    if algorithm_name == "implicit_gemm":
-        return _implicit_gemm_workspace(shape, phase, params)
-    if algorithm_name in ("wmma_implicit_gemm", "mma_implicit_gemm"):
-        return _tensor_core_workspace(shape, phase, params)
-    return 0
-
-
-@dataclass
-class MemoryEstimate:
-    features: int
-    output: int
-    weights: int
-    kernel_map: int
-    workspace: int
-
-    @property
-    def total(self) -> int:
-        return self.features + self.output + self.weights + self.kernel_map + self.workspace
-
-
-def sparse_estimate(shape: LayerShape, phase: str, weights: int, kernel_map: int, workspace: int) -> MemoryEstimate:
-    return MemoryEstimate(
-        features=sum(shape.bytes_of(name) for name in PHASE_INPUTS[phase]),
-        output=sum(shape.bytes_of(name) for name in PHASE_OUTPUTS[phase]),
-        weights=weights, kernel_map=kernel_map, workspace=workspace,
-    )
-
-
-def describe_selection(selection) -> str:
-    settings = ",".join(f"{key}={value}" for key, value in selection.params.items())
-    return f"{selection.algorithm.name}({settings})"
-
-
-class OursRunner:
-    """One of our algorithms, or `auto`, on one layer, called as a user calls it: `conv_forward` /
-    `conv_backward` with `algo=name` (the tuner's choice, measured on this data when not cached)."""
-
-    memory_note = None
-
-    def __init__(self, name: str, layer: LayerArrays, case: MapCase, shape: LayerShape):
-        self.name, self.layer, self.case, self.shape = name, layer, case, shape
-        self._selections = {}
-
-    def unsupported_reason(self, phase: str) -> str | None:
-        if self.name == AUTO:
-            return None
-        return get_algorithm(self.name).unsupported_reason(self.layer.problem)
-
-    def _runner(self, tuning_phase: str):
-        layer = self.layer
-        if tuning_phase == "forward":
-            return forward_runner(layer.features, layer.weight, layer.kernel_map)
-        return backward_runner(layer.grad_output, layer.features, layer.weight, layer.kernel_map)
-
-    def selection(self, tuning_phase: str):
-        """The tuner's choice for the forward or the backward (dgrad and wgrad share it)."""
-        if tuning_phase not in self._selections:
-            run = self._runner(tuning_phase)
-            search_space = parse_algorithm_filter(self.name, CONV, tuning_phase)
-            chosen = default_tuner().select(search_space, self.layer.problem, run)
-            if self.name != AUTO and chosen.algorithm.name != self.name:
-                # The tuner fell back to the reference: run the algorithm itself so its failure (out
-                # of memory, compile error) is what the row reports.
-                algorithm = get_algorithm(self.name)
-                run(algorithm, algorithm.default_params(tuning_phase))
-                raise RuntimeError(f"the tuner rejected every {tuning_phase} parameter set of {self.name} "
-                                   "(a disagreement with explicit_gemm; see its log)")
-            self._selections[tuning_phase] = chosen
-        return self._selections[tuning_phase]
-
-    def _predicted(self, tuning_phase: str):
-        """The choice before anything runs (the priority rule), for the memory check."""
-        return self._selections.get(tuning_phase) or default_tuner().select(
-            parse_algorithm_filter(self.name, CONV, tuning_phase), self.layer.problem)
-
-    def prepare(self, phase: str):
-        """The timed call: `conv_forward` / `conv_backward` themselves, as a user calls them (after the
-        first call, a layer's kept launch plan), except dgrad and wgrad alone, which call the tuner's
-        choice directly."""
-        layer = self.layer
-        if phase in ("forward", "both"):
-            self.selection("forward")
-
-            def forward_call():
-                return conv_forward(layer.features, layer.weight, layer.kernel_map, self.name)
-
-            if phase == "forward":
-                return forward_call
-        chosen = self.selection("backward")
-        algorithm, params = chosen.algorithm, chosen.params
-        if phase == "dgrad":
-            return lambda: algorithm.dgrad(layer.grad_output, algorithm.prepare_weight(layer.weight),
-                                           layer.kernel_map, **params)
-        if phase == "wgrad":
-            return lambda: algorithm.wgrad(layer.features, layer.grad_output, layer.kernel_map, **params)
-
-        def backward_call():
-            return conv_backward(layer.grad_output, layer.features, layer.weight, layer.kernel_map, self.name)
-
-        if phase == "backward":
-            return backward_call
-        return lambda: (forward_call(), backward_call())
-
-    def dispatched(self, phase: str) -> str:
-        chosen = [(part, self._selections[part]) for part in TUNING_PHASES[phase] if part in self._selections]
-        if phase != "both":
-            return describe_selection(chosen[0][1]) if chosen else ""
-        return "; ".join(f"{part}: {describe_selection(selection)}" for part, selection in chosen)
-
-    def resident_bytes(self, phase: str) -> int:
-        arrays = [getattr(self.layer, name) for name in PHASE_INPUTS[phase]] + [self.layer.weight]
-        return sum(int(array.nbytes) for array in arrays) + self.case.nbytes
-
-    def estimate(self, phase: str) -> MemoryEstimate:
-        workspace = 0
-        for tuning_phase in TUNING_PHASES[phase]:
-            chosen = self._predicted(tuning_phase)
-            part = tuning_phase if phase == "both" else phase
-            workspace = max(workspace, workspace_bytes(chosen.algorithm.name, self.shape, part, chosen.params))
-        weights = self.shape.bytes_of("weight")
-        return sparse_estimate(self.shape, phase, weights, self.case.nbytes, workspace)
-
-
-@functools.cache
-def spconv_import_error() -> str | None:
-    """Why spconv 2.x cannot be imported, or None."""
-    try:
-        importlib.import_module("spconv.pytorch")
-    except Exception as error:  # absent or broken (a wheel for another CUDA): the backend is not_supported
-        return f"spconv is not importable ({type(error).__name__}: {error})"
-    return None
-
-
-class SpconvRunner:
-    """spconv 2.x's layer (see `benchmarking.SpconvLayer`); its backward computes both gradients at
-    once, so dgrad and wgrad alone are not measured."""
-
-    memory_note = None
-
-    def __init__(self, config: Configuration, coordinates_numpy, layer: LayerArrays, shape: LayerShape, torch):
-        self.config, self.coordinates, self.layer, self.shape, self.torch = (
-            config, coordinates_numpy, layer, shape, torch)
-        self._layer = None
-
-    def unsupported_reason(self, phase: str) -> str | None:
-        config = self.config
-        if config.dtype not in ("fp16", "fp32", TF32):
-            return f"spconv 2.x runs fp16, fp32 and tf32, not {config.dtype}"
-        if phase in ("dgrad", "wgrad"):
-            return "spconv's backward computes both gradients at once: see the backward phase"
-        if not spconv_matches_geometry(config.kernel_size, config.stride):
-            return (f"spconv's kernel size {config.kernel_size}, stride {config.stride} layer has other output "
-                    "voxels than ours (only submanifold and 2^3 stride-2 layers match)")
-        if self.torch is None:
-            return "spconv runs on CUDA GPUs with torch only"
-        return spconv_import_error()
-
-    def prepare(self, phase: str):
-        if self._layer is None:
-            host = self.layer.host
-            self._layer = spconv_layer(self.torch, self.coordinates, host["features"], host["weight"],
-                                       host["grad_output"], self.config.kernel_size, self.config.stride,
-                                       self.config.batch_size, allow_tf32=self.config.dtype == TF32)
-        layer = self._layer
-        return {"forward": layer.forward, "backward": layer.backward, "both": layer.forward_backward}[phase]
-
-    def dispatched(self, phase: str) -> str:
-        return "spconv.SubMConv3d" if self.config.stride == 1 else "spconv.SparseConv3d"
-
-    def resident_bytes(self, phase: str) -> int:
-        arrays = [self.layer.host[name] for name in PHASE_INPUTS[phase]] + [self.layer.host["weight"]]
-        return sum(array.nbytes for array in arrays) + self._pairs_bytes()
-
-    def _pairs_bytes(self) -> int:
-        """spconv's pair lists, about [2, K, N_out] int32 (its own layout, not measured)."""
-        return 2 * self.shape.kernel_volume * self.shape.num_out * 4
-
-    def estimate(self, phase: str) -> MemoryEstimate:
-        return sparse_estimate(self.shape, phase, self.shape.bytes_of("weight"), self._pairs_bytes(), 0)
-
-
-class DenseTorchLayer:
-    """A dense `torch.nn.functional.conv3d` over the batch's bounding box: the same offsets and weights
-    as ours (input padded by the offsets' reach; origin on a multiple of the stride, so output cell q
-    is our coarse voxel q), every cell computed."""
-
-    def __init__(self, torch, coordinates_numpy, features, weight, config: Configuration, device: str):
-        """`features` `[N, C_in]` and `weight` `[K, C_in, C_out]`: ours, NumPy."""
-        kernel_size, stride = config.kernel_size, config.stride
-        dtype = getattr(torch, config.feature_dtype.name)
-        self.torch, self.stride, self.device = torch, stride, device
-        self.origin, shape = dense_grid(coordinates_numpy, kernel_size, stride)
-        before = (kernel_size - 1) // 2  # the offsets run from -before to kernel_size - 1 - before
-        self.input = torch.zeros((config.batch_size, config.in_channels, *shape), dtype=dtype, device=device)
-        index = self._index(coordinates_numpy[:, 0], coordinates_numpy[:, 1:] - self.origin + before)
-        # Through the accumulation dtype (exact): torch takes no ml_dtypes bfloat16 arrays.
-        self.input[index] = torch.as_tensor(features.astype(accumulation_dtype(features.dtype))).to(
-            device=device, dtype=dtype)
-        dense_weight = to_torch_conv_weight(weight.astype(accumulation_dtype(weight.dtype)), kernel_size)
-        self.weight = torch.as_tensor(dense_weight).to(device=device, dtype=dtype)
-        output = self.forward()
-        generator = torch.Generator().manual_seed(0)
-        self.grad_output = torch.randn(output.shape, generator=generator).to(device=device, dtype=dtype)
-
-    def forward(self):
-        return self.torch.nn.functional.conv3d(self.input, self.weight, stride=self.stride)
-
-    def dgrad(self):
-        return self.torch.nn.grad.conv3d_input(self.input.shape, self.weight, self.grad_output, stride=self.stride)
-
-    def wgrad(self):
-        return self.torch.nn.grad.conv3d_weight(self.input, self.weight.shape, self.grad_output, stride=self.stride)
-
-    def _index(self, batch, cells):
-        """The advanced index of rows `[N, C]` at `batch`, `cells` of a `[B, C, *grid]` tensor."""
-        columns = [self.torch.as_tensor(column, device=self.device) for column in (batch, *cells.T)]
-        return columns[0], slice(None), *columns[1:]
-
-    def output_rows(self, output, out_coordinates_numpy):
-        """`output` `[B, C, *grid]` at our output voxels → `[N_out, C]` (for comparing with ours)."""
-        cells = out_coordinates_numpy[:, 1:].astype(np.int64) - self.origin // self.stride
-        return output[self._index(out_coordinates_numpy[:, 0], cells)]
-
-
-def dense_grid(coordinates_numpy, kernel_size: int, stride: int) -> tuple[np.ndarray, list[int]]:
-    """(origin, shape) of the dense input grid of a layer: the bounding box, its origin on a multiple
-    of the stride, padded by the kernel offsets' reach on both sides."""
-    spatial = coordinates_numpy[:, 1:].astype(np.int64)
-    origin = spatial.min(axis=0) // stride * stride
-    return origin, (spatial.max(axis=0) - origin + kernel_size).tolist()
-
-
-class DenseTorchRunner:
-    """torch's dense convolution of the layer (cuDNN on the GPU), for grids up to `--dense-max-cells`."""
-
-    def __init__(self, config: Configuration, coordinates_numpy, layer: LayerArrays, shape: LayerShape, device,
-                 max_cells: int):
-        self.config, self.coordinates, self.layer, self.shape, self.device = (
-            config, coordinates_numpy, layer, shape, device)
-        self.torch = torch_module()
-        self.grid_shape = dense_grid(coordinates_numpy, config.kernel_size, config.stride)[1]
-        self.cells = config.batch_size * math.prod(self.grid_shape)
-        self.max_cells = max_cells
-        self._dense = None
-        self.memory_note = "not measured (torch's CPU allocator is not traced)" if device == "cpu" else None
-
-    def unsupported_reason(self, phase: str) -> str | None:
-        if self.torch is None:
-            return "torch is not importable"
-        if self.device == "cuda" and not self.torch.cuda.is_available():
-            return "this torch build sees no CUDA GPU"
-        if self.cells > self.max_cells:
-            return f"the dense grid has {self.cells:,} cells, more than --dense-max-cells {self.max_cells:,}"
-        return None
-
-    def dense(self) -> DenseTorchLayer:
-        if self._dense is None:
-            host = self.layer.host
-            self._dense = DenseTorchLayer(self.torch, self.coordinates, host["features"], host["weight"], self.config,
-                                          self.device)
-        return self._dense
-
-    def prepare(self, phase: str):
-        dense = self.dense()
-        return {
-            "forward": dense.forward,
-            "dgrad": dense.dgrad,
-            "wgrad": dense.wgrad,
-            "backward": lambda: (dense.dgrad(), dense.wgrad()),
-            "both": lambda: (dense.forward(), dense.dgrad(), dense.wgrad()),
-        }[phase]
-
-    def dispatched(self, phase: str) -> str:
-        return "torch.nn.functional.conv3d (dense)"
-
-    def _dense_shape(self) -> LayerShape:
-        """The layer's shape with every cell a row: what the dense convolution moves."""
-        out_cells = self.config.batch_size * math.prod(
-            (size - self.config.kernel_size) // self.config.stride + 1 for size in self.grid_shape)
-        return LayerShape(self.cells, out_cells, self.config.in_channels, self.config.out_channels,
-                          self.shape.kernel_volume, 0, self.shape.dtype, self.device)
-
-    def resident_bytes(self, phase: str) -> int:
-        shape = self._dense_shape()
-        return sum(shape.bytes_of(name) for name in PHASE_INPUTS[phase]) + shape.bytes_of("weight")
-
-    def estimate(self, phase: str) -> MemoryEstimate:
-        shape = self._dense_shape()
-        return sparse_estimate(shape, phase, shape.bytes_of("weight"), 0, 0)
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """MemoryError (CuPy's OutOfMemoryError is one), torch.OutOfMemoryError, or a message saying so."""
     torch = sys.modules.get("torch")
@@ -809,7 +264,7 @@ class Harness:
     def runners(self, config: Configuration, coordinates_numpy, layer: LayerArrays, case: MapCase):
         kernel_map = case.kernel_map
         shape = LayerShape(kernel_map.num_in, kernel_map.num_out, config.in_channels, config.out_channels,
-                           kernel_map.kernel_volume, case.max_offset_pairs, config.feature_dtype, self.device)
+                           kernel_map.kernel_volume, config.feature_dtype)
         torch_gpu = torch_cuda() if self.device == "cuda" else None
         for name in self.args.backends:
             if name == SPCONV:

@@ -4,7 +4,7 @@ one phase of an algorithm on the GPU and its fp64 reference on the CPU."""
 import numpy as np
 import pytest
 
-from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms import CONV, ConvProblem, reference_algorithm, registered
 from cupysparse.cuda.backend import cupy_module, gpu_available
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 from cupysparse.geometry.kernel_map import KernelMap
@@ -87,7 +87,7 @@ def run_phase(algorithm, phase, kernel_map, x, w, dy, params):
 
 
 def reference_phase(phase, kernel_map, x, w, dy, kind=CONV):
-    reference = get_algorithm("explicit_gemm" if kind == CONV else "explicit", kind)
+    reference = reference_algorithm(kind)
     cpu_map = cpu_copy(kernel_map)
     x64, w64, dy64 = (a.astype(np.float64) for a in (x, w, dy))
     if phase == "forward":

@@ -10,6 +10,7 @@ from cupysparse.algorithms.base import (
     ConvProblem,
     ForwardPlan,
     get_algorithm,
+    reference_algorithm,
     register,
     registered,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "ConvProblem",
     "ForwardPlan",
     "get_algorithm",
+    "reference_algorithm",
     "register",
     "registered",
 ]

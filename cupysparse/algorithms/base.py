@@ -131,6 +131,9 @@ class Algorithm:
     tuning_namespaces: ClassVar[dict[str, str]]
     # Whether CUDA-graph capture can record its GPU work (the tuner substitutes one that can).
     capturable: ClassVar[bool] = True
+    # Whether it is its kind's reference (`reference_algorithm`): it runs every problem of its kind, on
+    # every device and dtype, and the others are checked against it. One per kind.
+    reference: ClassVar[bool] = False
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         """Why this algorithm cannot run `problem`, or None when it can."""
@@ -173,6 +176,12 @@ class Algorithm:
         """dgrad's and wgrad's launch plan, or None (default): only through `dgrad` and `wgrad`."""
         return None
 
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        """An estimate of the memory one call of `phase` ("forward", "dgrad", "wgrad" or "backward": both
+        gradients) with `params` allocates on `problem` and frees before it returns: what it needs beyond
+        its inputs and outputs. `max_offset_pairs`: the pairs of the map's busiest offset. Default: 0."""
+        return 0
+
     def tuning_namespace(self, phase: str) -> str:
         return self.tuning_namespaces[phase]
 
@@ -205,6 +214,9 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
         raise ValueError(f"unknown algorithm kind {cls.kind!r}; kinds are {KINDS}")
     if cls.name in _REGISTRY[cls.kind]:
         raise ValueError(f"a {cls.kind} algorithm named {cls.name!r} is already registered")
+    if cls.reference and any(algorithm.reference for algorithm in _REGISTRY[cls.kind].values()):
+        raise ValueError(f"{cls.name!r} cannot be the {cls.kind} reference: "
+                         f"{reference_algorithm(cls.kind).name!r} is")
     _REGISTRY[cls.kind][cls.name] = cls()
     return cls
 
@@ -221,6 +233,15 @@ def get_algorithm(name: str, kind: str = CONV) -> Algorithm:
     except KeyError:
         valid = ", ".join(_REGISTRY[kind]) or "(none)"
         raise ValueError(f"{name!r} is not a {kind} algorithm; valid names: {valid}") from None
+
+
+def reference_algorithm(kind: str = CONV) -> Algorithm:
+    """The reference algorithm of `kind` (the one with `reference` set): it runs every problem, and the
+    others are checked against it."""
+    for algorithm in _REGISTRY[kind].values():
+        if algorithm.reference:
+            return algorithm
+    raise ValueError(f"no {kind} algorithm is registered as the reference")
 
 
 # The raw kernels' weight gradients launch one grid z slice per kernel offset (times a split), and

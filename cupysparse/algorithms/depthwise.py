@@ -32,6 +32,7 @@ class ExplicitDepthwise(Algorithm):
 
     name = "explicit"
     kind = DEPTHWISE
+    reference = True
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "depthwise_explicit_gather_scatter",
         "backward": "depthwise_explicit_gather_scatter_backward",

@@ -46,11 +46,34 @@ class ExplicitGemm(Algorithm):
         "backward": "explicit_gemm_trAB_gather_mm",
     }
     capturable = False  # CuPy refuses cuBLAS calls during stream capture
+    reference = True
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         if problem.dtype not in FEATURE_DTYPES:
             return f"{self.name} supports fp64, fp32, fp16 and bf16, not {problem.dtype}"
         return None
+
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        """The accumulator and cast copies in the accumulation dtype, plus the busiest offset's gathered
+        rows and product (GEMMs in the input dtype on the GPU, except bf16; in the accumulation dtype on
+        the CPU)."""
+        itemsize = problem.dtype.itemsize
+        wide = accumulation_dtype(problem.dtype).itemsize
+        gemm = itemsize if problem.device == "cuda" and problem.dtype != BFLOAT16 else wide
+        cast = wide if gemm != itemsize else 0
+        inputs = problem.num_in * problem.in_channels
+        outputs = problem.num_out * problem.out_channels
+        gathered = max_offset_pairs * (problem.in_channels + problem.out_channels)
+        total = 0
+        if phase == "forward":
+            total = max(total, outputs * wide + gathered * gemm + inputs * cast)
+        if phase in ("dgrad", "backward"):
+            total = max(total, inputs * wide + gathered * gemm + outputs * cast)
+        if phase in ("wgrad", "backward"):  # its GEMMs run in the accumulation dtype everywhere
+            inputs_cast = wide if itemsize != wide else 0
+            total = max(total, problem.kernel_volume * problem.in_channels * problem.out_channels * wide
+                        + (inputs + outputs) * inputs_cast + gathered * wide)
+        return total
 
     def forward(self, features, weight, kernel_map):
         return gather_gemm_scatter(features, weight, kernel_map)

@@ -128,6 +128,13 @@ class ImplicitGemm(Algorithm):
             return ()
         return (kernel_source_for(problem.dtype, _KERNELS, _BF16_KERNELS),)
 
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        """wgrad's fp32 split-K partials and their sum."""
+        if phase in ("forward", "dgrad"):
+            return 0
+        split = params.get("split_k_factor", 1)
+        return (split + 1) * problem.kernel_volume * problem.in_channels * problem.out_channels * 4
+
     def forward(self, features, weight, kernel_map, fwd_block_size: int = BLOCK_SIZES[0]):
         return _gather_gemm(features, weight, kernel_map.pair_table, weight.shape[2], fwd_block_size, False)
 

@@ -251,6 +251,20 @@ class KernelMap:
         """
         return self._reversed
 
+    def derived(self, key, compute):
+        """`compute(self)`, computed on first use for the hashable `key` and kept with the map for its
+        lifetime: a value its user derives from the map (e.g. a launch plan's arguments, keyed by the
+        plan), read back at the cost of a dictionary lookup."""
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = compute(self)
+            return value
+
+    @functools.cached_property
+    def _derived(self) -> dict:
+        return {}
+
     def derive_formats(self) -> KernelMap:
         """Compute now every format the algorithms derive, for this map and its reversed one, so
         later convolutions over it neither synchronise nor sort: before CUDA-graph capture, or to

@@ -40,7 +40,7 @@ from typing import Mapping
 import numpy as np
 
 from cupysparse.tuning.search_space import ALL, AUTO, AlgorithmFilter
-from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms import CONV, DEPTHWISE, Algorithm, ConvProblem, get_algorithm, reference_algorithm, registered
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.compile import prepare, source_digest
 from cupysparse.cuda.timing import WAIT_KERNELS
@@ -58,7 +58,6 @@ NAMESPACES = {
     (DEPTHWISE, "forward"): "sparse_conv_depthwise_forward",
     (DEPTHWISE, "backward"): "sparse_conv_depthwise_backward",
 }
-REFERENCE = {CONV: "explicit_gemm", DEPTHWISE: "explicit"}
 def tuning_enabled() -> bool:
     return settings.autotune()
 
@@ -309,7 +308,7 @@ class Tuner:
             measured = [(a, p) for a in unknown for p in sweeps[a]]
             if problem.device == "cuda":
                 prepare_kernels(measured, phase, problem)
-            measurement = measure(measured, run, problem, get_algorithm(REFERENCE[kind], kind))
+            measurement = measure(measured, run, problem, reference_algorithm(kind))
             log.info(
                 "tuned %s %s in %.0f ms: %s",
                 NAMESPACES[(kind, phase)],
@@ -319,7 +318,7 @@ class Tuner:
             )
             if measurement.unchecked is not None:
                 return self._unchecked_selection(search_space, problem, pool, measurement)
-            keep = not measurement.short_of_memory and not measurement.every_candidate_raised(REFERENCE[kind])
+            keep = not measurement.short_of_memory and not measurement.every_candidate_raised(reference_algorithm(kind).name)
             always_raised = measurement.algorithms_that_always_raised()
             for algorithm in unknown:
                 known[algorithm] = [result for result in measurement.results if result[0] == algorithm.name]
@@ -330,7 +329,7 @@ class Tuner:
         if keep:
             self._record_ranking(NAMESPACES[(kind, phase)], key, ranking, kind)
         if not ranking:
-            reference = get_algorithm(REFERENCE[kind], kind)
+            reference = reference_algorithm(kind)
             return Selection(reference, reference.default_params(phase)), True
         name, params, _ = ranking[0]
         return Selection(get_algorithm(name, kind), params), True
@@ -341,7 +340,7 @@ class Tuner:
         other candidates, kept for the process (the reference would run out again). inf or NaN
         in its result: the reference itself, for this call only (the next call's data may tune)."""
         kind, phase = search_space.kind, search_space.phase
-        reference = get_algorithm(REFERENCE[kind], kind)
+        reference = reference_algorithm(kind)
         namespace = NAMESPACES[(kind, phase)]
         if measurement.short_of_memory:
             others = [algorithm for algorithm in dict.fromkeys(a for a, _ in pool) if algorithm is not reference]
@@ -364,7 +363,7 @@ class Tuner:
         """One warning per process for each set of errors: algorithms that could not run (every
         candidate raised), and candidates that ran out of memory."""
         namespace = NAMESPACES[(search_space.kind, search_space.phase)]
-        reference = REFERENCE[search_space.kind]
+        reference = reference_algorithm(search_space.kind).name
         failed = measurement.algorithms_that_always_raised()
         errors = "; ".join(f"{name}: {' | '.join(texts)}" for name, texts in failed.items())
         if measurement.every_candidate_raised(reference):

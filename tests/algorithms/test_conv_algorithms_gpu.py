@@ -264,7 +264,7 @@ def test_weight_gradient_in_more_shares_than_the_gpu_holds_at_once(name, channel
     """The largest wgrad occupancy target asks for more shares than the SMs hold, so they run in waves,
     offset-major at 64 channels and, where one block covers dW_k, round-major at 128 (the operands pass
     twice the L2 there): the sum over the shares still equals the reference."""
-    from cupysparse.algorithms.tensor_core.wmma import WGRAD_WARPS_PER_SM
+    from cupysparse.algorithms.tensor_core.common import WGRAD_WARPS_PER_SM
     from cupysparse.data.scenes import make_scene
 
     voxels = make_scene("indoor", 260_000, seed=1).voxel_coordinates()
@@ -303,7 +303,7 @@ def test_weight_gradient_sums_its_shares_in_every_number_of_slot_groups(name, vo
     is summed once and an offset without pairs gets exact zeros. The sum in dgrad's launch (the backward
     of both gradients), whose blocks are the dgrad kernel's size, and a second launch of its own, each
     into a weight gradient and workspace filled with NaN again, are bitwise the same."""
-    from cupysparse.algorithms.tensor_core.wmma import WGRAD_WARPS_PER_SM, backward_plan
+    from cupysparse.algorithms.tensor_core.common import WGRAD_WARPS_PER_SM, backward_plan
 
     cupy = cupy_module()
     kernel_map = _plane_map() if voxels == "plane" else gpu_map("submanifold")

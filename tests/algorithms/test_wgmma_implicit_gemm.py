@@ -12,6 +12,7 @@ from cupysparse.cuda import compile as kernel_compile
 from cupysparse.tuning.search_space import AlgorithmFilter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
 from cupysparse.algorithms.tensor_core import wgmma as wgmma_module
+from cupysparse.algorithms.tensor_core.common import WgradPlan
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32
 from cupysparse.tuning.search_space import candidates
 
@@ -120,7 +121,7 @@ def test_dgrad_takes_the_deepest_pipeline_of_those_that_keep_the_most_blocks_on_
 def test_its_wgrad_runs_on_layers_past_64_channels_and_mma_implicit_gemms_elsewhere():
     algorithm, mma = get_algorithm(NAME), get_algorithm("mma_implicit_gemm")
     own, borrowed = wgmma_module._WgmmaWgradPlan, mma.wgrad_plan_class_for(np.dtype(FLOAT16), 64, 64)
-    assert issubclass(own, borrowed) and own is not borrowed
+    assert issubclass(own, WgradPlan) and issubclass(borrowed, WgradPlan) and own is not borrowed
     for dtype in (FLOAT16, BFLOAT16, FLOAT32):
         for channels in ((65, 65), (128, 128), (96, 300), (256, 80)):
             assert algorithm.wgrad_plan_class_for(np.dtype(dtype), *channels) is own, (dtype, channels)

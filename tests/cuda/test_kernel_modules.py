@@ -11,6 +11,7 @@ import pytest
 from cupysparse.cuda import compile as kernel_compile
 from cupysparse.algorithms import ConvProblem, get_algorithm
 from cupysparse.algorithms import implicit_gemm as implicit_gemm_module
+from cupysparse.algorithms.tensor_core import common as common_module
 from cupysparse.algorithms.tensor_core import mma as mma_module
 from cupysparse.algorithms.tensor_core import wgmma as wgmma_module
 from cupysparse.algorithms.tensor_core import wmma as wmma_module
@@ -41,8 +42,8 @@ def _pointer(address=0):
 
 
 class _KernelMap:
-    """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists (and, as of a
-    real map, a weak reference to it)."""
+    """What the plans read of a kernel map: sizes, a pair table, a row order, the CSR lists, and the
+    values they derive from it."""
 
     num_in = num_out = 1000
     mirror_symmetric = True
@@ -60,20 +61,23 @@ class _KernelMap:
     def wgrad_shares(self, rounds, round_major):
         return types.SimpleNamespace(table=_pointer(), slot_starts=_pointer())
 
+    def derived(self, key, compute):
+        return compute(self)
+
 
 @pytest.fixture
 def recorded(monkeypatch):
     """Plans built with recorded launches; `get_kernel` answers (source, name expression)."""
-    for module in (wmma_module, mma_module, wgmma_module):
+    for module in (common_module, wmma_module, mma_module, wgmma_module):
         monkeypatch.setattr(module, "PreparedLaunch", _RecordedLaunch)
         monkeypatch.setattr(module, "current_device", lambda: 0)
     monkeypatch.setattr(wgmma_module, "nvrtc_knows", lambda architecture: True)
-    monkeypatch.setattr(wmma_module, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(wmma_module, "_resident_threads", lambda device: 132 * 2048)
-    monkeypatch.setattr(wmma_module, "_l2_bytes", lambda device: 50 * 2**20)
+    monkeypatch.setattr(common_module, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(common_module, "resident_threads", lambda device: 132 * 2048)
+    monkeypatch.setattr(common_module, "l2_bytes", lambda device: 50 * 2**20)
     monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
     monkeypatch.setattr(_RecordedLaunch, "launched", [])
-    caches = (wmma_module._gemm_plan, wmma_module.wgrad_plan, mma_module._plan, wgmma_module._plan)
+    caches = (wmma_module._gemm_plan, common_module.wgrad_plan, mma_module._plan, wgmma_module._plan)
     for cache in caches:
         cache.cache_clear()
     yield _RecordedLaunch.launched
@@ -115,7 +119,7 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
     if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's up to 64 channels
         borrowed = {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
                     if source.name_expressions[0].startswith("mma_conv_wgrad")}
-    sums = {wmma_module._sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
+    sums = {common_module.sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
     reached = set()
     for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):
         problem = _problem(dtype, in_channels, out_channels)
@@ -141,7 +145,10 @@ def test_the_split_families_declare_every_instantiation_once():
     fp16 = wmma_module._SOURCES[FLOAT16].name_expressions
     assert sum(e.startswith("wmma_conv_forward") and e.endswith("false>") for e in fp16) == 24
     assert sum(e.startswith("wmma_conv_forward") and e.endswith("true>") for e in fp16) == 16
-    assert sum(e.startswith("wmma_conv_wgrad") for e in fp16) == 12 and "wmma_sum_wgrad_partials<__half>" in fp16
+    assert sum(e.startswith("wmma_conv_wgrad") for e in fp16) == 12 and len(fp16) == 24 + 16 + 12
+    sums = [common_module.sum_source(dtype) for dtype in (FLOAT16, BFLOAT16, FLOAT32)]
+    assert [(source.filename, source.name_expressions) for source in sums] == [
+        ("wgrad_sum.cu", (f"wgrad_sum<{type_name}>",)) for type_name in ("__half", "__nv_bfloat16", "float")]
     assert len(mma_module._SOURCES[FLOAT16].sources) == 6 * 3 + 6 + 9  # forward: 6 tiles x 3 depths; dgrad; wgrad
 
 
@@ -198,5 +205,5 @@ def test_a_backward_of_both_gradients_is_two_launches_the_wgrad_gemm_then_dgrad_
 
         (dgrad,) = kernels(_BOTH[0], 0)
         gemm, wgrad_sum = kernels(0, _BOTH[1])
-        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wmma_sum_wgrad_partials"
+        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wgrad_sum"
         assert kernels(*_BOTH) == [gemm, dgrad], (dtype, channels)

@@ -375,7 +375,7 @@ def test_bad_bias_and_input_raise():
 
 
 def test_wmma_weight_is_padded_only_when_its_channels_are_not_multiples_of_16():
-    from cupysparse.algorithms.tensor_core.wmma import PaddedWeight
+    from cupysparse.algorithms.tensor_core.common import PaddedWeight
 
     aligned = np.random.default_rng(0).standard_normal((27, 32, 48)).astype(np.float16)
     assert PaddedWeight(aligned).padded is aligned

@@ -396,6 +396,27 @@ def test_derive_formats_computes_every_format_of_the_map_and_its_reverse_up_fron
     reverse.offset_mask(), reverse.mask_sorted_order(), list(reverse.offset_pairs())
 
 
+def test_a_derived_value_is_computed_once_per_key_and_map():
+    """What a plan derives from a map is kept with that map, per key: another key, or another map (its
+    reverse included), computes its own."""
+    case = SMALL_CASES[0]
+    _, _, kernel_map = library_map(case, case.coordinates())
+    computed = []
+
+    def rows(kind):
+        def compute(derived_from):
+            computed.append((kind, derived_from))
+            return derived_from.num_out
+        return compute
+
+    assert kernel_map.derived("rows", rows("first")) == kernel_map.num_out
+    assert kernel_map.derived("rows", rows("again")) == kernel_map.num_out
+    assert kernel_map.derived(("rows", 2), rows("other key")) == kernel_map.num_out
+    reverse = kernel_map.reversed()
+    assert reverse.derived("rows", rows("reverse")) == reverse.num_out
+    assert computed == [("first", kernel_map), ("other key", kernel_map), ("reverse", reverse)]
+
+
 def test_mask_order_by_hand():
     """Offset 32 (word 1) outweighs offsets 0..31 (word 0); equal masks keep their row order."""
     present = np.zeros((33, 6), dtype=bool)

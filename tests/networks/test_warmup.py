@@ -20,6 +20,11 @@ from cupysparse.tuning.search_space import candidates
 MAP_SOURCES = ("coordinate_hash.cu", "kernel_map_formats.cu")
 
 
+def convolution_source(source) -> bool:
+    """Whether `source` holds convolution kernels: the implicit GEMMs and the tensor cores' wgrad sum."""
+    return source.filename.endswith("implicit_gemm.cu") or source.filename == "wgrad_sum.cu"
+
+
 def type_names(source):
     """The CUDA types the module's instantiations take."""
     found = set()
@@ -54,8 +59,8 @@ def test_the_plan_holds_the_modules_the_tuners_candidates_launch_and_no_other():
                 for phase in ("forward", "backward")
                 for algorithm, params in candidates(parse_algorithm_filter(None, CONV, phase), problem)
                 for source in algorithm.kernel_modules(phase, problem, params)}
-    assert {s for s in sources if s.filename.endswith("implicit_gemm.cu")} == launched
-    declared = {s for s in kernel_compile.registered_sources() if s.filename.endswith("implicit_gemm.cu")
+    assert {s for s in sources if convolution_source(s)} == launched
+    declared = {s for s in kernel_compile.registered_sources() if convolution_source(s)
                 and type_names(s) == {"__half"}}
     assert len(launched) < len(declared)  # not the tiles, depths and block_k these channel counts never take
 
@@ -73,9 +78,8 @@ def test_fp32_needs_simt_kernels_and_tf32_the_fp32_tensor_core_module():
     tf32 = needed(["tf32"], 90)
     mma = [s for s in tf32 if s.filename == "mma_implicit_gemm.cu"]
     assert mma and all(type_names(s) == {"float"} for s in mma)
-    # mma_implicit_gemm's wgrad sums its fp32 partials with wmma_implicit_gemm's kernel.
-    assert [s.name_expressions for s in tf32 if s.filename == "wmma_implicit_gemm.cu"] == [
-        ("wmma_sum_wgrad_partials<float>",)]
+    # mma_implicit_gemm's wgrad sums its fp32 partials with the tensor cores' wgrad-sum kernel.
+    assert [s.name_expressions for s in tf32 if s.filename == "wgrad_sum.cu"] == [("wgrad_sum<float>",)]
 
 
 def test_an_architecture_is_named_sm_xy():

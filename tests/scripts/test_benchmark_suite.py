@@ -19,6 +19,7 @@ from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.data.scenes import make_scene
 from cupysparse.scripts import analyze_benchmarks as analysis
 from cupysparse.scripts import benchmark_memory_analysis as harness
+from cupysparse.scripts import memory_analysis_backends
 from cupysparse.scripts.benchmarking import interleaved_samples_ms
 from cupysparse.geometry.sparse_tensor import SparseTensor
 
@@ -333,11 +334,12 @@ def test_the_kernel_modules_a_gpu_grid_needs_follow_backend_and_dtype():
                         " ".join(source.name_expressions).count("__nv_bfloat16") > 0)
                        for source in harness.kernel_sources_needed(backends, problems)})
 
-    # auto in fp16 on sm_90: tensor cores only (the three kernels, wgmma's where NVRTC compiles sm_90a);
-    # the fp16 modules, not the bf16 ones.
+    # auto in fp16 on sm_90: tensor cores only (the three kernels, wgmma's where NVRTC compiles sm_90a, and
+    # their wgrad sum); the fp16 modules, not the bf16 ones.
     wgmma = [("wgmma_implicit_gemm.cu", True, False)] if nvrtc_knows("sm_90a") else []
     assert needed(["auto", "spconv"], [problem(np.float16, 64)]) == [
-        ("mma_implicit_gemm.cu", True, False), *wgmma, ("wmma_implicit_gemm.cu", True, False)
+        ("mma_implicit_gemm.cu", True, False), *wgmma, ("wgrad_sum.cu", True, False),
+        ("wmma_implicit_gemm.cu", True, False),
     ]
     # auto in fp32 on a narrow layer: SIMT implicit GEMM (the module of fp32 and fp16); wide: cuBLAS, no module.
     assert needed(["auto"], [problem(np.float32, 32)]) == [("implicit_gemm.cu", True, False)]
@@ -356,7 +358,7 @@ def test_the_dense_torch_baseline_computes_our_convolution(kernel_size, stride):
     result = SparseTensor(coordinates, features).kernel_map(kernel_size, stride)
     ours = get_algorithm("explicit_gemm").forward(features, weight, result.kernel_map)
     config = harness.Configuration("outdoor", 1, 1000, 4, 5, kernel_size, stride, "fp64")
-    dense = harness.DenseTorchLayer(torch, coordinates, features, weight, config, "cpu")
+    dense = memory_analysis_backends.DenseTorchLayer(torch, coordinates, features, weight, config, "cpu")
     theirs = dense.output_rows(dense.forward(), result.out_coordinates).numpy()
     np.testing.assert_allclose(theirs, ours, rtol=1e-10, atol=1e-10)
 

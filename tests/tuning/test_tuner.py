@@ -26,8 +26,10 @@ REFERENCE_OUTPUT = np.linspace(-1, 1, 12).reshape(3, 4)
 class FakeAlgorithm(Algorithm):
     """An algorithm whose answer, priority and parameter grid the test sets."""
 
-    def __init__(self, name, priority=0, sizes=(1,), answer=REFERENCE_OUTPUT, error=None, supported=True):
+    def __init__(self, name, priority=0, sizes=(1,), answer=REFERENCE_OUTPUT, error=None, supported=True,
+                 reference=False):
         self.name, self.priority, self.answer, self.error, self.supported = name, priority, answer, error, supported
+        self.reference = reference
         self.forward_params = {"size": sizes}
         self.backward_params = {"size": sizes}
         self.tuning_namespaces = {"forward": f"{name}_forward_sweep", "backward": f"{name}_backward_sweep"}
@@ -43,7 +45,7 @@ class FakeAlgorithm(Algorithm):
 @pytest.fixture
 def algorithms(monkeypatch):
     fakes = {
-        "explicit_gemm": FakeAlgorithm("explicit_gemm", sizes=(0,)),
+        "explicit_gemm": FakeAlgorithm("explicit_gemm", sizes=(0,), reference=True),
         "fast": FakeAlgorithm("fast", priority=2, sizes=(1, 2, 3)),
         "slow": FakeAlgorithm("slow", priority=1, sizes=(1, 2)),
         "broken": FakeAlgorithm("broken", priority=2, error=RuntimeError("compile failed")),

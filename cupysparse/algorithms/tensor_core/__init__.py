@@ -3,4 +3,5 @@ split-K wgrad summed in a fixed order) on three generations of instructions: `wm
 sm_70+), `mma` (mma.sync and ldmatrix, sm_80+, TF32 too) and `wgmma` (Hopper's warpgroup MMA,
 sm_90a). What they share lives in `common`."""
 
-from cupysparse.algorithms.tensor_core import mma, wgmma, wmma  # noqa: F401 (registration)
+# Imported, so registered, oldest instructions first: the order `registered` lists them in.
+from cupysparse.algorithms.tensor_core import wmma, mma, wgmma  # noqa: F401 (registration)

@@ -1,13 +1,10 @@
-"""`mma_implicit_gemm`: implicit GEMM on tensor cores through `mma.sync` and `ldmatrix` (sm_80+,
+"""`mma_implicit_gemm`: the tensor-core dataflow (`common`) through `mma.sync` and `ldmatrix` (sm_80+,
 fp16 and bf16 features, and fp32 features as TF32 when `cupysparse.cuda.precision` allows it: the tensor
 cores read them truncated to TF32; fp32 accumulation), kernels in raw_kernels/mma_implicit_gemm.cu.
 
-The dataflow is wmma_implicit_gemm's (output-stationary tiles over the mask-sorted rows, offsets a
-tile's rows lack skipped, each output written once, dgrad as the same kernel reading the weight
-transposed over `dgrad_operands`), with the accumulators in registers, warp tiles up to 64 x 64, a
-2- to 4-stage cp.async pipeline in dynamic shared memory, and any channel count in the same kernel
-(16-byte copies where the rows allow them, element copies elsewhere). wgrad is wmma_implicit_gemm's
-split-K dataflow (shares, workspace, ordered sum) with its own mma.sync GEMM kernel.
+The accumulators live in registers, warp tiles are up to 64 x 64, a 2- to 4-stage cp.async pipeline runs
+in dynamic shared memory, and one kernel takes any channel count (16-byte copies where the rows allow
+them, element copies elsewhere). wgrad's GEMM is its own mma.sync kernel.
 """
 
 from __future__ import annotations
@@ -15,32 +12,22 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-import numpy as np
-
-from cupysparse.cuda.backend import cupy_module, current_device
+from cupysparse.cuda.backend import current_device
 from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
-from cupysparse.settings import FP32_PRECISION
 from cupysparse.algorithms.base import ConvProblem, gpu_only_reason, register
-from cupysparse.algorithms.tensor_core.wmma import (
-    AUTO_WGRAD_WARPS_PER_SM,
-    LastMapValues,
-    NO_WGRAD_SUM,
-    VECTOR_BYTES,
-    WGRAD_SUM_ARGUMENTS,
+from cupysparse.algorithms.tensor_core.common import (
+    WARP_SIZE,
     WGRAD_WARPS_PER_SM,
+    DynamicSharedWgradPlan,
+    ForwardGemmPlan,
+    TensorCoreImplicitGemm,
     WgradPlan,
-    WgradSum,
-    WmmaImplicitGemm,
-    check_operand,
-    check_weight,
-    dgrad_operands,
-    forward_map_values,
-    padded_channels,
-    with_wgrad_sum,
+    forward_arguments,
+    fp32_as_tf32_unsupported_reason,
+    padded_weight_and_partials_bytes,
 )
 
-WARP_SIZE = 32
 STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32
 LDMATRIX_ROW_PAD_BYTES = 16  # shared-memory rows read by ldmatrix untransposed are padded by this
 K_MAJOR_ROW_PAD = 8  # elements k-major rows are padded by (raw_kernels/mma_implicit_gemm.cu)
@@ -119,21 +106,15 @@ def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2) 
     return stages * (a_bytes + b_elements * itemsize) + offset_batch * rows * 4 + rows * 4 + warps_m * warps_n * 4
 
 
-def _check_tile(tile, phase: str) -> tuple[int, int, int, int]:
-    tile = tuple(tile)
-    if tile not in TILES:
-        raise ValueError(f"mma_implicit_gemm {phase} tile must be one of {TILES}, got {tile}")
-    return tile
-
-
-class MmaWgradPlan(WgradPlan):
-    """wmma_implicit_gemm's wgrad plan (shares, workspace, sum) with `mma_conv_wgrad` as the GEMM: one
-    kernel per tile for any rows (16-byte copies or not is an argument). A subclass swaps the kernel
-    (`tile_for`, `threads`, `kernel_name`, `kernel_family`, `gemm_shared_bytes`)."""
+class MmaWgradPlan(DynamicSharedWgradPlan):
+    """wgrad with `mma_conv_wgrad` as the GEMM: one kernel per tile for any rows."""
 
     @staticmethod
     def tile_for(in_padded: int, out_padded: int) -> tuple:
         return _wgrad_tile(in_padded, out_padded)
+
+    def threads(self, tile) -> int:
+        return tile[2] * tile[3] * WARP_SIZE
 
     @staticmethod
     def kernel_name(dtype, tile) -> str:
@@ -152,65 +133,6 @@ class MmaWgradPlan(WgradPlan):
         indices = 2 * (WGRAD_STAGES - 1) * 2 * pairs * 4
         return WGRAD_STAGES * pairs * (rows + cols + 2 * K_MAJOR_ROW_PAD) * dtype.itemsize + indices
 
-    @classmethod
-    def gemm_sources(cls, dtype, tile, vectors: bool) -> tuple[KernelSource, ...]:
-        return (cls.kernel_family(dtype).source_of(cls.kernel_name(dtype, tile)),)
-
-    def threads(self, tile) -> int:
-        return tile[2] * tile[3] * WARP_SIZE
-
-    def prepare_gemm(self, dtype, tile, arguments) -> None:
-        kernel = self.kernel_family(dtype).get(self.kernel_name(dtype, tile))
-        self.gemm = PreparedLaunch(kernel, (1,), (self.threads(tile),), (*arguments, None),
-                                   self.gemm_shared_bytes(dtype, tile))
-
-    def launch_gemm(self, stream: int, grid, values: tuple, vectors: bool) -> None:
-        self.gemm.launch(stream, *values, int(vectors), grid=grid)
-
-
-def forward_arguments(kernel_volume: int, in_channels: int, out_channels: int) -> tuple:
-    """The fixed arguments of an output-stationary forward kernel (`mma_conv_forward`,
-    `wgmma_conv_forward`): features, pair table, row order, weight, out and the row count, then
-    vector_rows, the offset order and the wgrad sum's four, are per call."""
-    sizes = (kernel_volume, in_channels, padded_channels(in_channels), out_channels, padded_channels(out_channels))
-    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None, *WGRAD_SUM_ARGUMENTS)
-
-
-class ForwardGemmPlan:
-    """The launch of an output-stationary forward kernel (`forward_arguments`) for one dtype, channel
-    counts, tile and row order, over any pair table of the kernel volume it was prepared for; dgrad
-    launches it over `dgrad_operands` with the weight read transposed. `kernel` is the prepared launch
-    of the tile's kernel (block size and shared memory set), `rows` x `cols` its output tile."""
-
-    def __init__(self, dtype, in_channels: int, out_channels: int, rows: int, cols: int, sort_rows: bool,
-                 kernel: PreparedLaunch):
-        self.dtype = dtype
-        self.out_channels = out_channels
-        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0
-        self.kernel = kernel
-        column_tiles = -(-padded_channels(out_channels) // cols)
-        self._map_values = LastMapValues(functools.partial(forward_map_values, rows, column_tiles, sort_rows))
-
-    def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None) -> None:
-        """Launch over `kernel_map`'s pair table on device addresses (row-major; the weight padded, in
-        the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
-        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
-        table, order, num_out, grid = self._map_values(kernel_map)
-        sum_arguments = NO_WGRAD_SUM
-        if wgrad_sum is not None:
-            grid, sum_arguments = with_wgrad_sum(grid, self.kernel.block_threads, wgrad_sum)
-        vector_rows = 1 if self.vector_rows and not features % VECTOR_BYTES else 0
-        self.kernel.launch(stream, features, table, order, weight, out, num_out, vector_rows,
-                           reverse_weight_offsets, *sum_arguments, grid=grid)
-
-    def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
-        cupy = cupy_module()
-        out = cupy.empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # every element is written once
-        self.launch(kernel_map, features.data.ptr, padded_weight.data.ptr, out.data.ptr,
-                    cupy.cuda.get_current_stream().ptr, reverse_weight_offsets)
-        return out
-
 
 @functools.cache
 def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
@@ -225,9 +147,9 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 
 
 @register
-class MmaImplicitGemm(WmmaImplicitGemm):
+class MmaImplicitGemm(TensorCoreImplicitGemm):
     name = "mma_implicit_gemm"
-    kernel_sources = ("mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    kernel_sources = ("mma_implicit_gemm.cu", "wgrad_sum.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "mma_implicit_gemm_sm80",
         "backward": "mma_implicit_gemm_backward_sm80",
@@ -238,86 +160,18 @@ class MmaImplicitGemm(WmmaImplicitGemm):
     dgrad_stages: ClassVar[int] = DGRAD_STAGES
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
 
-    def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
-        return MmaWgradPlan
-
-    def auto_priority(self, problem: ConvProblem) -> int:
-        """wmma_implicit_gemm's tier, so `auto` measures both: on an H200 this one is ahead from 64
-        channels up (1M voxels x 256: forward 5.4 ms against 7.4, wgrad 6.2 against 9.6), and on an
-        H100 at 100K voxels x 32 and x 64 too, at 16 warps per SM each (x 64 wgrad: fp16 0.065 ms
-        against 0.075, bf16 0.065 against 0.097, whose wmma fragments load element by element)."""
-        return 2
-
-    def auto_param_grid(self, phase: str, problem: ConvProblem) -> list[dict]:
-        """Sorted rows, every depth, and the tiles `auto_tiles` keeps for the padded output channels
-        (dgrad's are the layer's inputs); wgrad's occupancy targets AUTO_WGRAD_WARPS_PER_SM."""
-        tiles = self.auto_tiles(padded_channels(problem.out_channels if phase == "forward" else problem.in_channels))
-        if phase == "forward":
-            stages = self.forward_params["stages"]
-            return [{"tile": tile, "sort_rows": True, "stages": depth} for tile in tiles for depth in stages]
-        return [{"tile": tile, "wgrad_warps_per_sm": warps} for tile in tiles for warps in AUTO_WGRAD_WARPS_PER_SM]
-
     def auto_tiles(self, channels: int) -> list[tuple]:
-        """The tiles `auto` tries for `channels` padded output channels: none wider than they need."""
+        """None wider than the padded output channels need."""
         return [tile for tile in TILES if tile[1] <= max(32, channels)]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
-        reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)
+        reason = gpu_only_reason(problem) or fp32_as_tf32_unsupported_reason(self, problem)
         if reason:
             return reason
         if (problem.compute_capability or 0) < MIN_COMPUTE_CAPABILITY:
             return (f"{self.name} needs compute capability 8.0 or newer (mma.sync for {short_name(problem.dtype)}); "
                     f"this GPU is sm_{problem.compute_capability}")
         return None
-
-    def dtype_unsupported_reason(self, problem: ConvProblem) -> str | None:
-        """Why the features' dtype cannot run: fp32 unless TF32 is chosen, or no kernel for it."""
-        if problem.dtype == FLOAT32 and not problem.tf32:
-            return (f"{self.name} runs fp32 only in TF32, and exact fp32 is chosen (TF32: "
-                    f"cupysparse.cuda.precision.set_fp32_precision('tf32') or {FP32_PRECISION.name}=tf32)")
-        if problem.dtype not in self.feature_dtypes:
-            return f"{self.name} runs fp16, bf16 and TF32 on tensor cores, not {short_name(problem.dtype)}"
-        return None
-
-    def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
-        weight = self.prepare_weight(weight)
-        tile = self.checked_tile(tile, "forward")
-        check_weight(weight, kernel_map)
-        check_operand(self, "features", features, "the weight", weight.dtype, kernel_map.num_in, weight.in_channels)
-        if stages not in self.forward_params["stages"]:
-            raise ValueError(f"{self.name} stages must be one of {self.forward_params['stages']}, got {stages!r}")
-        transposed = self.forward_weight_transposed(weight.dtype)
-        padded = cupy_module().ascontiguousarray(weight.padded.transpose(0, 2, 1)) if transposed else weight.padded
-        return self._run(features, kernel_map, sort_rows, padded, weight.in_channels, weight.out_channels, tile,
-                         stages, transposed)
-
-    def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
-        weight = self.prepare_weight(weight)
-        tile = self.checked_tile(tile, "dgrad")
-        check_weight(weight, kernel_map)
-        check_operand(self, "grad_output", grad_output, "the weight", weight.dtype, kernel_map.num_out,
-                      weight.out_channels)
-        table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
-        return self._run(grad_output, table_map, True, weight.padded, weight.out_channels, weight.in_channels, tile,
-                         self.dgrad_stages_for(tile), True, reverse_weight_offsets)
-
-    def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
-        self.checked_tile(tile, "wgrad")
-        return super().wgrad(features, grad_output, kernel_map, wgrad_warps_per_sm=wgrad_warps_per_sm)
-
-    def _run(self, features, kernel_map, sort_rows: bool, padded_weight, in_channels: int, out_channels: int, tile,
-             stages: int, weight_transposed: bool, reverse_weight_offsets: int = 0):
-        cupy = cupy_module()
-        kernel_volume, num_out = kernel_map.pair_table.shape
-        if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
-            return cupy.zeros((num_out, out_channels), dtype=features.dtype)
-        features = cupy.ascontiguousarray(features)
-        plan = self.gemm_plan(np.dtype(features.dtype), kernel_volume, in_channels, out_channels, tile, stages,
-                              sort_rows, weight_transposed)
-        return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
-
-    def checked_tile(self, tile, phase: str) -> tuple:
-        return _check_tile(tile, phase)
 
     def forward_sources(self, dtype, in_channels: int, tile, stages: int,
                         weight_transposed: bool) -> tuple[KernelSource, ...]:
@@ -327,3 +181,9 @@ class MmaImplicitGemm(WmmaImplicitGemm):
                   sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
         return _plan(current_device(), dtype, kernel_volume, in_channels, out_channels, tile, stages, sort_rows,
                      weight_transposed)
+
+    def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
+        return MmaWgradPlan
+
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        return padded_weight_and_partials_bytes(problem, phase, params)

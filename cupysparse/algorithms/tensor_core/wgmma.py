@@ -4,21 +4,21 @@ and fp32 ones as TF32 when `cupysparse.cuda.precision` allows it (the tensor cor
 each fp32 operand: truncated, as in mma_implicit_gemm), fp32 accumulation; forward and
 dgrad kernel in raw_kernels/wgmma_implicit_gemm.cu, compiled with -arch=sm_90a.
 
-The forward is mma_implicit_gemm's dataflow (output-stationary tiles over the mask-sorted rows, offsets
-a tile's rows lack skipped, each output written once, any channel count: 16-byte copies where the rows
-allow them, element copies elsewhere) with one or two warpgroups per block, each multiplying 64 rows by
+The forward is the tensor-core dataflow (`common`: output-stationary tiles over the mask-sorted rows,
+offsets a tile's rows lack skipped, each output written once), for any channel count (16-byte copies where
+the rows allow them, element copies elsewhere), with one or two warpgroups per block, each multiplying 64 rows by
 the block's 64, 128 or 256 output channels straight from shared memory, whose operand tiles a 3- or
 4-stage cp.async pipeline fills in the wgmma descriptors' 128-byte swizzle layout. dgrad is the same
 kernel over `dgrad_operands` with the weight read transposed (a K-major B operand); TF32, which takes
 K-major operands only, runs its forward on the weight transposed too (`forward_weight_transposed`: a
-copy per call, or the layout a launch plan asks its caller for). wgrad is mma_implicit_gemm's split-K
-dataflow (shares of each offset's pair list, fp32 partials, their ordered sum) with its own GEMM on layers
+copy per call, or the layout a launch plan asks its caller for). wgrad is the common split-K dataflow
+(shares of each offset's pair list, fp32 partials, their ordered sum) with its own GEMM on layers
 wider than 64 channels (`wgrad_plan_class_for`): for 16-bit operands `wgmma_conv_wgrad`, which stages the
 gathered rows as they lie, pair-major, and reads them MN-major through the instruction's transpose flags;
 for TF32, K-major only, `wgmma_conv_wgrad_tf32`, which transposes dy's rows on their way into shared
 memory and reads x's A fragments into registers. Elsewhere wgrad is mma_implicit_gemm's.
 
-On an H100 it ranks with the other tensor-core algorithms (mma_implicit_gemm's `auto_priority`), so
+On an H100 it ranks with the other tensor-core algorithms (`TensorCoreImplicitGemm.auto_priority`), so
 `auto` measures it beside them; everywhere else it is unsupported, and its kernels are never loaded.
 """
 
@@ -30,9 +30,17 @@ from typing import ClassVar
 from cupysparse.cuda.backend import current_device
 from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch, nvrtc_knows, pinned_capability
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
-from cupysparse.algorithms.base import ConvProblem, gpu_only_reason, register
-from cupysparse.algorithms.tensor_core.mma import ForwardGemmPlan, MmaImplicitGemm, MmaWgradPlan, forward_arguments
-from cupysparse.algorithms.tensor_core.wmma import WGRAD_WARPS_PER_SM, WgradPlan, padded_channels
+from cupysparse.algorithms.base import ConvProblem, get_algorithm, gpu_only_reason, register
+from cupysparse.algorithms.tensor_core.common import (
+    WGRAD_WARPS_PER_SM,
+    DynamicSharedWgradPlan,
+    ForwardGemmPlan,
+    TensorCoreImplicitGemm,
+    WgradPlan,
+    forward_arguments,
+    fp32_as_tf32_unsupported_reason,
+    padded_channels,
+)
 
 ARCHITECTURE = "sm_90a"
 WARPGROUP_THREADS = 128
@@ -143,15 +151,9 @@ def dgrad_stages(tile) -> int:
 _SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
 
 
-def _check_tile(tile, phase: str) -> tuple[int, int]:
-    tile = tuple(tile)
-    if tile not in TILES:
-        raise ValueError(f"wgmma_implicit_gemm {phase} tile must be one of {TILES}, got {tile}")
-    return tile
-
-
-class _WgmmaWgradPlan(MmaWgradPlan):
-    """mma_implicit_gemm's wgrad plan with `wgmma_conv_wgrad` as the GEMM."""
+class _WgmmaWgradPlan(DynamicSharedWgradPlan):
+    """wgrad with `wgmma_conv_wgrad` (16-bit) or `wgmma_conv_wgrad_tf32` as the GEMM: one kernel per tile
+    for any rows."""
 
     @staticmethod
     def tile_for(in_padded: int, out_padded: int) -> tuple:
@@ -185,9 +187,10 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 
 
 @register
-class WgmmaImplicitGemm(MmaImplicitGemm):
+class WgmmaImplicitGemm(TensorCoreImplicitGemm):
     name = "wgmma_implicit_gemm"
-    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wmma_implicit_gemm.cu")
+    # Its wgrad on layers of up to 64 channels is mma_implicit_gemm's (`wgrad_plan_class_for`).
+    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wgrad_sum.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wgmma_implicit_gemm_sm90a",
         "backward": "wgmma_implicit_gemm_backward_sm90a",
@@ -208,15 +211,16 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         """Its own wgrad past 64 padded channels on both sides, where it ran faster than
         mma_implicit_gemm's (H100, side by side, 1M voxels: fp16 x 256 4.35 ms against 7.48, x 128 1.75
         against 2.05, x 80 1.64 against 1.66; TF32 x 256 9.6 against 11.2, x 128 3.57 against 3.65, x 96
-        2.78 against 2.89); mma_implicit_gemm's elsewhere: at 64 channels a 64 x 64 wgmma tile ran slower
-        (1M voxels, fp16: 1.18 ms against 1.04)."""
+        2.78 against 2.89); mma_implicit_gemm's elsewhere (the registry's: no import of another
+        algorithm's module): at 64 channels a 64 x 64 wgmma tile ran slower (1M voxels, fp16: 1.18 ms
+        against 1.04)."""
         if dtype in WGRAD_DTYPES and min(padded_channels(in_channels), padded_channels(out_channels)) >= \
                 WGRAD_MIN_CHANNELS:
             return _WgmmaWgradPlan
-        return MmaWgradPlan
+        return get_algorithm("mma_implicit_gemm").wgrad_plan_class_for(dtype, in_channels, out_channels)
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
-        reason = gpu_only_reason(problem) or self.dtype_unsupported_reason(problem)
+        reason = gpu_only_reason(problem) or fp32_as_tf32_unsupported_reason(self, problem)
         if reason:
             return reason
         needed = pinned_capability(ARCHITECTURE)
@@ -226,19 +230,6 @@ class WgmmaImplicitGemm(MmaImplicitGemm):
         if not nvrtc_knows(ARCHITECTURE):
             return f"{self.name} needs an NVRTC that compiles for {ARCHITECTURE} (CUDA 12.0 or newer)"
         return None
-
-    # The same entry points as mma_implicit_gemm's, with this kernel's tiles as their defaults.
-    def forward(self, features, weight, kernel_map, tile=TILES[0], sort_rows: bool = True, stages: int = STAGES[0]):
-        return super().forward(features, weight, kernel_map, tile, sort_rows, stages)
-
-    def dgrad(self, grad_output, weight, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
-        return super().dgrad(grad_output, weight, kernel_map, tile, wgrad_warps_per_sm)
-
-    def wgrad(self, features, grad_output, kernel_map, tile=TILES[0], wgrad_warps_per_sm: int = WGRAD_WARPS_PER_SM[0]):
-        return super().wgrad(features, grad_output, kernel_map, tile, wgrad_warps_per_sm)
-
-    def checked_tile(self, tile, phase: str) -> tuple:
-        return _check_tile(tile, phase)
 
     def dgrad_stages_for(self, tile) -> int:
         return dgrad_stages(tile)
