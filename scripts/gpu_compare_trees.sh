@@ -25,13 +25,16 @@ if [ -s .peer/peer.tar.xz ]; then
 fi
 for tree in baseline new; do
   source=$([ "$tree" = new ] && echo "$repo" || echo "$baseline")
-  rm -rf "/tmp/tree-$tree"
-  python3 -m pip install -q --no-deps --no-build-isolation --target "/tmp/tree-$tree" "$source" || exit 1
+  if [ ! -d "/tmp/tree-$tree/cupysparse" ]; then  # an install an earlier call on this machine made is kept
+    python3 -m pip install -q --no-deps --no-build-isolation --target "/tmp/tree-$tree" "$source" || exit 1
+  fi
 done
-run() {  # run TREE LOG COMMAND...: COMMAND with TREE's package first on the path, outside the checkout
+run() {  # run TREE LOG COMMAND...: COMMAND with TREE's package first on the path, outside the checkout,
+         # with a tuning cache of the tree's own (each reads its shipped file, neither the other's entries)
   local tree=$1 log=$2
   shift 2
-  (cd /tmp && PYTHONPATH="/tmp/tree-$tree${peer:+:$peer}" "$@") 2>&1 | tee -a "$out/$log"
+  (cd /tmp && PYTHONPATH="/tmp/tree-$tree${peer:+:$peer}" CUPYSPARSE_BENCHMARK_CACHE_DIR="/tmp/tuning-$tree" "$@") 2>&1 |
+    tee -a "$out/$log"
   return "${PIPESTATUS[0]}"
 }
 status=0
