@@ -100,7 +100,7 @@ class KernelMap:
 
     def __init__(
         self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
-        offset_mask=None, mask_sorted_order=None, derive_in=contextlib.nullcontext,
+        offset_mask=None, mask_sorted_order=None, csr=None, derive_in=contextlib.nullcontext,
     ):
         check_row_count(pair_table.shape[1], "a kernel map's output")
         check_row_count(num_in, "a kernel map's input")
@@ -113,6 +113,8 @@ class KernelMap:
             self._offset_mask = offset_mask
         if mask_sorted_order is not None:  # known without sorting (the identity map's: every row in place)
             self._mask_sorted_order = mask_sorted_order
+        if csr is not None:  # known without counting (the identity map's: every row its own pair)
+            self._csr = csr
         self.num_in = num_in
         self.kernel_size = tuple(kernel_size)
         self.stride = tuple(stride)
@@ -154,7 +156,7 @@ class KernelMap:
         waits for nothing (the count has long reached the host) where it would otherwise wait for the
         GPU to catch up. Call it well before: e.g. in the forward pass of a layer whose backward needs
         the lists. Nothing to do on the CPU."""
-        if is_cupy_array(self.pair_table):
+        if is_cupy_array(self.pair_table) and "_csr" not in self.__dict__:
             self._pair_counts
 
     @functools.cached_property
@@ -523,9 +525,13 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
     """Output = input coordinates. `index` reuses a `hashing.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
     if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
-        rows = array_module(in_coords).arange(in_coords.shape[0], dtype=np.int32)
-        # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run.
-        return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows)
+        xp = array_module(in_coords)
+        rows = xp.arange(in_coords.shape[0], dtype=np.int32)
+        # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run; and
+        # the one offset's pair list is every row with itself: nothing to count, so no synchronisation.
+        pairs = CsrPairs(in_idx=rows, out_idx=rows, offsets=xp.asarray([0, len(rows)], dtype=np.int64))
+        return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows,
+                         csr=pairs)
     index = index or build_index(in_coords)
     query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
     table, mask = index.pair_table(in_coords, query, same_coordinates=True)

@@ -794,3 +794,19 @@ def test_geometry_past_int32_is_refused_naming_the_argument(argument):
     geometry = {"kernel_size": 3, "stride": 2, "dilation": 1, argument: (1, 1, 2**31)}
     with pytest.raises(ValueError, match=f"{argument} must be at most {2**31 - 1}"):
         KernelMapCache(single_coords(3), (1, 1, 1)).kernel_map((1, 1, 1), **geometry)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_pointwise_maps_pair_lists_are_its_rows_without_counting(device, monkeypatch):
+    """A 1^D submanifold map knows its pair lists from its construction: the ones the generic
+    derivation gives, with no count (on the GPU, a count waits for the device)."""
+    coords = on_device(random_coords(3, seed=11), device)
+    kernel_map = submanifold_map(coords, 1)
+    expected = kernel_map_module.csr_pairs(kernel_map.pair_table)
+    monkeypatch.setattr(kernel_map_module, "count_pairs", lambda *arguments: pytest.fail("counted"))
+    monkeypatch.setattr(kernel_map_module, "csr_pairs", lambda *arguments: pytest.fail("derived"))
+    kernel_map.count_pairs_ahead()
+    csr = kernel_map.csr()
+    for name in ("in_idx", "out_idx", "offsets"):
+        np.testing.assert_array_equal(to_host(getattr(csr, name)), to_host(getattr(expected, name)))
+    assert to_host(csr.offsets).dtype == to_host(expected.offsets).dtype
