@@ -18,7 +18,7 @@ call; an invalid value raises ValueError naming the variable and listing the val
 device. Algorithm names are checked against the registry where the modes are parsed
 (`cupysparse.tuning.search_space`), which lists the valid names likewise.
 
-A layer's launch plan, kept on its kernel map (`cupysparse.functional.execution`), holds for as long
+A layer's launch plan, kept for its signature (`cupysparse.functional.execution`), holds for as long
 as the settings it was selected under: `selection_state()` is the count of in-process changes reported
 through `changed()` (an fp32 precision set in code, a tuner forgetting its choices) and the raw values
 of the variables that steer a selection, read straight from the process environment's mapping (a

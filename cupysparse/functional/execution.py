@@ -5,13 +5,12 @@ canonical string of `search_space.algorithm_argument`), and an `Arrays`: how the
 framework are allocated, addressed and viewed as the core's. `CORE` serves NumPy and CuPy; the
 adapters bring theirs (`cupysparse.adapters.torch.bridge`). A call then:
 
-1. finds the layer's launch plan: what the call's signature (its arrays' shapes, dtype and device and
-   its algorithm argument) selected over this kernel map the first time, remembered on the map until
-   a setting a selection depends on changes (`settings.selection_state()`). A selection asks the tuner
-   (which measures the candidates on the call's own data the first time it meets the problem, and
-   remembers its choice for every map of the problem's size bucket) and the selected algorithm for its
-   launch plan (`Algorithm.forward_plan` / `backward_plan`); a new map of a known signature (the next
-   scene) costs a lookup, not a measurement;
+1. finds the layer's launch plan: what the call's signature (its dtype, weight shape, device and
+   algorithm argument, and its map's kernel, kind and sizes as the tuner tells them apart) selected the
+   first time, kept until a setting a selection depends on changes (`settings.selection_state()`), so a
+   new map of a known signature (the next scene) costs a lookup. A selection asks the tuner (which
+   measures the candidates on the call's own data the first time it meets the problem) and the selected
+   algorithm for its launch plan (`Algorithm.forward_plan` / `backward_plan`);
 2. with a plan, allocates the outputs through `Arrays` and launches on device addresses: no argument
    conversion, no problem description, no selection. On a 100K-voxel layer those took as long as its
    kernels;
@@ -37,7 +36,7 @@ from cupysparse.cuda.dtypes import FEATURE_DTYPES
 from cupysparse.cuda.out_of_memory import naming_sizes
 from cupysparse.functional import checks
 from cupysparse.tuning.search_space import Selection, algorithm_filter, parse_algorithm_filter
-from cupysparse.tuning.tuner import select_algorithm
+from cupysparse.tuning.tuner import rehearsing, select_algorithm, size_bucket
 
 PHASES = ("forward", "backward")
 _FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
@@ -240,28 +239,49 @@ def backward(arrays: Arrays, grad_output, features, weight, kernel_map, argument
 def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kernel_map, grad_output=None):
     """The launch plan of `phase` ("forward", or "backward" with `grad_output`) for this call, or None
     where a plan cannot take its arrays or the selected algorithm has none. Every call checks what can
-    change between calls of one signature (`Arrays.launch_device`); what the signature decides (the shapes
-    fit the map, the selection) is remembered on the map with the plan."""
+    change between calls of one signature (`Arrays.launch_device`, the shapes against the map); the plan
+    is kept for the signature (`_plans`) until a setting a selection depends on changes."""
     device = arrays.launch_device(features, weight, grad_output)
-    if device is None:
+    if device is None or not _shapes_fit(features.shape, weight.shape, kernel_map, grad_output):
         return None
-    call = (phase, argument, features.dtype, features.shape, weight.shape, device)
-    if grad_output is not None:
-        call += (grad_output.shape,)
+    key = (phase, argument, features.dtype, weight.shape, device, kernel_map.derived(map_signature, map_signature))
     state = (settings.changes, *settings.selection_values())  # `settings.selection_state()`, without a call
-    remembered = kernel_map.plans.get(call)
-    if remembered is not None and remembered[0] == state:
-        return remembered[1]
+    kept = _plans.get(key)
+    if kept is not None and kept[0] == state:
+        return kept[1]
     plan = _selected_plan(arrays, phase, argument, features, weight, kernel_map, grad_output)
-    kernel_map.plans[call] = (state, plan)
+    if not rehearsing():  # a rehearsal's choices were made for other sizes: they stay its own
+        _plans[key] = (state, plan)
     return plan
 
 
+# The plan of each layer signature: by phase, algorithm argument, dtype, weight shape, device and
+# `map_signature`, with the `settings.selection_state()` it was selected under. The sizes enter as the
+# tuner's size buckets, so a new map of a known signature (the next scene) finds its plan here.
+_plans: dict[tuple, tuple] = {}
+
+
+def map_signature(kernel_map) -> tuple:
+    """What the plans of a map's layers depend on: its kernel volume, stride and kind, and its sizes as
+    the tuner tells them apart (`size_bucket`). Kept with the map (`KernelMap.derived`)."""
+    return (kernel_map.kernel_volume, kernel_map.stride, kernel_map.transposed, kernel_map.generative,
+            size_bucket(kernel_map.num_in), size_bucket(kernel_map.num_out))
+
+
+def _shapes_fit(features_shape, weight_shape, kernel_map, grad_output) -> bool:
+    """Whether a plan over `kernel_map` takes arrays of these shapes as the full path's checks accept
+    them, with rows to compute (the channels and dtype are the signature's, checked when it is selected)."""
+    return (len(features_shape) == 2 and len(weight_shape) == 3 and features_shape[0] == kernel_map.num_in
+            and weight_shape[0] == kernel_map.kernel_volume and features_shape[1] == weight_shape[1]
+            and features_shape[0] > 0 and kernel_map.num_out > 0
+            and (grad_output is None or tuple(grad_output.shape) == (kernel_map.num_out, weight_shape[2])))
+
+
 def _selected_plan(arrays: Arrays, phase: str, argument: str, features, weight, kernel_map, grad_output):
-    """The plan of the algorithm the tuner selects for this call, None where the shapes leave a plan
-    nothing to do or do not fit the map (the full path then explains what is wrong, or returns zeros)."""
+    """The plan of the algorithm the tuner selects for this call, None where its dtype or channels leave a
+    plan nothing to do (the full path then explains what is wrong, or returns zeros)."""
     dtype = arrays.core_dtype(features.dtype)
-    if not _fits(dtype, features.shape, weight.shape, kernel_map, None if grad_output is None else grad_output.shape):
+    if dtype not in _FEATURE_DTYPES or features.shape[1] == 0 or weight.shape[2] == 0:
         return None
     problem = ConvProblem.over(kernel_map, features.shape[1], weight.shape[2], dtype, on_gpu=True)
     with arrays.device_context(features):
@@ -270,20 +290,6 @@ def _selected_plan(arrays: Arrays, phase: str, argument: str, features, weight, 
         selection = select_algorithm(algorithm_filter(argument, CONV, phase), problem, run)
         planner = selection.algorithm.forward_plan if phase == "forward" else selection.algorithm.backward_plan
         return planner(problem, selection.params)
-
-
-def _fits(dtype, features_shape, weight_shape, kernel_map, grad_output_shape) -> bool:
-    """Whether arrays of these shapes and core dtype fit a plan over `kernel_map` as the full path's
-    checks accept them, with work to do."""
-    if len(features_shape) != 2 or len(weight_shape) != 3:
-        return False
-    rows, channels = features_shape
-    kernel_volume, in_channels, out_channels = weight_shape
-    return (
-        dtype in _FEATURE_DTYPES and rows == kernel_map.num_in and kernel_volume == kernel_map.kernel_volume
-        and in_channels == channels and rows > 0 and kernel_map.num_out > 0 and channels > 0 and out_channels > 0
-        and (grad_output_shape is None or tuple(grad_output_shape) == (kernel_map.num_out, out_channels))
-    )
 
 
 def select_forward(features, weight, kernel_map, algo=None) -> Selection:

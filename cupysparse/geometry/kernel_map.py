@@ -124,8 +124,6 @@ class KernelMap:
         # What the formats derived later (and the reversed map) are computed in: e.g. a framework's
         # stream and allocator, as the map itself was.
         self.derive_in = derive_in
-        # The launch plans of the layers run over this map, by call signature (`functional.execution`).
-        self.plans = {}
 
     @property
     def offsets(self) -> np.ndarray:

@@ -30,7 +30,7 @@ class PlannableArrays(execution.Arrays):
 
 @pytest.fixture
 def selections(monkeypatch):
-    """The plans `layer_plan` selects, in order: each selection returns a new "plan N"."""
+    """The plans `layer_plan` selects, in order: each selection returns a new "plan N"; no plan kept before."""
     selected = []
 
     def select(arrays, phase, argument, features, weight, kernel_map, grad_output):
@@ -38,12 +38,23 @@ def selections(monkeypatch):
         return f"plan {len(selected)}"
 
     monkeypatch.setattr(execution, "_selected_plan", select)
+    monkeypatch.setattr(execution, "_plans", {})
     return selected
 
 
-def _map(num_in: int = 1500):
-    return types.SimpleNamespace(kernel_volume=27, stride=(1, 1, 1), transposed=False, generative=False,
-                                 num_in=num_in, num_out=num_in, plans={})
+class FakeMap:
+    """What `layer_plan` reads of a kernel map."""
+
+    def __init__(self, num_in: int = 1500, stride=(1, 1, 1)):
+        self.kernel_volume, self.stride, self.transposed, self.generative = 27, stride, False, False
+        self.num_in = self.num_out = num_in
+
+    def derived(self, key, compute):
+        return compute(self)
+
+
+def _map(num_in: int = 1500, stride=(1, 1, 1)):
+    return FakeMap(num_in, stride)
 
 
 def _array(shape, dtype=np.float16):
@@ -72,16 +83,39 @@ def test_a_bad_algorithm_argument_raises_before_any_plan_is_looked_up(algo):
         algorithm_argument(algo, CONV, "forward")
 
 
-def test_a_map_remembers_each_call_signatures_plan(selections):
-    kernel_map = _map()
-    first = _plan(kernel_map)
-    assert [_plan(kernel_map) for _ in range(3)] == [first] * 3
-    assert _plan(kernel_map, "auto") == "plan 2"  # another signature on the same map
-    assert _plan(kernel_map, phase="backward") == "plan 3"
-    assert _plan(kernel_map, channels=(32, 64)) == "plan 4"
-    assert _plan(kernel_map, dtype=np.float32) == "plan 5"
-    assert len(kernel_map.plans) == 5 and len(selections) == 5
-    assert _plan(_map()) == "plan 6"  # another map: its own
+def test_a_signature_selects_once_for_every_map_of_its_sizes(selections):
+    first = _plan(_map(1500))
+    assert [_plan(_map(1500)) for _ in range(3)] == [first] * 3
+    assert _plan(_map(2000)) == first  # 1500 and 2000 rows: one size bucket
+    assert _plan(_map(2100)) == "plan 2"  # the next bucket
+    assert _plan(_map(1500), "auto") == "plan 3"  # another algorithm argument
+    assert _plan(_map(1500), phase="backward") == "plan 4"
+    assert _plan(_map(1500), channels=(32, 64)) == "plan 5"
+    assert _plan(_map(1500), dtype=np.float32) == "plan 6"
+    assert _plan(_map(1500, stride=(2, 2, 2))) == "plan 7"
+    assert len(selections) == 7
+
+
+def test_shapes_that_do_not_fit_the_map_take_no_plan(selections):
+    kernel_map = _map(1500)
+    features, weight = _array((1500, 32)), _array((27, 32, 64))
+    arrays = PlannableArrays()
+    assert execution.layer_plan(arrays, "forward", "", features, weight, kernel_map) == "plan 1"
+    for features_shape, weight_shape in (((1400, 32), (27, 32, 64)), ((1500, 32), (8, 32, 64)),
+                                         ((1500, 16), (27, 32, 64)), ((1500, 32, 1), (27, 32, 64))):
+        assert execution.layer_plan(arrays, "forward", "", _array(features_shape), _array(weight_shape),
+                                    kernel_map) is None
+    assert execution.layer_plan(arrays, "backward", "", features, weight, kernel_map, _array((1500, 64))) == "plan 2"
+    assert execution.layer_plan(arrays, "backward", "", features, weight, kernel_map, _array((1500, 32))) is None
+    assert len(selections) == 2
+
+
+def test_a_rehearsals_selections_are_not_kept(selections):
+    with tuner.rehearsal({}):
+        assert _plan(_map(8)) == "plan 1"
+        assert _plan(_map(8)) == "plan 2"
+    assert _plan(_map(8)) == "plan 3"
+    assert _plan(_map(8)) == "plan 3"
 
 
 def test_a_layer_selects_again_after_a_change_a_selection_depends_on_and_only_then(selections, monkeypatch):
@@ -115,42 +149,27 @@ def test_a_remembered_plan_is_checked_without_parsing_a_setting(selections, monk
     assert [_plan(kernel_map) for _ in range(3)] == [first] * 3
 
 
-def test_a_selection_that_raises_remembers_nothing(monkeypatch):
-    kernel_map = _map()
-
+def test_a_selection_that_raises_keeps_nothing(monkeypatch):
     def failing(*arguments):
         raise ValueError("no algorithm can run this problem")
 
+    monkeypatch.setattr(execution, "_plans", {})
     monkeypatch.setattr(execution, "_selected_plan", failing)
     with pytest.raises(ValueError):
-        _plan(kernel_map)
-    assert kernel_map.plans == {}
+        _plan(_map())
+    assert execution._plans == {}
 
 
-def test_no_plan_is_remembered_too(monkeypatch):
+def test_no_plan_is_kept_too(monkeypatch):
     """An algorithm without plans: the layer's calls take the full path without selecting again."""
     calls = []
+    monkeypatch.setattr(execution, "_plans", {})
     monkeypatch.setattr(execution, "_selected_plan", lambda *arguments: calls.append(1))
     kernel_map = _map()
     assert [_plan(kernel_map) for _ in range(3)] == [None] * 3 and len(calls) == 1
 
 
 def test_arrays_no_plan_takes_select_nothing(selections):
-    kernel_map = _map()
     features, weight = np.zeros((1500, 32), np.float16), np.zeros((27, 32, 32), np.float16)
-    assert execution.layer_plan(execution.core_arrays(), "forward", "", features, weight, kernel_map) is None
-    assert selections == [] and kernel_map.plans == {}
-
-
-def test_shapes_that_do_not_fit_the_map_get_no_plan():
-    kernel_map = _map()
-    fits = execution._fits
-    dtype = np.dtype(np.float16)
-    assert fits(dtype, (1500, 32), (27, 32, 64), kernel_map, None)
-    assert fits(dtype, (1500, 32), (27, 32, 64), kernel_map, (1500, 64))
-    assert not fits(dtype, (1400, 32), (27, 32, 64), kernel_map, None)  # rows
-    assert not fits(dtype, (1500, 32), (8, 32, 64), kernel_map, None)  # kernel volume
-    assert not fits(dtype, (1500, 16), (27, 32, 64), kernel_map, None)  # channels
-    assert not fits(dtype, (1500, 32), (27, 32, 64), kernel_map, (1500, 32))  # output gradient
-    assert not fits(np.dtype(np.int32), (1500, 32), (27, 32, 64), kernel_map, None)
-    assert not fits(dtype, (1500, 0), (27, 0, 64), kernel_map, None)  # nothing to do
+    assert execution.layer_plan(execution.core_arrays(), "forward", "", features, weight, _map()) is None
+    assert selections == [] and execution._plans == {}
