@@ -1,5 +1,4 @@
-"""Zero-copy between torch tensors and the core's arrays, the context every launch runs in, and
-`TorchArrays`: torch's side of the core's execution path (`cupysparse.functional.execution.Arrays`).
+"""Zero-copy between torch tensors and the core's arrays, and the context every launch runs in.
 
 CUDA tensors become CuPy arrays over the same device memory (built from the pointer: a DLPack
 exchange costs tens of microseconds per tensor, too much for a call that should cost a few), and
@@ -13,26 +12,20 @@ side. Tensors are detached before export: autograd is the adapter's business, no
 current stream (so no synchronisation is needed either way, and CUDA-graph capture sees every
 launch), with every CuPy allocation taken from torch's caching allocator (one memory pool, and
 inside graph capture the graph's private pool).
-
-A planned launch allocates its outputs with torch and hands the core device addresses and torch's raw
-stream handle (`TorchArrays`): no core arrays are made per call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import warnings
 import weakref
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import BFLOAT16
-from cupysparse.functional.execution import Arrays
 
 
 _NUMPY_DTYPES = {
@@ -148,91 +141,3 @@ def on_torch_stream(device: torch.device):
     cupy = cupy_module()
     with cupy.cuda.Device(_device_id(device)), cupy_stream(device), cupy.cuda.using_allocator(_torch_allocation):
         yield
-
-
-class TorchArrays(Arrays):
-    """torch tensors for the core's execution path: CUDA tensors take plans; CPU tensors take the full
-    path on their NumPy views."""
-
-    def __init__(self):
-        # Inference's padded weights, by weight: ((its version, address, padded shape), the padded copy).
-        self._padded_weights = WeakIdKeyDictionary()
-
-    def launch_device(self, features, weight, grad_output=None) -> int | None:
-        if not (features.is_cuda and features.is_contiguous() and features.dtype == weight.dtype
-                and features.device == weight.device):
-            return None
-        device_index = features.device.index
-        if device_index != torch.cuda.current_device():
-            return None
-        if grad_output is not None and not (grad_output.is_contiguous() and grad_output.dtype == features.dtype
-                                            and grad_output.device == features.device):
-            return None
-        return device_index
-
-    def core_dtype(self, dtype: torch.dtype) -> np.dtype | None:
-        return core_dtype(dtype)
-
-    def empty(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
-        return like.new_empty(shape)
-
-    def empty_float32(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.float32, device=like.device)
-
-    # A C-level call, not a method: it costs no Python frame on the hot path.
-    address = operator.methodcaller("data_ptr")
-
-    def stream(self, like: torch.Tensor) -> int:
-        return torch._C._cuda_getCurrentRawStream(like.device.index)  # a CUDA tensor's index is never None
-
-    def padded_weight(self, weight: torch.Tensor, shape: tuple, transposed: bool, reuse: bool) -> torch.Tensor:
-        """See `Arrays.padded_weight`; with `reuse`, the padded copy is kept from call to call while `weight`
-        is unchanged: an in-place update (an optimiser's step, `load_state_dict`, anything under
-        `torch.no_grad()`) bumps its `_version`, a reassigned `.data` changes its address, so either pads
-        again. Writes through `weight.data` are not seen (they bump no version): such a weight must be
-        updated in place on the tensor itself. While a CUDA graph is captured it pads anew, so that every
-        replay reads the weight as it is then."""
-        if weight.shape == shape and not transposed:
-            return weight.contiguous()
-        if not reuse or weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return _padded(weight, shape, transposed)  # an inference tensor has no version to key on
-        key = (weight._version, weight.data_ptr(), shape, transposed)
-        kept = self._padded_weights.get(weight)
-        if kept is None or kept[0] != key:
-            kept = self._padded_weights[weight] = (key, _padded(weight, shape, transposed))
-        return kept[1]
-
-    def device_context(self, like: torch.Tensor):
-        return on_torch_stream(like.device)
-
-    def gpu(self, array: torch.Tensor) -> int | None:
-        return array.device.index if array.is_cuda else None
-
-    def current_gpu(self) -> int:
-        return torch.cuda.current_device()
-
-    def is_contiguous(self, array: torch.Tensor) -> bool:
-        return array.is_contiguous()
-
-    def contiguous(self, array: torch.Tensor) -> torch.Tensor:
-        return array.contiguous()
-
-    def to_core(self, array: torch.Tensor):
-        return to_core(array)
-
-    def from_core(self, array) -> torch.Tensor:
-        return from_core(array)
-
-
-def _padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:
-    """`weight` `[K, A, B]` (`[K, B, A]` when `transposed`) zero-padded at the end of its last two
-    dimensions to `shape`, contiguous."""
-    if transposed:
-        weight = weight.transpose(1, 2)
-    if weight.shape == shape:
-        return weight.contiguous()
-    padding = (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1])
-    return torch.nn.functional.pad(weight.detach(), padding).contiguous()
-
-
-TORCH_ARRAYS = TorchArrays()

@@ -1,10 +1,11 @@
 """Differentiable sparse convolutions, pooling and the inference epilogue of torch `SparseTensor`s.
 
 A convolution runs the core's execution path (`cupysparse.functional.execution`) with torch's arrays
-(`bridge.TorchArrays`): the layer's launch plan on torch allocations and torch's stream, or the core's
-full path on zero-copy views. Compilers see it through `torch.library` custom ops (`cupysparse::*`)
-with fake implementations, which give the output shapes from the tensors alone, so compiled graphs
-need no real data to trace; in eager mode `map_convolution` skips the op's dispatch (a hundred
+(`TorchArrays`, the adapter's side of its `Arrays` protocol): the layer's launch plan on torch
+allocations and torch's stream, on device addresses, or the core's full path on zero-copy views
+(`bridge`). Compilers see it through `torch.library` custom ops (`cupysparse::*`) with fake
+implementations, which give the output shapes from the tensors alone, so compiled graphs need no real
+data to trace; in eager mode `map_convolution` skips the op's dispatch (a hundred
 microseconds or more per call, more than a 100K-voxel layer's kernels) and calls the same path
 directly, through a `torch.autograd.Function` when a gradient is needed. Depthwise convolutions always
 use their op. Under autocast a convolution runs in the autocast dtype, as torch's own convolutions do.
@@ -22,19 +23,111 @@ graphs handle it like any torch code. The inference epilogue is the core's (`fun
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 
+import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.functional import epilogue, execution
+from cupysparse.functional.execution import Arrays
 from cupysparse.functional.convolution import spatially_sparse_depthwise_conv, spatially_sparse_depthwise_conv_backward
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.geometry.kernel_map import KernelMap
 from cupysparse.tuning.search_space import algorithm_argument
 
-from cupysparse.adapters.torch.bridge import TORCH_ARRAYS, from_core, on_torch_stream, to_core
+from cupysparse.adapters.torch.bridge import core_dtype, from_core, on_torch_stream, to_core
 from cupysparse.adapters.torch.tensor import SparseTensor
+
+class TorchArrays(Arrays):
+    """torch tensors for the core's execution path: CUDA tensors take plans; CPU tensors take the full
+    path on their NumPy views."""
+
+    def __init__(self):
+        # Inference's padded weights, by weight: ((its version, address, padded shape), the padded copy).
+        self._padded_weights = WeakIdKeyDictionary()
+
+    def launch_device(self, features, weight, grad_output=None) -> int | None:
+        if not (features.is_cuda and features.is_contiguous() and features.dtype == weight.dtype
+                and features.device == weight.device):
+            return None
+        device_index = features.device.index
+        if device_index != torch.cuda.current_device():
+            return None
+        if grad_output is not None and not (grad_output.is_contiguous() and grad_output.dtype == features.dtype
+                                            and grad_output.device == features.device):
+            return None
+        return device_index
+
+    def core_dtype(self, dtype: torch.dtype) -> np.dtype | None:
+        return core_dtype(dtype)
+
+    def empty(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
+        return like.new_empty(shape)
+
+    def empty_float32(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=like.device)
+
+    # A C-level call, not a method: it costs no Python frame on the hot path.
+    address = operator.methodcaller("data_ptr")
+
+    def stream(self, like: torch.Tensor) -> int:
+        return torch._C._cuda_getCurrentRawStream(like.device.index)  # a CUDA tensor's index is never None
+
+    def padded_weight(self, weight: torch.Tensor, shape: tuple, transposed: bool, reuse: bool) -> torch.Tensor:
+        """See `Arrays.padded_weight`; with `reuse`, the padded copy is kept from call to call while `weight`
+        is unchanged: an in-place update (an optimiser's step, `load_state_dict`, anything under
+        `torch.no_grad()`) bumps its `_version`, a reassigned `.data` changes its address, so either pads
+        again. Writes through `weight.data` are not seen (they bump no version): such a weight must be
+        updated in place on the tensor itself. While a CUDA graph is captured it pads anew, so that every
+        replay reads the weight as it is then."""
+        if weight.shape == shape and not transposed:
+            return weight.contiguous()
+        if not reuse or weight.is_inference() or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return _padded(weight, shape, transposed)  # an inference tensor has no version to key on
+        key = (weight._version, weight.data_ptr(), shape, transposed)
+        kept = self._padded_weights.get(weight)
+        if kept is None or kept[0] != key:
+            kept = self._padded_weights[weight] = (key, _padded(weight, shape, transposed))
+        return kept[1]
+
+    def device_context(self, like: torch.Tensor):
+        return on_torch_stream(like.device)
+
+    def gpu(self, array: torch.Tensor) -> int | None:
+        return array.device.index if array.is_cuda else None
+
+    def current_gpu(self) -> int:
+        return torch.cuda.current_device()
+
+    def is_contiguous(self, array: torch.Tensor) -> bool:
+        return array.is_contiguous()
+
+    def contiguous(self, array: torch.Tensor) -> torch.Tensor:
+        return array.contiguous()
+
+    def to_core(self, array: torch.Tensor):
+        return to_core(array)
+
+    def from_core(self, array) -> torch.Tensor:
+        return from_core(array)
+
+
+def _padded(weight: torch.Tensor, shape, transposed: bool = False) -> torch.Tensor:
+    """`weight` `[K, A, B]` (`[K, B, A]` when `transposed`) zero-padded at the end of its last two
+    dimensions to `shape`, contiguous."""
+    if transposed:
+        weight = weight.transpose(1, 2)
+    if weight.shape == shape:
+        return weight.contiguous()
+    padding = (0, shape[2] - weight.shape[2], 0, shape[1] - weight.shape[1])
+    return torch.nn.functional.pad(weight.detach(), padding).contiguous()
+
+
+TORCH_ARRAYS = TorchArrays()
+
 
 _maps_by_table: weakref.WeakValueDictionary[tuple[str, int], KernelMap] = weakref.WeakValueDictionary()
 _tables_by_map: weakref.WeakKeyDictionary[KernelMap, torch.Tensor] = weakref.WeakKeyDictionary()

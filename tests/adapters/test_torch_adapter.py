@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
-from cupysparse.adapters.torch.bridge import TORCH_ARRAYS  # noqa: E402
+from cupysparse.adapters.torch.functional import TORCH_ARRAYS  # noqa: E402
 from cupysparse.tuning.tuner import rehearsal  # noqa: E402
 from cupysparse.networks.weight_layouts import to_spconv_weight, to_torch_conv_weight  # noqa: E402
 
