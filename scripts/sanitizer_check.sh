@@ -55,7 +55,7 @@ case "$tool" in memcheck|racecheck|synccheck|initcheck) tools=("$tool") ;; both)
   *) echo "--tool must be memcheck, racecheck, synccheck, initcheck or both, got '$tool'" >&2; exit 2 ;; esac
 left_out_of_selection=""  # words of test names -k leaves out (racecheck adds "explicit")
 case "$select" in
-  kernels) files=(algorithms/test_conv_algorithms_gpu.py algorithms/test_tf32_gpu.py geometry/test_kernel_map.py
+  kernels) files=(algorithms/test_conv_algorithms_gpu.py algorithms/test_tf32_gpu.py geometry/test_kernel_map.py geometry/test_map_formats.py
                   functional/test_pooling.py) ;;
   # New files go last: a shard keeps its tests' order, so a --skip-first from an older run still holds.
   frameworks) files=(adapters/test_torch_adapter_gpu.py adapters/test_jax_adapter.py networks/test_networks_gpu.py

@@ -635,117 +635,12 @@ def test_reversed_map_indexes_the_same_pairs_by_input_row(case):
     assert reverse.reversed() is kernel_map
 
 
-# --- derived formats of synthetic masks and tables, against NumPy references (CPU and GPU) --------
-# Sizes around the GPU kernels' block, tile and chunk sizes; kernel volumes of one to four words'
-# worth of 8-bit radix digits.
-
-FORMAT_SIZES = (1, 2, 255, 256, 257, 4097, 100003)
-FORMAT_VOLUMES = (8, 27, 125)
-
-
 def on_device(array, device):
     return array if device == "cpu" else cupy_module().asarray(array)
 
 
 def to_host(array):
     return array if isinstance(array, np.ndarray) else array.get()
-
-
-def pack_masks(present):
-    """`[N, K]` booleans → uint32 `[N, ceil(K/32)]` masks, bit k % 32 of word k // 32 for offset k."""
-    num_rows, kernel_volume = present.shape
-    num_words = -(-kernel_volume // 32)
-    padded = np.zeros((num_rows, num_words * 32), dtype=np.uint64)
-    padded[:, :kernel_volume] = present
-    return (padded.reshape(num_rows, num_words, 32) << np.arange(32, dtype=np.uint64)).sum(axis=2).astype(np.uint32)
-
-
-def few_masks(num_rows, kernel_volume, seed, num_patterns=5):
-    """Masks drawn from a few patterns (the empty and the full one among them): most rows tie."""
-    rng = np.random.default_rng(seed)
-    patterns = rng.random((num_patterns, kernel_volume)) < 0.5
-    patterns[0], patterns[1] = False, True
-    return pack_masks(patterns[rng.integers(num_patterns, size=num_rows)])
-
-
-def assert_mask_order(mask, kernel_volume, device):
-    expected = np.lexsort(mask.T)  # stable; the last key (the highest word) is the primary one
-    for volume in (kernel_volume, None):
-        order = kernel_map_module.mask_sorted_order(on_device(mask, device), volume)
-        assert order.dtype == np.int32 and order.shape == (len(mask),)
-        np.testing.assert_array_equal(to_host(order), expected)
-
-
-@pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("num_rows", FORMAT_SIZES)
-@pytest.mark.parametrize("kernel_volume", FORMAT_VOLUMES)
-def test_mask_sorted_order_keeps_tied_rows_in_order(kernel_volume, num_rows, device):
-    assert_mask_order(few_masks(num_rows, kernel_volume, seed=num_rows + kernel_volume), kernel_volume, device)
-
-
-@pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("num_rows", (257, 4097, 100003))
-@pytest.mark.parametrize("kernel_volume", (8, 27, 32, 33, 125))
-def test_mask_sorted_order_of_random_masks(kernel_volume, num_rows, device):
-    """Every bit below K random: every digit value occurs in every pass."""
-    present = np.random.default_rng(kernel_volume).random((num_rows, kernel_volume)) < 0.5
-    assert_mask_order(pack_masks(present), kernel_volume, device)
-
-
-def pair_table_with_every_density(kernel_volume, num_out, num_in, seed):
-    """`[K, num_out]`: offsets with no pair, with a pair for every row, and in between, each
-    input row at most once per offset (as in every map)."""
-    rng = np.random.default_rng(seed)
-    table = np.full((kernel_volume, num_out), -1, dtype=np.int32)
-    for k in range(kernel_volume):
-        density = (0.0, 1.0, 0.3, 0.97)[k % 4]
-        rows = np.flatnonzero(rng.random(num_out) < density)
-        table[k, rows] = rng.permutation(num_in)[: len(rows)]
-    return table
-
-
-@pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("num_out", FORMAT_SIZES)
-@pytest.mark.parametrize("kernel_volume", FORMAT_VOLUMES)
-def test_csr_pairs_and_inverse_of_offsets_with_no_some_and_all_pairs(kernel_volume, num_out, device):
-    num_in = num_out + 3
-    table = pair_table_with_every_density(kernel_volume, num_out, num_in, seed=num_out + kernel_volume)
-    in_idx, out_idx, offsets = [], [], [0]
-    inverse = np.full((kernel_volume, num_in), -1, dtype=np.int32)
-    for k in range(kernel_volume):
-        rows = np.flatnonzero(table[k] >= 0)
-        in_idx.append(table[k, rows])
-        out_idx.append(rows)
-        offsets.append(offsets[-1] + len(rows))
-        inverse[k, table[k, rows]] = rows
-
-    csr = kernel_map_module.csr_pairs(on_device(table, device))
-    assert (csr.in_idx.dtype, csr.out_idx.dtype, csr.offsets.dtype) == (np.int32, np.int32, np.int64)
-    np.testing.assert_array_equal(to_host(csr.offsets), offsets)
-    np.testing.assert_array_equal(to_host(csr.in_idx), np.concatenate(in_idx))
-    np.testing.assert_array_equal(to_host(csr.out_idx), np.concatenate(out_idx))
-    inverted = kernel_map_module.invert_pair_table(on_device(table, device), num_in)
-    assert inverted.dtype == np.int32
-    np.testing.assert_array_equal(to_host(inverted), inverse, strict=True)
-
-
-@pytest.mark.parametrize("device", ON_DEVICES)
-def test_formats_of_empty_tables_and_masks(device):
-    for kernel_volume, num_out in ((0, 5), (27, 0), (0, 0)):
-        table = on_device(np.full((kernel_volume, num_out), -1, dtype=np.int32), device)
-        csr = kernel_map_module.csr_pairs(table)
-        assert (csr.in_idx.dtype, csr.out_idx.dtype, csr.offsets.dtype) == (np.int32, np.int32, np.int64)
-        assert csr.in_idx.shape == csr.out_idx.shape == (0,)
-        np.testing.assert_array_equal(to_host(csr.offsets), np.zeros(kernel_volume + 1))
-        inverse = to_host(kernel_map_module.invert_pair_table(table, 4))
-        np.testing.assert_array_equal(inverse, np.full((kernel_volume, 4), -1, dtype=np.int32), strict=True)
-    for mask, kernel_volume in ((np.zeros((0, 1), np.uint32), 27), (np.zeros((0, 4), np.uint32), 125),
-                                (np.zeros((6, 1), np.uint32), 0)):
-        order = kernel_map_module.mask_sorted_order(on_device(mask, device), kernel_volume)
-        assert order.dtype == np.int32
-        np.testing.assert_array_equal(to_host(order), np.arange(len(mask)))
-    no_pairs = on_device(np.full((27, 300), -1, dtype=np.int32), device)
-    assert to_host(kernel_map_module.csr_pairs(no_pairs).offsets).tolist() == [0] * 28
 
 
 # --- limits: int32 row indices and geometry -------------------------------------------------------
@@ -794,19 +689,3 @@ def test_geometry_past_int32_is_refused_naming_the_argument(argument):
     geometry = {"kernel_size": 3, "stride": 2, "dilation": 1, argument: (1, 1, 2**31)}
     with pytest.raises(ValueError, match=f"{argument} must be at most {2**31 - 1}"):
         KernelMapCache(single_coords(3), (1, 1, 1)).kernel_map((1, 1, 1), **geometry)
-
-
-@pytest.mark.parametrize("device", ON_DEVICES)
-def test_a_pointwise_maps_pair_lists_are_its_rows_without_counting(device, monkeypatch):
-    """A 1^D submanifold map knows its pair lists from its construction: the ones the generic
-    derivation gives, with no count (on the GPU, a count waits for the device)."""
-    coords = on_device(random_coords(3, seed=11), device)
-    kernel_map = submanifold_map(coords, 1)
-    expected = kernel_map_module.csr_pairs(kernel_map.pair_table)
-    monkeypatch.setattr(kernel_map_module, "count_pairs", lambda *arguments: pytest.fail("counted"))
-    monkeypatch.setattr(kernel_map_module, "csr_pairs", lambda *arguments: pytest.fail("derived"))
-    kernel_map.count_pairs_ahead()
-    csr = kernel_map.csr()
-    for name in ("in_idx", "out_idx", "offsets"):
-        np.testing.assert_array_equal(to_host(getattr(csr, name)), to_host(getattr(expected, name)))
-    assert to_host(csr.offsets).dtype == to_host(expected.offsets).dtype
