@@ -46,7 +46,6 @@ def conv_backward(grad_output, features, weight, kernel_map, algo=None, needs_in
                               needs_input_grad, needs_weight_grad)
 
 
-
 def spatially_sparse_conv(
     input: SparseTensor,
     weight,
