@@ -17,35 +17,31 @@ with fake implementations, so they compile with `torch.compile` and record into 
 """
 
 from cupysparse.adapters.torch.distributed import SparseSyncBatchNorm, convert_sync_batchnorm, share_tuning
-from cupysparse.adapters.torch.functional import (
-    global_avg_pool,
-    global_max_pool,
-    sparse_avg_pool,
-    sparse_conv,
-    sparse_depthwise_conv,
-    sparse_max_pool,
-    sparse_unpool,
-)
-from cupysparse.adapters.torch.modules import (
-    GlobalAvgPool,
-    GlobalMaxPool,
-    PerVoxel,
-    SparseAvgPool,
-    SparseBatchNorm,
+from cupysparse.adapters.torch.convolution import (
     SparseConv2d,
     SparseConv3d,
     SparseConvTranspose2d,
     SparseConvTranspose3d,
     SparseDepthwiseConv,
-    SparseDropout,
-    SparseLayerNorm,
-    SparseMaxPool,
-    SparseReLU,
-    SparseUnpool,
     SpatiallySparseConv,
     SubMConv2d,
     SubMConv3d,
     load_spconv_state_dict,
+    sparse_conv,
+    sparse_depthwise_conv,
+)
+from cupysparse.adapters.torch.pointwise import PerVoxel, SparseBatchNorm, SparseDropout, SparseLayerNorm, SparseReLU
+from cupysparse.adapters.torch.pooling import (
+    GlobalAvgPool,
+    GlobalMaxPool,
+    SparseAvgPool,
+    SparseMaxPool,
+    SparseUnpool,
+    global_avg_pool,
+    global_max_pool,
+    sparse_avg_pool,
+    sparse_max_pool,
+    sparse_unpool,
 )
 from cupysparse.adapters.torch.tensor import SparseTensor
 

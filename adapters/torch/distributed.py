@@ -31,7 +31,7 @@ from torch import nn
 
 from cupysparse.tuning import agreement
 
-from cupysparse.adapters.torch.modules import SparseBatchNorm
+from cupysparse.adapters.torch.pointwise import SparseBatchNorm
 from cupysparse.adapters.torch.tensor import SparseTensor
 
 

@@ -22,7 +22,8 @@ from cupysparse.geometry.sparse_tensor import SparseTensor as CoreSparseTensor
 from cupysparse.networks.weights_file import load_weights, save_weights as save_arrays
 
 from cupysparse.adapters.torch.bridge import core_dtype, to_core
-from cupysparse.adapters.torch.modules import SparseBatchNorm, SparseReLU, SpatiallySparseConv
+from cupysparse.adapters.torch.convolution import SpatiallySparseConv
+from cupysparse.adapters.torch.pointwise import SparseBatchNorm, SparseReLU
 from cupysparse.adapters.torch.tensor import SparseTensor
 
 

@@ -31,6 +31,11 @@ def _require_tensor(value, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def require_sparse(input) -> None:
+    if not isinstance(input, SparseTensor):
+        raise TypeError(f"input must be a cupysparse.adapters.torch.SparseTensor, got {type(input).__name__}")
+
+
 class SparseTensor:
     """Sparse voxels in torch: int32 coordinates `[N, 1 + D]` (column 0 the batch index), floating
     features `[N, C]` on the same device, and a tensor stride.

@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
-from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
-from cupysparse.adapters.torch.functional import TORCH_ARRAYS  # noqa: E402
+from cupysparse.adapters.torch import convolution as torch_convolution  # noqa: E402
+from cupysparse.adapters.torch.convolution import TORCH_ARRAYS  # noqa: E402
 from cupysparse.tuning.tuner import rehearsal  # noqa: E402
 from cupysparse.networks.weight_layouts import to_spconv_weight, to_torch_conv_weight  # noqa: E402
 
@@ -245,11 +245,11 @@ def test_autocast_runs_the_convolution_in_the_autocast_dtype():
 def test_compiled_two_layer_block_matches_eager_without_graph_breaks():
     x, first = through(lambda: cst.SubMConv3d(3, 8, 3))
     second = cst.SubMConv3d(8, 4, 3).double()
-    table = torch_functional.pair_table(x.kernel_map(3).kernel_map)
+    table = torch_convolution.pair_table(x.kernel_map(3).kernel_map)
 
     def block(features, w1, w2):
-        hidden = torch.relu(torch_functional.convolution(features, w1, table, "", ""))
-        return torch_functional.convolution(hidden, w2, table, "", "")
+        hidden = torch.relu(torch_convolution.convolution(features, w1, table, "", ""))
+        return torch_convolution.convolution(hidden, w2, table, "", "")
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     args = (x.features, first.weight, second.weight)
@@ -267,12 +267,12 @@ def test_the_custom_ops_pass_torch_library_checks():
     checks = ("test_autograd_registration",)
     x = sparse()
     weight = torch.randn(27, 3, 4, dtype=torch.float64, requires_grad=True)
-    table = torch_functional.pair_table(x.kernel_map(3).kernel_map)
-    torch.library.opcheck(torch_functional.conv_forward, (x.features, weight, table, "", ""), test_utils=checks)
+    table = torch_convolution.pair_table(x.kernel_map(3).kernel_map)
+    torch.library.opcheck(torch_convolution.conv_forward, (x.features, weight, table, "", ""), test_utils=checks)
     depthwise = torch.randn(27, 3, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(torch_functional.depthwise_forward, (x.features, depthwise, table, "", ""), test_utils=checks)
+    torch.library.opcheck(torch_convolution.depthwise_forward, (x.features, depthwise, table, "", ""), test_utils=checks)
     with pytest.raises(ValueError, match="no live kernel map"):
-        torch_functional.conv_forward(x.features, weight, table.clone(), "", "")
+        torch_convolution.conv_forward(x.features, weight, table.clone(), "", "")
 
 
 def test_bad_inputs_give_clear_errors():

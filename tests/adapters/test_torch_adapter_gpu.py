@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 import cupysparse  # noqa: E402
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import bridge  # noqa: E402
-from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
+from cupysparse.adapters.torch import convolution as torch_convolution  # noqa: E402
 from cupysparse.settings import ALGORITHM_MODES  # noqa: E402
 from cupysparse.functional import convolution as functional  # noqa: E402
 from cupysparse.functional.convolution import conv_forward  # noqa: E402
@@ -116,15 +116,15 @@ def two_layer_inputs(dtype=torch.float16):
     first = cst.SubMConv3d(16, 32, 3).cuda().to(dtype)
     second = cst.SubMConv3d(32, 16, 3).cuda().to(dtype)
     kernel_map = x.kernel_map(3).kernel_map.derive_formats()
-    return x, first, second, torch_functional.pair_table(kernel_map)
+    return x, first, second, torch_convolution.pair_table(kernel_map)
 
 
 def test_compiled_two_layer_block_matches_eager_without_graph_breaks():
     x, first, second, table = two_layer_inputs()
 
     def block(features, w1, w2):
-        hidden = torch.relu(torch_functional.convolution(features, w1, table, "", ""))
-        return torch_functional.convolution(hidden, w2, table, "", "")
+        hidden = torch.relu(torch_convolution.convolution(features, w1, table, "", ""))
+        return torch_convolution.convolution(hidden, w2, table, "", "")
 
     args = (x.features, first.weight, second.weight)
     eager = block(*args)
@@ -156,8 +156,8 @@ def test_cuda_graph_capture_and_replay_of_a_training_step(dtype, name):
     params = (first.weight, second.weight)
 
     def step(features):
-        hidden = torch.relu(torch_functional.convolution(features, params[0], table, name, name))
-        loss = torch_functional.convolution(hidden, params[1], table, name, name).square().mean()
+        hidden = torch.relu(torch_convolution.convolution(features, params[0], table, name, name))
+        loss = torch_convolution.convolution(hidden, params[1], table, name, name).square().mean()
         return loss, torch.autograd.grad(loss, (features, *params))
 
     side = torch.cuda.Stream()
@@ -218,13 +218,13 @@ def test_a_changed_algorithm_variable_takes_effect_on_a_planned_layer(monkeypatc
     """The layer signature keeps its selection and plans; changing the environment variable behind
     fwd_algo=None must still switch the algorithm, as it does for the core."""
     x, first, _, table = two_layer_inputs(torch.float16)
-    kernel_map = torch_functional._kernel_map(table)
+    kernel_map = torch_convolution._kernel_map(table)
     core_features, core_weight = bridge.to_core(x.features), bridge.to_core(first.weight.detach())
     variable = ALGORITHM_MODES[(CONV, "forward")].name
     for name in ("wmma_implicit_gemm", "implicit_gemm", "wmma_implicit_gemm"):
         monkeypatch.setenv(variable, name)
         with torch.no_grad():
-            out = torch_functional.convolution(x.features, first.weight, table, "", "")
+            out = torch_convolution.convolution(x.features, first.weight, table, "", "")
         expected = conv_forward(core_features, core_weight, kernel_map, name)
         torch.testing.assert_close(out, bridge.from_core(expected), rtol=0, atol=0)
 
@@ -266,13 +266,13 @@ def test_a_new_scene_runs_the_plans_of_the_first_without_selecting_again(monkeyp
 def test_a_planned_layer_still_refuses_mismatched_tensors():
     x, first, _, table = two_layer_inputs(torch.float16)
     with torch.no_grad():
-        torch_functional.convolution(x.features, first.weight, table, "", "")  # the layer's plans are made
+        torch_convolution.convolution(x.features, first.weight, table, "", "")  # the layer's plans are made
         with pytest.raises(ValueError, match="input channels"):
-            torch_functional.convolution(x.features[:, :8].contiguous(), first.weight, table, "", "")
+            torch_convolution.convolution(x.features[:, :8].contiguous(), first.weight, table, "", "")
         with pytest.raises(ValueError, match="shape"):
-            torch_functional.convolution(x.features[:-1].contiguous(), first.weight, table, "", "")
+            torch_convolution.convolution(x.features[:-1].contiguous(), first.weight, table, "", "")
         with pytest.raises(TypeError, match="dtype"):
-            torch_functional.convolution(x.features, first.weight.float(), table, "", "")
+            torch_convolution.convolution(x.features, first.weight.float(), table, "", "")
 
 
 def test_an_inference_layer_with_padded_channels_sees_each_in_place_update_of_its_weight():

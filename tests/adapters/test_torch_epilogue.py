@@ -11,9 +11,8 @@ from tolerances import EPSILON
 
 torch = pytest.importorskip("torch")
 from cupysparse.adapters import torch as cst  # noqa: E402
-from cupysparse.adapters.torch import functional as torch_functional  # noqa: E402
 from cupysparse.functional import epilogue as core_epilogue  # noqa: E402
-from cupysparse.adapters.torch import modules as torch_modules  # noqa: E402
+from cupysparse.adapters.torch import pointwise as torch_pointwise  # noqa: E402
 from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
 
 CHANNELS = 24
@@ -122,13 +121,13 @@ def test_a_residual_of_another_dtype_is_left_to_torchs_promoting_sum():
 def counted_epilogues(monkeypatch) -> list:
     """The (relu, residual given) of each epilogue the modules run, recorded as they run."""
     calls = []
+    original = torch_pointwise.batch_norm_epilogue
 
     def recording(features, running_mean, running_var, weight, bias, eps, residual=None, relu=False):
         calls.append((relu, residual is not None))
-        return torch_functional.batch_norm_epilogue(features, running_mean, running_var, weight, bias, eps, residual,
-                                                  relu)
+        return original(features, running_mean, running_var, weight, bias, eps, residual, relu)
 
-    monkeypatch.setattr(torch_modules, "batch_norm_epilogue", recording)
+    monkeypatch.setattr(torch_pointwise, "batch_norm_epilogue", recording)
     return calls
 
 

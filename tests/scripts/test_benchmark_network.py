@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 
 from cupysparse.networks import descriptions as networks  # noqa: E402
 from cupysparse.adapters.torch import SparseTensor  # noqa: E402
-from cupysparse.adapters.torch.functional import sparse_conv  # noqa: E402
+from cupysparse.adapters.torch.convolution import sparse_conv  # noqa: E402
 from cupysparse.adapters.torch.networks import MinkUNet14  # noqa: E402
 from cupysparse.geometry.coords import as_tuple  # noqa: E402
 from cupysparse.data.scenes import make_scene  # noqa: E402

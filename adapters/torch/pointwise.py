@@ -1,0 +1,105 @@
+"""Per-voxel layers of torch `SparseTensor`s: batch norm (with the core's inference epilogue), layer
+norm, ReLU and dropout, each applied to the features `[N, C]` with coordinates and maps kept."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cupysparse.functional import epilogue
+from cupysparse.tuning.tuner import rehearsing
+
+from cupysparse.adapters.torch.convolution import TORCH_ARRAYS
+from cupysparse.adapters.torch.tensor import SparseTensor
+
+
+def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                        weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                        residual: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """`relu?(batch_norm(features) (+ residual))` under running statistics, not differentiable: on the
+    current CUDA device one launch of the core's kernel on torch's stream into an output torch
+    allocates; anything else the core's function on zero-copy views (`cupysparse.functional.epilogue`)."""
+    return epilogue.run(TORCH_ARRAYS, features, running_mean, running_var, weight, bias, eps, residual, relu)
+
+
+class PerVoxel(nn.Module):
+    """Applies `module` to the features `[N, C]` (each voxel a row), keeping coordinates and maps."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        return input.replace_feature(self.module(input.features))
+
+
+class SparseBatchNorm(nn.BatchNorm1d):
+    """`nn.BatchNorm1d` over the features `[N, C]`; its state-dict keys are BatchNorm1d's.
+
+    In evaluation with running statistics and nothing to differentiate (inference) it is the core's
+    inference epilogue (`cupysparse.functional.epilogue`): on the GPU one kernel of ours, which derives scale and
+    shift from the statistics itself in fp32, where `F.batch_norm` costs three kernels and tens of
+    microseconds of host time a layer. `inference_epilogue` also adds a residual and applies a ReLU in
+    the same pass, which the networks use for a batch norm followed by a ReLU or by a residual sum
+    (`adapters.torch.networks`); `runs_inference_epilogue` says when it may stand in. In training with
+    a momentum it makes `F.batch_norm`'s own call (and counts the batch) without the module's Python
+    path in between.
+    """
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        features = input.features
+        if self.runs_inference_epilogue(features):
+            return self.inference_epilogue(input)
+        if self.running_mean is None or torch.compiler.is_compiling():
+            return input.replace_feature(super().forward(features))
+        if self.training:
+            # The module's path for a cumulative average (momentum None) and for the error it raises
+            # on one value per channel.
+            if self.momentum is None or features.shape[0] < 2:
+                return input.replace_feature(super().forward(features))
+            self.num_batches_tracked.add_(1)
+            return input.replace_feature(torch.batch_norm(
+                features, self.weight, self.bias, self.running_mean, self.running_var, True, self.momentum, self.eps,
+                torch.backends.cudnn.enabled,
+            ))
+        return input.replace_feature(super().forward(features))  # evaluation with gradients
+
+    def runs_inference_epilogue(self, features: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
+        it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
+        residual of the features' shape and dtype (torch's sum would promote another)."""
+        # A rehearsal (`cupysparse.networks.prefetch`) runs an evaluation: if the module switched to training since, it
+        # still uses, and changes nothing of, its running statistics.
+        if (self.training and not rehearsing()) or self.running_mean is None or torch.compiler.is_compiling():
+            return False
+        if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype):
+            return False
+        if not torch.is_grad_enabled():
+            return True
+        return not (features.requires_grad or (residual is not None and residual.requires_grad)
+                    or any(parameter.requires_grad for parameter in self.parameters()))
+
+    def inference_epilogue(self, input: SparseTensor, residual: torch.Tensor | None = None,
+                           relu: bool = False) -> SparseTensor:
+        """`relu?(self(input).features (+ residual))` in one pass, for where `runs_inference_epilogue`."""
+        return input.replace_feature(batch_norm_epilogue(input.features, self.running_mean, self.running_var,
+                                                         self.weight, self.bias, self.eps, residual, relu))
+
+
+class SparseLayerNorm(PerVoxel):
+    def __init__(self, num_features: int, **kwargs):
+        super().__init__(nn.LayerNorm(num_features, **kwargs))
+
+
+class SparseReLU(PerVoxel):
+    def __init__(self, inplace: bool = False):
+        super().__init__(nn.ReLU(inplace))
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        # The function itself: the inner module's call machinery costs more than the kernel's launch.
+        return input.replace_feature(nn.functional.relu(input.features, self.module.inplace))
+
+
+class SparseDropout(PerVoxel):
+    def __init__(self, p: float = 0.5):
+        super().__init__(nn.Dropout(p))
