@@ -154,7 +154,7 @@ class KernelMap:
         waits for nothing (the count has long reached the host) where it would otherwise wait for the
         GPU to catch up. Call it well before: e.g. in the forward pass of a layer whose backward needs
         the lists. Nothing to do on the CPU."""
-        if is_cupy_array(self.pair_table) and "_csr" not in self.__dict__:
+        if "_csr" not in self.__dict__ and is_cupy_array(self.pair_table):
             self._pair_counts
 
     @functools.cached_property

@@ -51,7 +51,9 @@ def _gpu_work_with_a_host_pause(gpu_ms: int, host_pause_s: float):
 def test_events_around_a_lone_call_count_the_hosts_pause_and_the_timer_does_not():
     run = _gpu_work_with_a_host_pause(gpu_ms=1, host_pause_s=0.006)
     run()
-    assert _events_around(run) >= 6  # the GPU idled while the host paused
+    # The GPU idled while the host paused: the events span about the 6 ms pause, not the 1 ms of work
+    # (the start event is reached a launch latency after it is recorded, so a little under 6 ms).
+    assert _events_around(run) >= 5
     timer = QueuedTimer()
     samples = [timer.time_ms(run) for _ in range(3)]
     assert all(1 <= sample < 3 for sample in samples), samples
