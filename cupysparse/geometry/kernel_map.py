@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,7 +235,9 @@ class KernelMap:
             generative=self.generative,
             derive_in=self.derive_in,
         )
-        reverse._reversed = self
+        # Weakly: a map and its reverse holding each other would live on until a garbage collection, and with
+        # them their GPU memory, which the next scene's maps would then have to allocate anew.
+        reverse._reverse_of = weakref.ref(self)
         return reverse
 
     @functools.cached_property
@@ -249,6 +252,11 @@ class KernelMap:
 
         The input gradient is a forward pass over this map with the weights transposed.
         """
+        reverse_of = self.__dict__.get("_reverse_of")
+        if reverse_of is not None:
+            forward = reverse_of()
+            if forward is not None:
+                return forward
         return self._reversed
 
     def derived(self, key, compute):
@@ -604,12 +612,26 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
 
 @dataclass(frozen=True)
 class MapResult:
-    """A kernel map with the coordinates, tensor stride and cache its output tensor gets."""
+    """A kernel map with the coordinates, tensor stride and cache its output tensor gets.
+
+    `output_cache` is that cache, or a weak reference to it where it is the cache that keeps this result:
+    a cache holding itself would live on, with its maps' GPU memory, until a garbage collection, and the
+    next scene's maps would have to allocate that memory anew.
+    """
 
     kernel_map: KernelMap
     out_coordinates: object
     out_tensor_stride: tuple[int, ...]
-    out_map_cache: KernelMapCache
+    output_cache: KernelMapCache | weakref.ref
+
+    @property
+    def out_map_cache(self) -> KernelMapCache:
+        cache = self.output_cache
+        if isinstance(cache, weakref.ref):
+            cache = cache()
+            if cache is None:
+                raise RuntimeError("this map's cache is gone with the tensors that held it; keep a tensor of it")
+        return cache
 
 
 class KernelMapCache:
@@ -713,12 +735,13 @@ class KernelMapCache:
         index = self._index(tensor_stride)
         if not transposed:
             if all(s == 1 for s in stride):
-                return MapResult(submanifold_map(coords, kernel_size, dilation, index), coords, tensor_stride, self)
+                return MapResult(submanifold_map(coords, kernel_size, dilation, index), coords, tensor_stride,
+                                 weakref.ref(self))
             out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
             if out_stride not in self._coordinates:
                 self._coordinates[out_stride] = downsample_coordinates(coords, stride)
             out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index, self._coordinates[out_stride])
-            return MapResult(forward, out_coords, out_stride, self)
+            return MapResult(forward, out_coords, out_stride, weakref.ref(self))
         if any(t % s for t, s in zip(tensor_stride, stride)):
             raise ValueError(f"a transposed convolution with stride {stride} needs a tensor stride divisible by it, "
                              f"got {tensor_stride}")
@@ -727,4 +750,4 @@ class KernelMapCache:
             out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)
             return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride, self.derive_in))
         forward = self.kernel_map(fine_stride, kernel_size, stride, dilation).kernel_map
-        return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, self)
+        return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, weakref.ref(self))

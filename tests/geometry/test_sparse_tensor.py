@@ -4,7 +4,9 @@ Every test taking the `xp` fixture runs on NumPy and, on a GPU machine (`pytest 
 References are plain Python loops and dicts, independent of the code under test.
 """
 
+import gc
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -123,6 +125,28 @@ def test_kernel_maps_are_built_once_and_shared_through_the_network():
     assert (up.kernel_map.pair_table >= 0).sum() == (forward >= 0).sum()
     cached = len(tensor.map_cache)
     assert coarse.kernel_map(2, stride=2, transposed=True) is up and len(tensor.map_cache) == cached
+
+
+def test_a_tensors_maps_are_freed_with_it_without_a_garbage_collection():
+    """No reference cycle holds a map cache or its maps (nor their GPU memory) past the tensors using them:
+    a training loop's next scene reuses that memory instead of allocating more."""
+    tensor = _cloud(seed=3)
+    results = [tensor.kernel_map(3), tensor.kernel_map(2, stride=2)]
+    coarse = SparseTensor(results[1].out_coordinates, np.ones((len(results[1].out_coordinates), 1), np.float32),
+                          (2, 2, 2), map_cache=results[1].out_map_cache)
+    results.append(coarse.kernel_map(2, stride=2, transposed=True))
+    assert results[2].kernel_map.reversed() is results[1].kernel_map
+    # Each map's reverse too (what links a map with another): comprehensions, which leave no name bound.
+    alive = [weakref.ref(tensor.map_cache)] + [weakref.ref(result.kernel_map) for result in results]
+    alive += [weakref.ref(result.kernel_map.reversed()) for result in results]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del tensor, coarse, results
+        assert [reference() for reference in alive] == [None] * len(alive)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_generative_transposed_map_starts_its_own_cache():
