@@ -1,0 +1,181 @@
+"""The spconv network of the benchmarks, built on a stand-in for spconv.
+
+The stand-in's convolutions record their constructor arguments (spconv 2.x's signatures) and
+compute what spconv 2.x computes, with our operations: weights `[C_out, *kernel, C_in]`, a 1x1x1
+convolution as `features @ weight.view(C_in, C_out)`, an inverse convolution through the pairs of
+the strided one. So the spconv network must reproduce our model exactly, without spconv or a GPU.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from cupysparse.networks import descriptions as networks  # noqa: E402
+from cupysparse.adapters.torch import SparseTensor  # noqa: E402
+from cupysparse.adapters.torch.convolution import sparse_conv  # noqa: E402
+from cupysparse.adapters.torch.networks import MinkUNet14  # noqa: E402
+from cupysparse.geometry.coords import as_tuple  # noqa: E402
+from cupysparse.scripts import benchmark_network, peer_spconv  # noqa: E402
+
+NUM_VOXELS = 2000
+BATCH_SIZE = 2
+
+
+class StandInConvolution(nn.Module):
+    """A spconv convolution's parameters (its layout) and recorded constructor arguments."""
+
+    def __init__(self, arguments: dict):
+        super().__init__()
+        self.arguments = arguments
+        kernel_size = as_tuple(arguments["kernel_size"], 3, "kernel_size")
+        self.weight = nn.Parameter(torch.zeros(arguments["out_channels"], *kernel_size, arguments["in_channels"]))
+        self.bias = nn.Parameter(torch.zeros(arguments["out_channels"])) if arguments["bias"] else None
+
+    def our_weight(self) -> torch.Tensor:
+        """`[K, C_in, C_out]`: the matrices spconv multiplies the features by."""
+        out_channels, in_channels = self.weight.shape[0], self.weight.shape[-1]
+        if self.weight[0].numel() == in_channels:  # kernel volume 1: spconv's `weight.view(C_in, C_out)`
+            return self.weight.reshape(1, in_channels, out_channels)
+        return self.weight.reshape(out_channels, -1, in_channels).permute(1, 2, 0)
+
+
+def _arguments(frame_locals: dict) -> dict:
+    return {name: value for name, value in frame_locals.items() if name not in ("self", "__class__")}
+
+
+class SubMConv3d(StandInConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
+                 indice_key=None):
+        super().__init__(_arguments(locals()))
+
+    def forward(self, input):
+        return sparse_conv(input, self.our_weight(), self.arguments["kernel_size"], bias=self.bias)
+
+
+class SparseConv3d(StandInConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True,
+                 indice_key=None):
+        super().__init__(_arguments(locals()))
+
+    def forward(self, input):
+        return sparse_conv(input, self.our_weight(), self.arguments["kernel_size"], self.arguments["stride"],
+                           bias=self.bias)
+
+
+class SparseInverseConv3d(StandInConvolution):
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True):
+        super().__init__(_arguments(locals()))
+
+    def forward(self, input):
+        kernel_size = self.arguments["kernel_size"]
+        return sparse_conv(input, self.our_weight(), kernel_size, kernel_size, transposed=True, bias=self.bias)
+
+
+STAND_IN_SPCONV = SimpleNamespace(SubMConv3d=SubMConv3d, SparseConv3d=SparseConv3d,
+                                  SparseInverseConv3d=SparseInverseConv3d)
+SPCONV_CLASS = {"submanifold": SubMConv3d, "strided": SparseConv3d, "transposed": SparseInverseConv3d}
+
+
+def resolution_level(path: str) -> int:
+    """The level (0: the input's voxels) a MinkUNet convolution at `path` outputs at."""
+    stage = path.split(".")[0]
+    if stage.startswith("encoder"):
+        return int(stage.removeprefix("encoder"))
+    if stage.startswith("decoder"):
+        return 4 - int(stage.removeprefix("decoder"))
+    return 0  # the stem and the classifier
+
+
+def test_spconv_network_mirrors_the_description_with_shared_indice_keys():
+    description = networks.minkunet(18, in_channels=3, num_classes=9, width=0.5)
+    spconv_model = peer_spconv.build_spconv_network(description, STAND_IN_SPCONV)
+    keys = {}
+    for path, layer in networks.convolutions(description):
+        module = spconv_model.get_submodule(path)
+        assert type(module) is SPCONV_CLASS[layer.kind()], path
+        arguments = module.arguments
+        assert (arguments["in_channels"], arguments["out_channels"], arguments["kernel_size"], arguments["bias"]) == (
+            layer.in_channels, layer.out_channels, layer.kernel_size, layer.bias
+        ), path
+        if layer.kind() == "strided":
+            assert (arguments["stride"], arguments["padding"]) == (2, 0), path
+        keys[path] = arguments["indice_key"]
+
+    submanifold = {}  # (level, kernel size) → the keys of those layers
+    for path, layer in networks.convolutions(description):
+        if layer.kind() == "submanifold":
+            submanifold.setdefault((resolution_level(path), layer.kernel_size), set()).add(keys[path])
+    assert {level for level, _ in submanifold} == {0, 1, 2, 3, 4}
+    assert all(len(shared) == 1 for shared in submanifold.values()), submanifold
+    assert len({key for shared in submanifold.values() for key in shared}) == len(submanifold)
+
+    strided = [keys[f"encoder{level}.down_conv"] for level in range(1, 5)]
+    assert len(set(strided) | {key for shared in submanifold.values() for key in shared}) == len(submanifold) + 4
+    # decoder1 returns from the coarsest level: it inverts encoder4's convolution, decoder4 encoder1's.
+    assert [keys[f"decoder{level}.up_conv"] for level in range(1, 5)] == strided[::-1]
+
+
+def test_spconv_network_computes_our_model_after_the_weight_copy():
+    torch.manual_seed(0)
+    model = MinkUNet14(in_channels=3, num_classes=9, width=0.25)
+    with torch.no_grad():  # statistics away from the defaults, so that copying them matters
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    spconv_model = peer_spconv.build_spconv_network(model.description, STAND_IN_SPCONV)
+    peer_spconv.copy_weights_to_spconv(model, spconv_model)
+    model.eval()
+    spconv_model.eval()
+    batch = benchmark_network.scene_batch("indoor", NUM_VOXELS, BATCH_SIZE)
+    coordinates, features = torch.from_numpy(batch.coordinates), torch.from_numpy(batch.features)
+    with torch.no_grad():
+        expected = model(SparseTensor(coordinates, features)).features
+        actual = spconv_model(SparseTensor(coordinates, features)).features
+    assert expected.shape == (len(coordinates), 9) and expected.abs().max() > 0.1
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_by_one_weights_are_laid_out_for_spconvs_matrix_view():
+    layer = networks.Conv("shortcut", 4, 6, kernel_size=1)
+    weight = torch.arange(24, dtype=torch.float32).reshape(1, 4, 6)
+    converted = peer_spconv.spconv_weight(weight, layer)
+    assert converted.shape == (6, 1, 1, 1, 4)
+    assert torch.equal(converted.view(4, 6), weight[0])  # what spconv multiplies the features by
+
+
+def test_strided_convolutions_other_than_two_cubed_are_refused():
+    with pytest.raises(ValueError, match="other output voxels"):
+        peer_spconv.build_spconv_network(networks.centerpoint_backbone(), STAND_IN_SPCONV)
+
+
+def test_a_transposed_convolution_needs_a_strided_one_to_invert():
+    root = networks.Sequential("", (networks.Conv("up", 8, 4, kernel_size=2, stride=2, transposed=True),))
+    with pytest.raises(ValueError, match="no strided convolution"):
+        peer_spconv.build_spconv_network(networks.Network("up only", root, 8, 4), STAND_IN_SPCONV)
+
+
+def test_spconv_grid_is_non_negative_and_keeps_every_levels_voxels():
+    rng = np.random.default_rng(0)
+    coordinates = np.concatenate(
+        [rng.integers(0, 2, (500, 1)), rng.integers(-300, 300, (500, 3))], axis=1
+    ).astype(np.int32)
+    stride = peer_spconv.coarsest_stride(networks.minkunet(14))
+    assert stride.tolist() == [16, 16, 16]
+    shifted, spatial_shape = peer_spconv.spconv_grid(coordinates, stride)
+    assert np.array_equal(shifted[:, 0], coordinates[:, 0])
+    spatial = shifted[:, 1:]
+    assert spatial.min() >= 0 and (spatial.max(axis=0) < spatial_shape).all()
+    assert all(size % 16 == 0 for size in spatial_shape)
+    for level in range(1, 5):
+        step = 2**level
+        # floor(x / 2^level) moves by the same amount for every voxel: the same coarse voxels.
+        moved = spatial // step - coordinates[:, 1:] // step
+        assert (moved == moved[0]).all(), level
