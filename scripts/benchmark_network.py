@@ -512,13 +512,15 @@ def configurations(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
-def results_page(paths: list[str], page_path: str) -> str:
+def results_page(paths: list[str], page_path: str, plot_path: str | None = None) -> str:
     rows = read_csv_files(paths)
     metadata = [read_metadata(path) for path in paths]
     page_folder = os.path.dirname(os.path.abspath(page_path))
     lines = ["# End to end: MinkUNet, cupysparse against its peers", "",
              f"Measured on **{rows[0]['device']}**, one process per table. Data: "
              + ", ".join(f"[{os.path.basename(path)}]({relative(path, page_folder)})" for path in paths) + ".", ""]
+    if plot_path:
+        lines += [f"![Milliseconds per run, the GPU's busy time darker inside]({relative(plot_path, page_folder)})", ""]
     for (network, scene, precision, voxels), group in configurations(rows).items():
         lines += [f"## {network}, {scene}, {precision}, {int(voxels):,} voxels in a batch of "
                   f"{group[0]['batch_size']}", "", *table_lines(group, markdown=True), ""]
@@ -528,7 +530,8 @@ def results_page(paths: list[str], page_path: str) -> str:
                       + ", ".join(f"{name} {value}" for name, value in differences.items()) + ".", ""]
     lines += [METHOD, "", "Reproduce (the measurements, then this page from their files):", "", "```bash"]
     lines += [entry["command"] for entry in metadata if entry.get("command")]
-    lines += [shlex.join([PROGRAM, "--from-csv", ",".join(paths), "--markdown", page_path]), "```"]
+    plot_arguments = ["--plot", plot_path] if plot_path else []
+    lines += [shlex.join([PROGRAM, "--from-csv", ",".join(paths), "--markdown", page_path, *plot_arguments]), "```"]
     return "\n".join(lines)
 
 
@@ -536,8 +539,12 @@ def plot(paths: list[str], plot_path: str) -> None:
     """One panel per configuration: per phase, each library's wall time with its GPU busy time inside."""
     plt = pyplot()
     groups = configurations(read_csv_files(paths))
-    figure, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
-    for axis, ((network, scene, precision, _), group) in zip(axes[0], groups.items()):
+    columns = min(len(groups), 2)
+    rows = -(-len(groups) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4 * rows), squeeze=False)
+    for axis in axes.flat[len(groups):]:
+        axis.set_visible(False)
+    for axis, ((network, scene, precision, _), group) in zip(axes.flat, groups.items()):
         libraries = list(dict.fromkeys(row["library"] for row in group))
         width = 0.8 / len(libraries)
         for index, name in enumerate(libraries):
@@ -560,7 +567,7 @@ def plot(paths: list[str], plot_path: str) -> None:
 
 def write_outputs(args, paths: list[str]) -> None:
     if args.markdown:
-        page = results_page(paths, args.markdown)
+        page = results_page(paths, args.markdown, args.plot)
         os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
         with open(args.markdown, "w") as handle:
             handle.write(page + "\n")
