@@ -81,7 +81,9 @@ if host:
 network = rows("network_*.csv")
 if network:
     report("network milliseconds, median over the rounds", network, lambda r: f"{r['phase']} {r['library']}", "ms")
-    report("network time ratio to spconv in the same run", [r for r in network if r["library"] == "cupysparse"],
-           lambda r: r["phase"], "time_ratio")
+    # Older trees name the column time_ratio, newer ones ratio_to_spconv.
+    ours = [dict(r, time_ratio=r.get("ratio_to_spconv", r.get("time_ratio"))) for r in network
+            if r["library"] == "cupysparse"]
+    report("network time ratio to spconv in the same run", ours, lambda r: r["phase"], "time_ratio")
 SUMMARY
 exit $status
