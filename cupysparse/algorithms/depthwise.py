@@ -17,6 +17,7 @@ import numpy as np
 from cupysparse.cuda.backend import array_module, cupy_module
 from cupysparse.cuda.compile import KernelSource, launch_config
 from cupysparse.cuda.dtypes import FEATURE_DTYPES, accumulation_dtype, cuda_type_name, short_name
+from cupysparse.cuda.precision import rounded_result
 from cupysparse.algorithms.base import DEPTHWISE, Algorithm, ConvProblem, register
 from cupysparse.algorithms.implicit_gemm import check_same_dtype, kernel_source_for, simt_unsupported_reason
 
@@ -27,7 +28,8 @@ class ExplicitDepthwise(Algorithm):
 
     Within one offset every input row and every output row occurs at most once, so a plain
     fancy-indexed `+=` is exact and deterministic; inputs are cast up to the accumulation dtype
-    first and the result cast back.
+    first and the result rounded back (`precision.rounded_result`: on the CPU, an fp16 or bf16 result
+    out of range is reported where it is).
     """
 
     name = "explicit"
@@ -50,7 +52,7 @@ class ExplicitDepthwise(Algorithm):
         out = xp.zeros((kernel_map.num_out, features.shape[1]), dtype=accumulate)
         for k, in_rows, out_rows in kernel_map.offset_pairs():
             out[out_rows] += x[in_rows] * w[k]
-        return out.astype(features.dtype)
+        return rounded_result(out, features.dtype, "output")
 
     def dgrad(self, grad_output, weight, kernel_map):
         xp = array_module(grad_output)
@@ -59,7 +61,7 @@ class ExplicitDepthwise(Algorithm):
         grad_input = xp.zeros((kernel_map.num_in, grad_output.shape[1]), dtype=accumulate)
         for k, in_rows, out_rows in kernel_map.offset_pairs():
             grad_input[in_rows] += dy[out_rows] * w[k]
-        return grad_input.astype(grad_output.dtype)
+        return rounded_result(grad_input, grad_output.dtype, "input gradient")
 
     def wgrad(self, features, grad_output, kernel_map):
         xp = array_module(features)
@@ -68,7 +70,7 @@ class ExplicitDepthwise(Algorithm):
         grad_weight = xp.zeros((kernel_map.kernel_volume, features.shape[1]), dtype=accumulate)
         for k, in_rows, out_rows in kernel_map.offset_pairs():
             grad_weight[k] = (x[in_rows] * dy[out_rows]).sum(axis=0)
-        return grad_weight.astype(features.dtype)
+        return rounded_result(grad_weight, features.dtype, "weight gradient")
 
 
 CHANNELS_PER_THREAD = (1, 2, 4)

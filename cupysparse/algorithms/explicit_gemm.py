@@ -5,7 +5,8 @@ on the CPU). Output rows are unique within one offset, so the add needs no atomi
 is deterministic. The identity offset of a submanifold map multiplies the whole input, no gather.
 Accumulates in `accumulation_dtype`. Forward and dgrad GEMMs (sums over the channels) run in the
 input dtype on the GPU and in fp32 on the CPU, bfloat16 in fp32 everywhere; wgrad GEMMs (sums over
-the pairs) run in fp32.
+the pairs) run in fp32. On the CPU, an fp16 or bf16 result out of range is reported where it is
+(`precision.rounded_result`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import ClassVar
 
 from cupysparse.cuda.backend import array_module, is_cupy_array
 from cupysparse.cuda.dtypes import BFLOAT16, FEATURE_DTYPES, accumulation_dtype
+from cupysparse.cuda.precision import rounded_result
 from cupysparse.algorithms.base import Algorithm, ConvProblem, register
 
 
@@ -24,8 +26,9 @@ def _gemm_dtype(features):
     return features.dtype
 
 
-def gather_gemm_scatter(features, weight, kernel_map):
-    """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` with weight `[K, C_a, C_b]`."""
+def gather_gemm_scatter(features, weight, kernel_map, label: str):
+    """`out[i] = Σ_k weight[k]^T · features[table[k, i]]` with weight `[K, C_a, C_b]`; `label` names
+    the result in a report of values out of range."""
     xp = array_module(features)
     gemm_dtype = _gemm_dtype(features)
     x = features.astype(gemm_dtype, copy=False)
@@ -35,7 +38,7 @@ def gather_gemm_scatter(features, weight, kernel_map):
         out += x @ w[kernel_map.identity_offset]
     for k, in_rows, out_rows in kernel_map.offset_pairs(skip_identity=True):
         out[out_rows] += x[in_rows] @ w[k]
-    return out.astype(features.dtype, copy=False)
+    return rounded_result(out, features.dtype, label)
 
 
 @register
@@ -76,10 +79,10 @@ class ExplicitGemm(Algorithm):
         return total
 
     def forward(self, features, weight, kernel_map):
-        return gather_gemm_scatter(features, weight, kernel_map)
+        return gather_gemm_scatter(features, weight, kernel_map, "output")
 
     def dgrad(self, grad_output, weight, kernel_map):
-        return gather_gemm_scatter(grad_output, weight.transpose(0, 2, 1), kernel_map.reversed())
+        return gather_gemm_scatter(grad_output, weight.transpose(0, 2, 1), kernel_map.reversed(), "input gradient")
 
     def wgrad(self, features, grad_output, kernel_map):
         xp = array_module(features)
@@ -93,4 +96,4 @@ class ExplicitGemm(Algorithm):
             grad[kernel_map.identity_offset] = x.T @ dy
         for k, in_rows, out_rows in kernel_map.offset_pairs(skip_identity=True):
             grad[k] = x[in_rows].T @ dy[out_rows]
-        return grad.astype(features.dtype, copy=False)
+        return rounded_result(grad, features.dtype, "weight gradient")

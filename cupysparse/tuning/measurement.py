@@ -5,7 +5,9 @@ contenders timed again in interleaved rounds, so that noise and drift do not ran
 
 A candidate that raises (a compile error, out of memory) or disagrees with the reference is skipped
 with its reason. A reference result holding inf (the exact sum is out of the dtype's range: an
-overflow) or NaN checks nothing, and nothing else runs.
+overflow) or NaN checks nothing, and nothing else runs; the tuner warns about it, so the algorithms do
+not report what they compute while measured (`precision.results_checked_by_caller`), nor the call's
+own run of the reference after it (`precision.count_as_reported`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import numpy as np
 
 from cupysparse.algorithms import Algorithm, ConvProblem
 from cupysparse.cuda.backend import all_true, array_module
-from cupysparse.cuda.dtypes import BFLOAT16, accumulation_dtype, short_name
+from cupysparse.cuda.dtypes import accumulation_dtype, short_name
 from cupysparse.cuda.out_of_memory import is_out_of_memory
-from cupysparse.cuda.precision import TF32
+from cupysparse.cuda.precision import (TF32, NonFinite, count_as_reported, find_non_finite, result_position,
+                                       results_checked_by_caller)
 from cupysparse.cuda.timing import TIMED_RUNS, QueuedTimer, sample_times_ms
 
 log = logging.getLogger("cupysparse.tuning")
@@ -64,27 +67,22 @@ def _labelled(result) -> list[tuple[str, object]]:
     return list(zip(labels, parts))
 
 
-def _position(flat_index: int, shape, label: str) -> str:
-    """Where element `flat_index` of the array `label` of `shape` is: a row and channel of features,
-    an offset and channels of a weight gradient (`[K, C_in, C_out]`, or `[K, C]` for depthwise)."""
-    index = [int(i) for i in np.unravel_index(flat_index, shape)]
-    if label == "weight gradient" and len(index) == 3:
-        return f"offset {index[0]}, input channel {index[1]}, output channel {index[2]}"
-    if label == "weight gradient" and len(index) == 2:
-        return f"offset {index[0]}, channel {index[1]}"
-    if len(index) == 2:
-        return f"row {index[0]}, channel {index[1]}"
-    return f"index {tuple(index)}"
+def _non_finite_in_reference(reference, dtype) -> NonFinite | None:
+    """The first of the reference's arrays that holds inf or NaN, and where."""
+    for label, expected in _labelled(reference):
+        finding = None if expected is None else find_non_finite(expected, dtype, label)
+        if finding is not None:
+            return finding
+    return None
 
 
-def largest_finite(dtype) -> float:
-    """The largest finite value of `dtype` (65504 for fp16)."""
-    dtype = np.dtype(dtype)
-    if dtype == BFLOAT16:  # NumPy's finfo does not know it; the package that defines it does
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).max)
-    return float(np.finfo(dtype).max)
+def _why_unchecked(finding: NonFinite) -> str:
+    name = short_name(finding.dtype)
+    if finding.is_nan:
+        return f"{finding.describe('the reference')}: the inputs hold NaN or inf, so no candidate can be checked"
+    return (f"{finding.describe()}: the reference, accumulated in {short_name(accumulation_dtype(finding.dtype))}, "
+            f"is out of {name}'s range there, so no candidate can be checked; scale the inputs or weights down, "
+            "or compute in a wider dtype")
 
 
 def non_finite_reference(reference, dtype) -> str | None:
@@ -92,25 +90,8 @@ def non_finite_reference(reference, dtype) -> str | None:
     result, accumulated in fp32 or wider, lies beyond `dtype`'s range: an overflow) or NaN (NaN or
     inf in the inputs). Then every candidate would "agree" on those values, or differ for no fault
     of its own."""
-    name = short_name(dtype)
-    for label, expected in _labelled(reference):
-        if expected is None or expected.size == 0:
-            continue
-        xp = array_module(expected)
-        finite = xp.isfinite(expected.astype(accumulation_dtype(dtype))).ravel()
-        if all_true(finite):
-            continue
-        bad = int(finite.size - int(xp.count_nonzero(finite)))
-        first = int(xp.argmin(finite))  # the first False
-        where = _position(first, expected.shape, label)
-        more = f" (and {bad - 1:,} more)" if bad > 1 else ""
-        if bool(xp.isnan(expected.ravel()[first].astype(accumulation_dtype(dtype)))):
-            return (f"the reference {name} {label} is NaN at {where}{more}: the inputs hold NaN or inf, "
-                    "so no candidate can be checked")
-        return (f"overflow: the {name} {label} exceeds {largest_finite(dtype):g} at {where}{more}: the reference, "
-                f"accumulated in {short_name(accumulation_dtype(dtype))}, is out of {name}'s range there, so no "
-                "candidate can be checked; scale the inputs or weights down, or compute in a wider dtype")
-    return None
+    finding = _non_finite_in_reference(reference, dtype)
+    return None if finding is None else _why_unchecked(finding)
 
 
 def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
@@ -140,7 +121,7 @@ def disagreement(result, reference, dtype, tf32: bool = False) -> str | None:
             value, exact = float(got.ravel()[first]), float(expected.ravel()[first])
             named = f"the {short_name(dtype)} {label}"
             what = f"{named} is NaN" if np.isnan(value) else f"overflow: {named} is {value:g}"
-            return f"{what} at {_position(first, got.shape, label)}, where the reference is {exact:.6g}"
+            return f"{what} at {result_position(first, got.shape, label)}, where the reference is {exact:.6g}"
         scale = float(xp.abs(expected).max())
         error = float(xp.abs(got - expected).max())
         if error > tolerance * scale + floor:
@@ -190,7 +171,13 @@ def measure(pool, run, problem: ConvProblem, reference_algorithm: Algorithm) -> 
     """Time every (algorithm, params) of `pool` through `run` after checking its first run against
     the reference algorithm, then the close contenders again (`retime_contenders`); a failing or
     disagreeing candidate is logged and skipped. If the reference itself runs out of memory or gives
-    inf or NaN, nothing is checked or timed."""
+    inf or NaN, nothing is checked or timed. The algorithms report nothing of what they compute
+    meanwhile: the check is this one's."""
+    with results_checked_by_caller():
+        return _measure(pool, run, problem, reference_algorithm)
+
+
+def _measure(pool, run, problem: ConvProblem, reference_algorithm: Algorithm) -> Measurement:
     measurement = Measurement()
     try:
         reference = run(reference_algorithm, reference_algorithm.default_params("forward"))
@@ -200,8 +187,10 @@ def measure(pool, run, problem: ConvProblem, reference_algorithm: Algorithm) -> 
         measurement.short_of_memory = True
         measurement.unchecked = f"the reference {reference_algorithm.name} ran out of memory ({_error_summary(error)})"
         return measurement
-    measurement.unchecked = non_finite_reference(reference, problem.dtype)
-    if measurement.unchecked is not None:
+    non_finite = _non_finite_in_reference(reference, problem.dtype)
+    if non_finite is not None:
+        measurement.unchecked = _why_unchecked(non_finite)
+        count_as_reported(non_finite)  # the tuner warns about it, naming the problem
         return measurement
     timer = QueuedTimer() if problem.device == "cuda" else None
     timed: dict[tuple, tuple[Algorithm, dict, list[float]]] = {}  # by candidate: its samples
