@@ -23,11 +23,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
+import stat
 import sys
 from collections import Counter
 
-from cupysparse.tuning.cache_file import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
+from cupysparse.tuning.cache_file import (
+    BenchmarkCache,
+    CacheEntry,
+    MalformedEntry,
+    NewerCacheFormat,
+    NotACacheFile,
+    cache_file_path,
+    open_for_reading,
+)
 from cupysparse.tuning.shipped import (
     check_shipped_file,
     shipped_architecture,
@@ -188,6 +198,23 @@ def search_all(cache: BenchmarkCache, words: list[str], top_k: int | None) -> No
         print(f'Nothing in the cache matches "{" ".join(words)}".')
 
 
+def what_is_in_the_way(path: pathlib.Path) -> str | None:
+    """What keeps a cache file from being at `path` ("is a directory, not a cache file"), or None for a
+    file or nothing there (where `path.is_file()` alone would call a directory, say, "no cache yet")."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:  # nothing there, or a link to nothing: the first save writes the file
+        return None
+    except OSError as error:  # a parent that is a file, or one this user may not search
+        return f"cannot be reached ({error})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a named pipe", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    kind = next((kind for is_kind, kind in kinds.items() if is_kind(mode)), "something other than a file")
+    return f"is {kind}, not a benchmark cache file"
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,14 +248,31 @@ def main(argv=None) -> int:
     else:
         path = args.cache_file or cache_file_path()
     users_cache = args.cache_file is None and args.shipped is None
-    if not path.is_file():
-        print(f"No benchmark cache at {path} yet.")
+    in_the_way = what_is_in_the_way(path)
+    if in_the_way is not None:
+        print(f"{path} {in_the_way}.", file=sys.stderr)
+        if users_cache:
+            print("The library can neither read nor write its cache there, and keeps tuning results in memory "
+                  "only: move that away, or point CUPYSPARSE_BENCHMARK_CACHE_DIR at another directory.",
+                  file=sys.stderr)
+        return 1
+    if not path.exists():
+        link = f": it is a symbolic link to {os.readlink(path)}, which does not exist" if path.is_symlink() else ""
+        print(f"No benchmark cache at {path} yet{link}.")
         print("It is written the first time a convolution is tuned, or by cupysparse-populate-benchmark-cache.")
         if users_cache:
             print_shipped_summary()
         return 0
     try:
         cache = open_for_reading(path)
+    except NewerCacheFormat as problem:
+        print(f"{problem}: a later cupysparse wrote it. This one leaves it as it is, never reading or overwriting "
+              "it, and keeps its tuning results in memory only.", file=sys.stderr)
+        return 1
+    except MalformedEntry as problem:
+        print(f"Cannot read {problem}. The library skips the malformed entries and uses the others; its next save "
+              "leaves them out, keeping the file as it was at ….corrupt-<time>.", file=sys.stderr)
+        return 1
     except NotACacheFile as problem:
         print(f"Cannot read {problem}. The library moves such a file aside the next time it tunes.", file=sys.stderr)
         return 1

@@ -11,14 +11,22 @@ One msgpack file (never pickle), `settings.benchmark_cache_dir() / CACHE_FILENAM
 - Saving locks `<file>.lock`, re-reads the file, merges (for one namespace and key the newer
   measurement wins; entries only on disk are kept) and atomically replaces the file, so several
   processes tuning at once lose nothing. Puts are saved by a debounced background thread and at exit.
-- A file that is not a cache of this version (corrupt, truncated, pickle, foreign, other version)
+- A file that is not a cache of this format (corrupt, truncated, pickle, foreign, an older version)
   is renamed to `<file>.corrupt-<timestamp>` with a warning and the cache starts empty.
+- Malformed entries of a file that is otherwise a cache of this format are skipped one by one, with one
+  warning per load that counts them and says why; the other entries are used. The next save leaves
+  them out and first keeps a copy of the file as it was at `<file>.corrupt-<timestamp>`.
+- A file of a newer format version (a later cupysparse's) is neither read nor written, renamed or
+  replaced: one warning, and the cache works in memory only.
+- A save removes the temporary files of writers that died before renaming theirs into place
+  (`_remove_orphaned_temporaries` says why that is safe).
 - A directory that cannot be read or written, a full disk, or a shared directory whose files
   another user owns give one warning; the cache then works in memory only, with what it read, and
   the file on disk stays as it was (atomic replace). Where the directory lets several users
   replace the file, they share it: another user's lock file is locked read-only.
 - Opened `read_only` (the inspection scripts), nothing is ever written or moved: a bad file raises
-  `NotACacheFile` instead, an unreadable one its OSError.
+  `NotACacheFile` instead (a `NewerCacheFormat` or, once decoded, a `MalformedEntry` where that is the
+  problem), an unreadable one its OSError.
 - Entries record the digests of the kernel sources they measured (`Algorithm.kernel_sources`, each
   digest covering the project headers the file includes); an entry whose sources changed is stale:
   invisible to `get`, so the tuner measures it again, but listed by `entries` (with
@@ -34,11 +42,13 @@ import fcntl
 import functools
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 import time
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter, itemgetter
@@ -50,6 +60,8 @@ from cupysparse import settings
 CACHE_FILENAME = "benchmark_cache_generic.msgpack"
 FORMAT_NAME = "cupysparse-benchmark-cache"
 FORMAT_VERSION = 1
+ENTRY_FIELDS = ("key", "results", "kernel_sources", "updated")
+TEMPORARY_SUFFIX = ".tmp"  # of `_write_atomically`'s files, named `.<cache file name>.<random>.tmp`
 SAVE_DELAY_S = 0.5  # a tuning burst of many puts becomes one background save
 LOCK_TIMEOUT_S = 30.0
 LOCK_POLL_S = 0.005
@@ -74,6 +86,14 @@ class CacheEntry:
 
 class NotACacheFile(ValueError):
     """The file's bytes are not a benchmark cache this version can read."""
+
+
+class NewerCacheFormat(NotACacheFile):
+    """The file is a benchmark cache of a later format version than this cupysparse reads."""
+
+
+class MalformedEntry(NotACacheFile):
+    """An entry of a file that is otherwise a cache of this format is malformed."""
 
 
 def _frozen(value):
@@ -188,38 +208,76 @@ def _check_format(document) -> None:
     """`document` (the file's top-level map) is a cache of this version."""
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise NotACacheFile("not a cupysparse benchmark cache")
-    if document.get("version") != FORMAT_VERSION:
-        raise NotACacheFile(f"format version {document.get('version')!r}, this cupysparse reads {FORMAT_VERSION}")
+    version = document.get("version")
+    if type(version) is int and version > FORMAT_VERSION:
+        raise NewerCacheFormat(f"format version {version}, newer than the {FORMAT_VERSION} this cupysparse reads")
+    if version != FORMAT_VERSION:
+        raise NotACacheFile(f"format version {version!r}, this cupysparse reads {FORMAT_VERSION}")
 
 
 def _not_msgpack(error: Exception) -> NotACacheFile:
     return NotACacheFile(f"not valid msgpack ({type(error).__name__}: {error})")
 
 
-def _malformed(error: Exception) -> NotACacheFile:
-    return NotACacheFile(f"a malformed cache ({type(error).__name__}: {error})")
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _malformed(error: Exception, problem: type[NotACacheFile] = NotACacheFile) -> NotACacheFile:
+    return problem(f"a malformed cache ({_reason(error)})")
+
+
+def _checked_entry(namespace, item) -> CacheEntry:
+    """The entry `item` of a decoded file; TypeError or ValueError saying what is wrong with it."""
+    _require(isinstance(item, dict), f"an entry must be a map, got {type(item).__name__}")
+    _require(all(field in item for field in ENTRY_FIELDS), f"an entry needs the fields {ENTRY_FIELDS}")
+    return _make_entry(namespace, item["key"], item["results"], item["kernel_sources"], item["updated"],
+                       from_file=True)
 
 
 def _entry_from_file(namespace, item) -> CacheEntry:
     try:
-        _require(isinstance(item, dict), f"an entry must be a map, got {type(item).__name__}")
-        return _make_entry(namespace, item["key"], item["results"], item["kernel_sources"], item["updated"],
-                           from_file=True)
-    except (TypeError, ValueError, KeyError) as error:
-        raise _malformed(error) from error
+        return _checked_entry(namespace, item)
+    except (TypeError, ValueError) as error:
+        raise _malformed(error, MalformedEntry) from error
 
 
-def _decode_file(data: bytes) -> list[CacheEntry]:
+def _read_document(data: bytes) -> dict:
+    """The file's top-level map, when the file is a cache of this format; NotACacheFile otherwise."""
     _refuse_pickle(data)
     try:
         document = msgpack.unpackb(data, raw=False, use_list=False)  # arrays as tuples: hashable, as put
     except (ValueError, TypeError) as error:  # corrupt or truncated bytes
         raise _not_msgpack(error) from error
     _check_format(document)
-    namespaces = document.get("namespaces")
+    return document
+
+
+def _decode_file(data: bytes) -> tuple[list[CacheEntry], Counter]:
+    """The file's entries, and how many malformed ones were skipped by reason: one bad entry costs
+    itself only. NotACacheFile when the file as a whole is no cache of this format."""
+    namespaces = _read_document(data).get("namespaces")
     if not isinstance(namespaces, dict):
         raise _malformed(TypeError("'namespaces' must be a map"))
-    return [_entry_from_file(namespace, item) for namespace, items in namespaces.items() for item in items]
+    entries, skipped = [], Counter()
+    for namespace, items in namespaces.items():
+        if not isinstance(items, tuple):
+            skipped[f"the value of namespace {namespace!r} is not an array of entries"] += 1
+            continue
+        for item in items:
+            try:
+                entries.append(_checked_entry(namespace, item))
+            except (TypeError, ValueError) as error:
+                skipped[_reason(error)] += 1
+    return entries, skipped
+
+
+def _describe_skipped(skipped: Counter) -> str:
+    """'3 malformed entries (2 × reason; 1 × reason)', the three commonest reasons named."""
+    total = sum(skipped.values())
+    named = "; ".join(f"{count} × {reason}" for reason, count in skipped.most_common(3))
+    others = f"; {len(skipped) - 3} other reasons" if len(skipped) > 3 else ""
+    return f"{total} malformed entr{'y' if total == 1 else 'ies'} ({named}{others})"
 
 
 class _FileIndex:
@@ -249,7 +307,7 @@ class _FileIndex:
             if unpacker.tell() != len(data):
                 raise ValueError(f"{len(data) - unpacker.tell()} bytes after the cache")
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as error:
-            _decode_file(data)  # a file that is no cache: raises what reading it whole says about it
+            _read_document(data)  # a file that is no cache: raises what reading it whole says about it
             raise _malformed(error) from error
         _check_format(header)
 
@@ -286,7 +344,7 @@ class _FileIndex:
                 slot.setdefault(tuple(sorted(key, key=itemgetter(0))), []).append(
                     (begin + start, begin + unpacker.tell()))
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as error:
-            raise _malformed(error) from error
+            raise _malformed(error, MalformedEntry) from error
         self._ranges[namespace] = slot
         return slot
 
@@ -349,9 +407,24 @@ def _exclusive_lock(lock_path: pathlib.Path):
         os.close(descriptor)  # releases the lock
 
 
+def _temporary_prefix(path: pathlib.Path) -> str:
+    return f".{path.name}."
+
+
+def _is_temporary_of(path: pathlib.Path, name: str) -> bool:
+    """Whether `name` is one of `_write_atomically`'s temporaries for `path`. mkstemp's random part has
+    no dot, which tells them from the temporaries of a file named `path`'s name plus a dotted suffix."""
+    prefix = _temporary_prefix(path)
+    if not (name.startswith(prefix) and name.endswith(TEMPORARY_SUFFIX)):
+        return False
+    return "." not in name[len(prefix):-len(TEMPORARY_SUFFIX)]
+
+
 def _write_atomically(path: pathlib.Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a part of it, even if this process dies midway."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Readers see the old file or the new one, never a part of it, even if this process dies midway.
+    Call it holding the file's lock: `_remove_orphaned_temporaries` relies on that."""
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=_temporary_prefix(path),
+                                             suffix=TEMPORARY_SUFFIX)
     try:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
@@ -363,6 +436,21 @@ def _write_atomically(path: pathlib.Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def _remove_orphaned_temporaries(path: pathlib.Path) -> None:
+    """Remove the temporaries `_write_atomically` left next to `path` when their writer died between
+    creating and renaming them (SIGKILL, a power cut). Call it holding the file's lock: every writer
+    creates its temporary only while holding that lock, and the lock dies with its holder, so a
+    temporary found then belongs to no live writer, however recent it is."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:  # a directory this user may write but not list: it cannot tell its orphans
+        return
+    for name in names:
+        if _is_temporary_of(path, name):
+            with contextlib.suppress(OSError):  # e.g. another user's, in a sticky shared directory: harmless
+                os.unlink(path.parent / name)
 
 
 def _current_source_digest(filename: str) -> str:
@@ -399,6 +487,7 @@ class BenchmarkCache:
         self._index: _FileIndex | None = None  # read-only: the file's entries, decoded as asked for
         self._loaded = False
         self._memory_only = False
+        self._warned_skipped = False
         self._put_count = 0
         self._saved_put_count = 0
         self._save_timer: threading.Timer | None = None
@@ -418,7 +507,7 @@ class BenchmarkCache:
                 try:
                     entry = self._index.get(namespace, match)
                 except NotACacheFile as problem:
-                    raise NotACacheFile(f"{self._path} is {problem}") from None
+                    raise self._located(problem) from None
             else:
                 entry = self._entries.get(namespace, {}).get(match)
         return None if entry is None or self._is_stale(entry) else entry
@@ -446,7 +535,7 @@ class BenchmarkCache:
             try:
                 return self._index.keys(namespace)
             except NotACacheFile as problem:
-                raise NotACacheFile(f"{self._path} is {problem}") from None
+                raise self._located(problem) from None
 
     def entries(self, namespace: str | None = None) -> list[CacheEntry]:
         """All entries, stale ones included, namespaces in name order."""
@@ -473,12 +562,16 @@ class BenchmarkCache:
             try:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
                 with _exclusive_lock(self._lock_path()):
-                    on_disk = self._read_file(holding_lock=True)
+                    on_disk, skipped = self._read_file(holding_lock=True)
                     with self._state_lock:
-                        if self._memory_only:  # a bad file could not be moved aside
+                        if self._memory_only:  # a bad file could not be moved aside, or a newer cupysparse's
                             return
                         _merge_newer(self._entries, on_disk)
                         document = self._document()
+                    _remove_orphaned_temporaries(self._path)
+                    if skipped:  # the file about to be replaced holds entries the new one leaves out
+                        self._warn_skipped(skipped, len(on_disk))
+                        shutil.copyfile(self._path, self._corrupt_path())
                     _write_atomically(self._path, msgpack.packb(document, use_bin_type=True))
             except TimeoutError:
                 raise
@@ -498,6 +591,10 @@ class BenchmarkCache:
         if timer is not None:
             timer.cancel()
         self.save()
+
+    def _located(self, problem: NotACacheFile) -> NotACacheFile:
+        """`problem`, of the same kind, saying which file it is about."""
+        return type(problem)(f"{self._path} is {problem}")
 
     def _refuse_if_read_only(self) -> None:
         if self._read_only:
@@ -531,12 +628,14 @@ class BenchmarkCache:
                 self._loaded = True
                 return
             try:
-                on_disk = self._read_file(holding_lock=False)
+                on_disk, skipped = self._read_file(holding_lock=False)
             except OSError as error:
                 if self._read_only:  # an inspection of a file it cannot read must say so, not show it empty
                     raise
                 self._fall_back_to_memory(f"cannot read the benchmark cache {self._path} ({error})")
-                on_disk = []
+                on_disk, skipped = [], Counter()
+            if skipped:
+                self._warn_skipped(skipped, len(on_disk))
             with self._state_lock:
                 _merge_newer(self._entries, on_disk)
             self._loaded = True
@@ -549,7 +648,7 @@ class BenchmarkCache:
                 try:
                     self._entries = self._index.all_entries()
                 except NotACacheFile as problem:
-                    raise NotACacheFile(f"{self._path} is {problem}") from None
+                    raise self._located(problem) from None
                 self._index = None
 
     def _read_index(self) -> _FileIndex | None:
@@ -560,28 +659,52 @@ class BenchmarkCache:
         try:
             return _FileIndex(data)
         except NotACacheFile as problem:
-            raise NotACacheFile(f"{self._path} is {problem}") from None
+            raise self._located(problem) from None
 
-    def _read_file(self, holding_lock: bool) -> list[CacheEntry]:
-        """The file's entries, [] when there is none; a file that is no cache of ours is moved aside."""
+    def _read_file(self, holding_lock: bool) -> tuple[list[CacheEntry], Counter]:
+        """The file's entries and its malformed ones skipped by reason, none when there is no file; a file
+        that is no cache of ours is moved aside, one of a newer format left alone."""
         try:
             data = self._path.read_bytes()
         except FileNotFoundError:
-            return []
+            return [], Counter()
         try:
             return _decode_file(data)
+        except NewerCacheFormat as problem:
+            # What a later cupysparse saved there may mean something else in this version: neither read
+            # nor moved, and never replaced by this version's save (which would lose it).
+            self._fall_back_to_memory(f"the benchmark cache {self._path} is {problem}: a newer cupysparse wrote it "
+                                      "and this one leaves it as it is")
+            return [], Counter()
         except NotACacheFile as problem:
             if self._read_only:
-                raise NotACacheFile(f"{self._path} is {problem}") from None
+                raise self._located(problem) from None
             reason = str(problem)
         if not holding_lock:  # decide again under the lock: another process may have just replaced the bad file
             with _exclusive_lock(self._lock_path()):
                 return self._read_file(holding_lock=True)
         self._set_aside(reason)
-        return []
+        return [], Counter()
+
+    def _corrupt_path(self) -> pathlib.Path:
+        return self._path.with_name(f"{self._path.name}.corrupt-{datetime.datetime.now():%Y%m%d-%H%M%S-%f}")
+
+    def _warn_skipped(self, skipped: Counter, kept: int) -> None:
+        """One warning per load about the malformed entries of the file, also when a save meets them again."""
+        with self._state_lock:
+            first = not self._warned_skipped
+            self._warned_skipped = True
+        if first:
+            warnings.warn(
+                f"the benchmark cache {self._path} holds {_describe_skipped(skipped)}: skipped them, the other {kept} "
+                "are used; saving leaves them out, after keeping the file as it was at "
+                f"{self._path.name}.corrupt-<time>",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _set_aside(self, reason: str) -> None:
-        aside = self._path.with_name(f"{self._path.name}.corrupt-{datetime.datetime.now():%Y%m%d-%H%M%S-%f}")
+        aside = self._corrupt_path()
         try:
             os.replace(self._path, aside)
         except OSError as error:

@@ -26,6 +26,10 @@ algorithm whose every candidate raised; each is warned about once per process. A
 a result, and stored. A reference result holding inf (the exact sum is out of the dtype's range:
 an overflow) or NaN checks nothing: the candidates are skipped, the reference's result is the
 call's, and the next call tunes again.
+
+Cached results this version cannot use, written by a newer or older cupysparse sharing the file
+(an algorithm it does not know, a parameter that algorithm does not take), are skipped one by one
+with one warning per process; the other results of their entry serve as usual.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 from typing import Mapping
 
 import numpy as np
@@ -218,7 +223,7 @@ class Tuner:
             )
         entry = self.cache.get(NAMESPACES[(search_space.kind, search_space.phase)], tuning_key(problem))
         allowed = {(a.name, params_key(p)) for a, p in pool}
-        for name, params, _ in entry.results if entry is not None else ():
+        for name, params, _ in self._usable_results(entry, search_space.kind, search_space.phase):
             if (name, params_key(params)) in allowed:
                 return Selection(get_algorithm(name, search_space.kind), dict(params))
         return rule_based_selection(search_space, problem, list(dict.fromkeys(a for a, _ in pool)))
@@ -277,7 +282,7 @@ class Tuner:
     def _recorded_selection(self, search_space: AlgorithmFilter, key, sweeps: dict[Algorithm, list[dict]]
                             ) -> Selection | None:
         """The fastest candidate of the phase namespace's ranking of these sweeps (`_recorded_ranking`)."""
-        recorded = self._recorded_ranking(NAMESPACES[(search_space.kind, search_space.phase)], key, sweeps)
+        recorded = self._recorded_ranking(search_space, key, sweeps)
         if not recorded:
             return None
         name, params, _ = recorded[0]
@@ -294,7 +299,8 @@ class Tuner:
         recorded = self._recorded_selection(search_space, key, sweeps)
         if recorded is not None:
             return recorded, True
-        known = {algorithm: self._cached_sweep(algorithm, phase, key, wanted) for algorithm, wanted in sweeps.items()}
+        known = {algorithm: self._cached_sweep(algorithm, kind, phase, key, wanted)
+                 for algorithm, wanted in sweeps.items()}
         unknown = [algorithm for algorithm, results in known.items() if results is None]
         if unknown:
             if _is_capturing(problem):
@@ -327,7 +333,7 @@ class Tuner:
             self._report_failures(search_space, problem, measurement)
         ranking = sorted((result for results in known.values() for result in results), key=lambda r: r[2])
         if keep:
-            self._record_ranking(NAMESPACES[(kind, phase)], key, ranking, kind)
+            self._record_ranking(search_space, key, ranking)
         if not ranking:
             reference = reference_algorithm(kind)
             return Selection(reference, reference.default_params(phase)), True
@@ -396,7 +402,7 @@ class Tuner:
         self._reported.add(topic)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
-    def _cached_sweep(self, algorithm: Algorithm, phase: str, key, wanted: list[dict]) -> list | None:
+    def _cached_sweep(self, algorithm: Algorithm, kind: str, phase: str, key, wanted: list[dict]) -> list | None:
         """The cached results of `wanted` parameters of `algorithm`, [] when its whole sweep failed,
         None when it must be measured."""
         entry = self.cache.get(algorithm.tuning_namespace(phase), key)
@@ -405,27 +411,33 @@ class Tuner:
         if not entry.results:
             return []
         wanted_keys = {params_key(params) for params in wanted}
-        found = [result for result in entry.results if params_key(result[1]) in wanted_keys]
+        found = [result for result in self._usable_results(entry, kind, phase) if params_key(result[1]) in wanted_keys]
         return found or None  # swept other parameters than these: sweep again
 
-    def _recorded_ranking(self, namespace: str, key, sweeps: dict[Algorithm, list[dict]]) -> list | None:
+    def _recorded_ranking(self, search_space: AlgorithmFilter, key, sweeps: dict[Algorithm, list[dict]]
+                          ) -> list | None:
         """The phase namespace's ranking of these candidates, when it holds results of every algorithm
         of the pool (a process that measured them recorded it): one cache read where the algorithms'
         own entries take one each, which is most of a first call's look-up with warm caches. None
         sends the look-up through the algorithms' entries."""
-        entry = self.cache.get(namespace, key)
+        entry = self.cache.get(NAMESPACES[(search_space.kind, search_space.phase)], key)
         if entry is None:
             return None
         wanted = {(algorithm.name, params_key(params)) for algorithm, sweep in sweeps.items() for params in sweep}
-        ranking = [result for result in entry.results if (result[0], params_key(result[1])) in wanted]
+        usable = self._usable_results(entry, search_space.kind, search_space.phase)
+        ranking = [result for result in usable if (result[0], params_key(result[1])) in wanted]
         if {name for name, _, _ in ranking} != {algorithm.name for algorithm in sweeps}:
             return None
         return ranking
 
-    def _record_ranking(self, namespace: str, key, ranking: list, kind: str) -> None:
-        """Add `ranking` to the phase namespace's entry of `key`, unless it holds all of it already."""
+    def _record_ranking(self, search_space: AlgorithmFilter, key, ranking: list) -> None:
+        """Add `ranking` to the phase namespace's entry of `key`, unless it holds all of it already. Results
+        of the entry this version cannot use are left out: it cannot name their kernel sources, and the
+        version that measured them keeps them in its algorithms' own namespaces."""
+        kind = search_space.kind
+        namespace = NAMESPACES[(kind, search_space.phase)]
         entry = self.cache.get(namespace, key)
-        previous = list(entry.results) if entry is not None else []
+        previous = self._usable_results(entry, kind, search_space.phase)
         recorded = {(name, params_key(params)): time_ms for name, params, time_ms in previous}
         if entry is not None and all(recorded.get((n, params_key(p))) == t for n, p, t in ranking):
             return
@@ -434,9 +446,57 @@ class Tuner:
         algorithms = [get_algorithm(name, kind) for name in dict.fromkeys(r[0] for r in merged)]
         self.cache.put(namespace, key, merged, _sources(algorithms))
 
+    def _usable_results(self, entry, kind: str, phase: str) -> list:
+        """The results of `entry` (none for None) this version can use in `phase`: of an algorithm of `kind`
+        it knows, with parameters that algorithm takes, each value one that can name a configuration. The
+        others (a newer or older cupysparse's) are skipped, with one warning per process."""
+        if entry is None:
+            return []
+        known = registered(kind)
+        usable, unknown_algorithms, unknown_parameters = [], Counter(), Counter()
+        for result in entry.results:
+            name, params, _ = result
+            if name not in known:
+                unknown_algorithms[name] += 1
+            elif not _takes(known[name], phase, params):
+                unknown_parameters[name] += 1
+            else:
+                usable.append(result)
+        if unknown_algorithms or unknown_parameters:
+            self._warn_once(("unusable cached results",), _describe_unusable(entry, unknown_algorithms,
+                                                                          unknown_parameters))
+        return usable
+
 
 def _describe(problem: ConvProblem) -> str:
     return f"{describe_problem(problem)}, {problem.num_in:,} -> {problem.num_out:,} rows"
+
+
+def _takes(algorithm: Algorithm, phase: str, params: dict) -> bool:
+    """Whether `params` are parameters of `algorithm` in `phase`, with values that can name a configuration
+    (`params_key` hashes them)."""
+    space = algorithm.forward_params if phase == "forward" else algorithm.backward_params
+    if not set(params) <= set(space):
+        return False
+    try:
+        hash(params_key(params))
+    except TypeError:  # a map as a value, say
+        return False
+    return True
+
+
+def _describe_unusable(entry, unknown_algorithms: Counter, unknown_parameters: Counter) -> str:
+    reasons = []
+    if unknown_algorithms:
+        reasons.append(f"{sum(unknown_algorithms.values())} of algorithms this version does not know "
+                       f"({', '.join(sorted(unknown_algorithms))})")
+    if unknown_parameters:
+        reasons.append(f"{sum(unknown_parameters.values())} with parameters their algorithm does not take "
+                       f"({', '.join(sorted(unknown_parameters))})")
+    skipped = sum(unknown_algorithms.values()) + sum(unknown_parameters.values())
+    return (f"cupysparse: skipped {skipped} of the {len(entry.results)} results cached in {entry.namespace} for "
+            f"{dict(entry.key)}: {'; '.join(reasons)}. A newer or older cupysparse sharing the benchmark cache may "
+            "have written them; the other results serve, and later such results are only logged")
 
 
 def _sweeps(pool) -> dict[Algorithm, list[dict]]:
