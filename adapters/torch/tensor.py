@@ -15,6 +15,7 @@ import torch
 import cupysparse
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.geometry.kernel_map import MapResult
+from cupysparse.geometry.sparse_tensor import voxelise
 
 from cupysparse.adapters.torch.bridge import from_core, on_torch_stream, to_core
 
@@ -29,6 +30,26 @@ def _ints(value, dims: int, name: str) -> tuple[int, ...]:
 def _require_tensor(value, name: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _require_on(value: torch.Tensor, device: torch.device, name: str) -> None:
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but points on {device}")
+
+
+def _reduce_per_voxel(features: torch.Tensor, point_to_voxel: torch.Tensor, num_voxels: int, reduce: str):
+    """Per-voxel features `[N, C]` in torch, so autograd reaches the point features: the mean (accumulated in
+    float32, float64 for float64 input, as the core does) or the first point's, in input order."""
+    if reduce == "first":
+        num_points = point_to_voxel.shape[0]
+        order = torch.arange(num_points, device=point_to_voxel.device)
+        first = order.new_full((num_voxels,), num_points).scatter_reduce(0, point_to_voxel, order, "amin")
+        return features[first]
+    accumulate = torch.float64 if features.dtype == torch.float64 else torch.float32
+    sums = features.new_zeros((num_voxels, features.shape[1]), dtype=accumulate)
+    sums = sums.index_add(0, point_to_voxel, features.to(accumulate))
+    counts = torch.bincount(point_to_voxel, minlength=num_voxels).to(accumulate)
+    return (sums / counts[:, None]).to(features.dtype)
 
 
 def require_sparse(input) -> None:
@@ -98,6 +119,62 @@ class SparseTensor:
             for b, c in enumerate(coordinates)
         ]
         return cls(torch.cat(batched), torch.cat(features), tensor_stride)
+
+    @classmethod
+    def from_points(cls, points: torch.Tensor, voxel_size, batch_index: torch.Tensor | None = None,
+                    features: torch.Tensor | None = None, reduce: str = "mean", *, return_index: bool = False):
+        """Voxelise float points `[P, D]` on their device as `cupysparse.SparseTensor.from_points` does: one
+        row per occupied voxel floor(point / voxel_size), sorted by (batch, c1, …, cD).
+
+        `batch_index` int `[P]` (default all 0); `features` floating `[P, C]` (default ones `[P, 1]`
+        float32) reduced per voxel by `reduce` ("mean" or "first"), differentiably. `return_index=True`
+        returns `(tensor, point_to_voxel)`, int64 `[P]` the row of each point's voxel (see `point_features`).
+        """
+        _require_tensor(points, "points")
+        for name, value in (("batch_index", batch_index), ("features", features)):
+            if value is not None:
+                _require_tensor(value, name)
+                _require_on(value, points.device, name)
+        if reduce not in ("mean", "first"):
+            raise ValueError(f"reduce must be one of ('mean', 'first'), got {reduce!r}")
+        if features is not None and not features.is_floating_point():
+            raise TypeError(f"features must have a floating dtype, got {features.dtype}")
+        with on_torch_stream(points.device):  # the core's arrays come from torch's allocator, on its stream
+            coordinates, point_to_voxel = voxelise(to_core(points), voxel_size,
+                                                   None if batch_index is None else to_core(batch_index))
+        coordinates, point_to_voxel = from_core(coordinates), from_core(point_to_voxel)
+        num_points = points.shape[0]
+        if features is None:
+            features = torch.ones((num_points, 1), dtype=torch.float32, device=points.device)
+        elif features.dim() != 2 or features.shape[0] != num_points or features.shape[1] < 1:
+            raise ValueError(f"features must have shape [{num_points}, C] to match points, got "
+                             f"{tuple(features.shape)}")
+        voxel_features = _reduce_per_voxel(features, point_to_voxel, coordinates.shape[0], reduce)
+        tensor = cls(coordinates, voxel_features, 1, validate=False)
+        return (tensor, point_to_voxel) if return_index else tensor
+
+    def point_features(self, point_to_voxel: torch.Tensor) -> torch.Tensor:
+        """The features of each point's voxel `[P, C]` (`features[point_to_voxel]`, differentiable): voxel
+        outputs back to points, for the index `from_points(..., return_index=True)` gave with these coordinates.
+
+        The range check synchronises a GPU once; `tensor.features[point_to_voxel]` skips it.
+        """
+        _require_tensor(point_to_voxel, "point_to_voxel")
+        if point_to_voxel.device != self.device:
+            raise ValueError(f"point_to_voxel is on {point_to_voxel.device} but this tensor is on {self.device}")
+        if point_to_voxel.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"point_to_voxel must be int32 or int64, got {point_to_voxel.dtype}")
+        if point_to_voxel.dim() != 1:
+            raise ValueError(f"point_to_voxel must have shape [P], got {tuple(point_to_voxel.shape)}")
+        if point_to_voxel.numel():
+            # An index out of range is a device-side assert on the GPU, which ends the CUDA context.
+            lowest, highest = torch.stack(torch.aminmax(point_to_voxel)).tolist()
+            if lowest < 0 or highest >= self.num_points:
+                raise ValueError(
+                    f"point_to_voxel holds rows {lowest}..{highest}, outside 0..{self.num_points - 1}: it must be the "
+                    "index from_points(..., return_index=True) returned for this tensor's coordinates"
+                )
+        return self._features.index_select(0, point_to_voxel)
 
     @property
     def coordinates(self) -> torch.Tensor:

@@ -4,6 +4,10 @@ Coordinates are int32 `[N, 1 + D]` (column 0 the batch index, then D = 2..4 spat
 units of the tensor's own stride); features are floating `[N, C]`. Both arrays are NumPy (CPU) or
 both CuPy (GPU). The kernel-map cache travels with the coordinates, so tensors that share
 coordinates (e.g. the output of `replace_features`) share the maps built for them.
+
+`SparseTensor.from_points` voxelises float points, optionally returning each point's voxel row
+(`point_to_voxel`), and `point_features` gathers voxel features back to the points; `voxelise` is the
+same voxelisation without features, for the frameworks' own `from_points`.
 """
 
 from __future__ import annotations
@@ -208,30 +212,41 @@ class SparseTensor:
         dense.transpose(0, 2, 1)[self._coordinates[:, 0], flat_index] = self._features
         return dense.reshape((self.batch_size, self.num_channels) + shape), origin
 
-    @classmethod
-    def from_points(cls, points, voxel_size, batch_index=None, features=None, reduce="mean", device=None):
-        """Voxelise float points `[M, D]`: voxel = floor(point / voxel_size), one row per occupied voxel.
+    def point_features(self, point_to_voxel):
+        """The features of each point's voxel, `features[point_to_voxel]` `[P, C]`: voxel outputs back to points.
 
-        `batch_index` int `[M]` (default all 0); `features` floating `[M, C]` (default ones `[M, 1]`
+        `point_to_voxel` is the index `from_points(..., return_index=True)` returned for these
+        coordinates (the output of a submanifold network keeps them). On the GPU the range check synchronises.
+        """
+        _require_array(point_to_voxel, "point_to_voxel")
+        _require_same_backend(("features", self._features), ("point_to_voxel", point_to_voxel))
+        if not np.issubdtype(point_to_voxel.dtype, np.integer):
+            raise TypeError(f"point_to_voxel must have an integer dtype, got {point_to_voxel.dtype}")
+        if point_to_voxel.ndim != 1:
+            raise ValueError(f"point_to_voxel must have shape [P], got {tuple(point_to_voxel.shape)}")
+        # CuPy does not bounds-check gathers: an index from other coordinates would read wrong rows silently.
+        if not all_true((point_to_voxel >= 0) & (point_to_voxel < self.num_points)):
+            raise ValueError(
+                f"point_to_voxel holds rows outside 0..{self.num_points - 1}: it must be the index "
+                "from_points(..., return_index=True) returned for this tensor's coordinates"
+            )
+        return self._features[point_to_voxel]
+
+    @classmethod
+    def from_points(cls, points, voxel_size, batch_index=None, features=None, reduce="mean", device=None, *,
+                    return_index=False):
+        """Voxelise float points `[P, D]`: voxel = floor(point / voxel_size), one row per occupied voxel.
+
+        `batch_index` int `[P]` (default all 0); `features` floating `[P, C]` (default ones `[P, 1]`
         float32) reduced per voxel by `reduce`: "mean", or "first" (the first point in input order).
         Rows come sorted by (batch, c1, …, cD). `device=None` keeps the backend of `points`.
+        `return_index=True` returns `(tensor, point_to_voxel)`, point_to_voxel int64 `[P]` the row of
+        each point's voxel (see `voxelise` and `point_features`).
         """
-        _require_array(points, "points")
-        if not _is_floating(points.dtype):
-            raise TypeError(f"points must have a floating dtype, got {points.dtype}")
-        if points.ndim != 2 or not 2 <= points.shape[1] <= MAX_SPATIAL_DIMS:
-            raise ValueError(f"points must have shape [M, D] with D = 2..{MAX_SPATIAL_DIMS}, got {tuple(points.shape)}")
-        layout = key_layout(points.shape[1])
-        dims, num_points = layout.spatial_dims, points.shape[0]
+        layout, voxel_sizes = _check_point_arguments(points, voxel_size, batch_index)
+        num_points = points.shape[0]
         if reduce not in _REDUCTIONS:
             raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
-        voxel_sizes = _voxel_sizes(voxel_size, dims)
-        if batch_index is not None:
-            _require_array(batch_index, "batch_index")
-            if not np.issubdtype(batch_index.dtype, np.integer):
-                raise TypeError(f"batch_index must have an integer dtype, got {batch_index.dtype}")
-            if batch_index.shape != (num_points,):
-                raise ValueError(f"batch_index must have shape ({num_points},) to match points, got {tuple(batch_index.shape)}")
         if features is not None:
             _check_features(features, num_points, "points")
 
@@ -241,42 +256,91 @@ class SparseTensor:
             features = None if features is None else to_device(features, device)
         optional = (("batch_index", batch_index), ("features", features))
         _require_same_backend(("points", points), *((name, array) for name, array in optional if array is not None))
-        xp = array_module(points)
         if features is None:
-            features = xp.ones((num_points, 1), dtype=np.float32)
-        if batch_index is None:
-            batch_index = xp.zeros(num_points, dtype=np.int32)
+            features = array_module(points).ones((num_points, 1), dtype=np.float32)
 
-        if not all_true(xp.isfinite(points)):
-            raise ValueError("points must be finite (got NaN or infinity)")
-        # float64 so float16/float32 points floor exactly as the same values divided in Python would.
-        scaled = xp.floor(points.astype(np.float64) / xp.asarray(voxel_sizes))
-        if num_points:
-            low, high = float(scaled.min()), float(scaled.max())
-            if low < layout.coord_min or high > layout.coord_max:
-                raise ValueError(
-                    f"points / voxel_size give voxel coordinates in [{low:.0f}, {high:.0f}], outside "
-                    f"[{layout.coord_min}, {layout.coord_max}] for D = {dims}: use a larger voxel_size or shift the points"
-                )
+        coordinates, point_to_voxel = _voxelise_checked(points, voxel_sizes, layout, batch_index)
+        num_voxels = coordinates.shape[0]
+        if reduce == "mean":
+            voxel_features = _scatter_mean(features, point_to_voxel, num_voxels)
+        else:
+            voxel_features = features[_first_point_of_each_voxel(point_to_voxel, num_voxels)]
+        tensor = cls(coordinates, voxel_features, 1, validate=False)
+        return (tensor, point_to_voxel) if return_index else tensor
+
+
+def voxelise(points, voxel_size, batch_index=None):
+    """The voxels of float points `[P, D]`, without features: `(coordinates, point_to_voxel)`.
+
+    `coordinates` int32 `[N, 1 + D]`: each occupied voxel floor(point / voxel_size) once, its batch
+    index (`batch_index` int `[P]`, default all 0) in column 0, sorted by (batch, c1, …, cD), as
+    `SparseTensor.from_points` gives them. `point_to_voxel` int64 `[P]`: the row of each point's
+    voxel. The frameworks' `from_points` reduce their own features over it, keeping autograd.
+    """
+    layout, voxel_sizes = _check_point_arguments(points, voxel_size, batch_index)
+    if batch_index is not None:
+        _require_same_backend(("points", points), ("batch_index", batch_index))
+    return _voxelise_checked(points, voxel_sizes, layout, batch_index)
+
+
+def _check_point_arguments(points, voxel_size, batch_index):
+    """Dtype and shape checks of the points, voxel size and batch index; returns (key layout, voxel sizes `[D]`)."""
+    _require_array(points, "points")
+    if not _is_floating(points.dtype):
+        raise TypeError(f"points must have a floating dtype, got {points.dtype}")
+    if points.ndim != 2 or not 2 <= points.shape[1] <= MAX_SPATIAL_DIMS:
+        raise ValueError(f"points must have shape [P, D] with D = 2..{MAX_SPATIAL_DIMS}, got {tuple(points.shape)}")
+    layout = key_layout(points.shape[1])
+    voxel_sizes = _voxel_sizes(voxel_size, layout.spatial_dims)
+    if batch_index is not None:
+        _require_array(batch_index, "batch_index")
+        if not np.issubdtype(batch_index.dtype, np.integer):
+            raise TypeError(f"batch_index must have an integer dtype, got {batch_index.dtype}")
+        num_points = points.shape[0]
+        if batch_index.shape != (num_points,):
+            raise ValueError(
+                f"batch_index must have shape ({num_points},) to match points, got {tuple(batch_index.shape)}"
+            )
+    return layout, voxel_sizes
+
+
+def _voxelise_checked(points, voxel_sizes, layout, batch_index):
+    """`voxelise` after the dtype, shape and backend checks: the value checks (they synchronise the GPU), then
+    the voxels."""
+    xp = array_module(points)
+    dims, num_points = layout.spatial_dims, points.shape[0]
+    finite = xp.isfinite(points)
+    if not all_true(finite):
+        row = int(xp.flatnonzero(~finite.all(axis=1))[0])
+        point = to_numpy(points[row]).tolist()
+        raise ValueError(f"points must be finite (got NaN or infinity): point {row} is {point}")
+    # float64 so float16/float32 points floor exactly as the same values divided in Python would.
+    scaled = xp.floor(points.astype(np.float64) / xp.asarray(voxel_sizes))
+    if num_points:
+        low, high = float(scaled.min()), float(scaled.max())
+        if low < layout.coord_min or high > layout.coord_max:
+            outside = (scaled < layout.coord_min) | (scaled > layout.coord_max)
+            row = int(xp.flatnonzero(outside.any(axis=1))[0])
+            raise ValueError(
+                f"points / voxel_size give voxel coordinates in [{low:.0f}, {high:.0f}], outside "
+                f"[{layout.coord_min}, {layout.coord_max}] for D = {dims} (first: point {row}, "
+                f"{to_numpy(points[row]).tolist()}): use a larger voxel_size or shift the points"
+            )
+        if batch_index is not None:
             lowest_batch, highest_batch = int(batch_index.min()), int(batch_index.max())
             if lowest_batch < 0:
                 raise ValueError(f"batch_index must be non-negative, got {lowest_batch}")
             if highest_batch > layout.batch_max:
                 raise ValueError(f"batch_index {highest_batch} exceeds {layout.batch_max} for D = {dims}")
 
-        point_voxels = xp.empty((num_points, 1 + dims), dtype=np.int32)
-        point_voxels[:, 0] = batch_index
-        point_voxels[:, 1:] = scaled.astype(np.int32)
-        unique_keys, voxel_of_point = xp.unique(pack_keys(point_voxels), return_inverse=True)
-        coordinates = unpack_keys(unique_keys, dims)
-        # Ranges were checked above; this catches batch indices with no points between used ones.
-        validate_coordinates(coordinates, "batch_index (voxelised coordinates)")
-
-        if reduce == "mean":
-            voxel_features = _scatter_mean(features, voxel_of_point, unique_keys.shape[0])
-        else:
-            voxel_features = features[_first_point_of_each_voxel(voxel_of_point, unique_keys.shape[0])]
-        return cls(coordinates, voxel_features, 1, validate=False)
+    point_voxels = xp.empty((num_points, 1 + dims), dtype=np.int32)
+    point_voxels[:, 0] = 0 if batch_index is None else batch_index
+    point_voxels[:, 1:] = scaled.astype(np.int32)
+    unique_keys, point_to_voxel = xp.unique(pack_keys(point_voxels), return_inverse=True)
+    coordinates = unpack_keys(unique_keys, dims)
+    # Ranges were checked above; this catches batch indices with no points between used ones.
+    validate_coordinates(coordinates, "batch_index (voxelised coordinates)")
+    return coordinates, point_to_voxel.astype(np.int64, copy=False)
 
 
 def _voxel_sizes(voxel_size, dims: int) -> np.ndarray:
@@ -299,23 +363,23 @@ def _int_tuple(value, dims: int, name: str) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _scatter_mean(features, voxel_of_point, num_voxels: int):
+def _scatter_mean(features, point_to_voxel, num_voxels: int):
     """Per-voxel mean of the feature rows, accumulated in float32 (float64 for float64 input)."""
     xp = array_module(features)
     accumulate_dtype = np.float64 if features.dtype == np.float64 else np.float32
     sums = xp.zeros((num_voxels, features.shape[1]), dtype=accumulate_dtype)
     # ufunc.at works on both backends (CuPy ≥ 12; cupyx.scatter_add is deprecated in its favour).
-    xp.add.at(sums, voxel_of_point, features.astype(accumulate_dtype))
-    counts = xp.bincount(voxel_of_point, minlength=num_voxels).astype(accumulate_dtype)
+    xp.add.at(sums, point_to_voxel, features.astype(accumulate_dtype))
+    counts = xp.bincount(point_to_voxel, minlength=num_voxels).astype(accumulate_dtype)
     return (sums / counts[:, None]).astype(features.dtype)
 
 
-def _first_point_of_each_voxel(voxel_of_point, num_voxels: int):
+def _first_point_of_each_voxel(point_to_voxel, num_voxels: int):
     """Index of the lowest-numbered point in each voxel."""
-    xp = array_module(voxel_of_point)
+    xp = array_module(point_to_voxel)
     # uint64: CuPy's minimum.at has no int64 variant. Every voxel has a point, so the initial
-    # value M is always replaced.
-    num_points = voxel_of_point.shape[0]
+    # value P is always replaced.
+    num_points = point_to_voxel.shape[0]
     first = xp.full(num_voxels, num_points, dtype=np.uint64)
-    xp.minimum.at(first, voxel_of_point, xp.arange(num_points, dtype=np.uint64))
+    xp.minimum.at(first, point_to_voxel, xp.arange(num_points, dtype=np.uint64))
     return first.astype(np.int64)
