@@ -84,7 +84,12 @@ def test_return_index_leaves_the_tensor_as_it_was(xp, reduce):
 
     assert isinstance(plain, SparseTensor)
     np.testing.assert_array_equal(to_numpy(tensor.coordinates), to_numpy(plain.coordinates))
-    np.testing.assert_array_equal(to_numpy(tensor.features), to_numpy(plain.features))
+    if reduce == "mean" and xp is not np:
+        # The GPU sums a voxel's points with atomic adds, in an order that varies from call to call: the
+        # means agree to the last bits of float64, not bit for bit.
+        np.testing.assert_allclose(to_numpy(tensor.features), to_numpy(plain.features), rtol=1e-13, atol=1e-16)
+    else:
+        np.testing.assert_array_equal(to_numpy(tensor.features), to_numpy(plain.features))
 
 
 def test_the_batch_index_separates_points_in_the_same_place():
