@@ -19,14 +19,10 @@ import jax.numpy as jnp
 
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.cuda.dtypes import accumulation_dtype
+from cupysparse.functional.checks import positive_int
 
 from cupysparse.adapters.jax.functional import conv, depthwise_conv
 from cupysparse.adapters.jax.tensor import SparseTensor
-
-
-def _positive_int(value, name: str) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_param(params, name: str, shape: tuple, dtype) -> None:
@@ -62,10 +58,11 @@ class SparseConv:
     impl: str | None = None
 
     def __post_init__(self):
-        _positive_int(self.in_channels, "in_channels")
-        _positive_int(self.out_channels, "out_channels")
+        positive_int(self.in_channels, "in_channels")
+        positive_int(self.out_channels, "out_channels")
         as_tuple(self.kernel_size, self.spatial_dims, "kernel_size")
         as_tuple(self.stride, self.spatial_dims, "stride")
+        as_tuple(self.dilation, self.spatial_dims, "dilation")
 
     @property
     def kernel_volume(self) -> int:
@@ -114,8 +111,10 @@ class SparseDepthwiseConv:
     impl: str | None = None
 
     def __post_init__(self):
-        _positive_int(self.channels, "channels")
+        positive_int(self.channels, "channels")
         as_tuple(self.kernel_size, self.spatial_dims, "kernel_size")
+        as_tuple(self.stride, self.spatial_dims, "stride")
+        as_tuple(self.dilation, self.spatial_dims, "dilation")
 
     @property
     def weight_shape(self) -> tuple[int, int]:
@@ -148,7 +147,7 @@ class LayerNorm:
     dtype: object = jnp.float32
 
     def __post_init__(self):
-        _positive_int(self.channels, "channels")
+        positive_int(self.channels, "channels")
 
     def init(self, key=None) -> dict:
         return {"scale": jnp.ones((self.channels,), self.dtype), "bias": jnp.zeros((self.channels,), self.dtype)}

@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from cupysparse.algorithms import CONV, DEPTHWISE
 from cupysparse.functional import execution
 from cupysparse.functional.execution import Arrays
+from cupysparse.functional.checks import positive_int
 from cupysparse.functional.convolution import spatially_sparse_depthwise_conv, spatially_sparse_depthwise_conv_backward
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.geometry.kernel_map import KernelMap
@@ -382,10 +383,6 @@ def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size
     return input.with_map_result(result, out)
 
 
-def _kernel_volume(kernel_size, spatial_dims: int) -> int:
-    return math.prod(as_tuple(kernel_size, spatial_dims, "kernel_size"))
-
-
 class SpatiallySparseConv(nn.Module):
     """A sparse convolution: submanifold (stride 1), strided, transposed (back to the coordinates
     the input was downsampled from) or generative transposed. See `cupysparse.spatially_sparse_conv`."""
@@ -394,10 +391,8 @@ class SpatiallySparseConv(nn.Module):
                  generative=False, bias=True, fwd_algo=None, bwd_algo=None, *, spatial_dims=3, device=None,
                  dtype=None):
         super().__init__()
-        if in_channels < 1 or out_channels < 1:
-            raise ValueError(f"channel counts must be positive, got in_channels={in_channels}, "
-                             f"out_channels={out_channels}")
-        self.in_channels, self.out_channels = in_channels, out_channels
+        self.in_channels = positive_int(in_channels, "in_channels")
+        self.out_channels = positive_int(out_channels, "out_channels")
         self.kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
         self.stride = as_tuple(stride, spatial_dims, "stride")
         self.dilation = as_tuple(dilation, spatial_dims, "dilation")
@@ -405,9 +400,9 @@ class SpatiallySparseConv(nn.Module):
         algorithm_argument(fwd_algo, CONV, "forward")
         algorithm_argument(bwd_algo, CONV, "backward")
         self.fwd_algo, self.bwd_algo = fwd_algo, bwd_algo
-        volume = _kernel_volume(kernel_size, spatial_dims)
-        self.weight = nn.Parameter(torch.empty(volume, in_channels, out_channels, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_channels, device=device, dtype=dtype)) if bias else None
+        volume = math.prod(self.kernel_size)
+        self.weight = nn.Parameter(torch.empty(volume, self.in_channels, self.out_channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_channels, device=device, dtype=dtype)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -471,7 +466,7 @@ class SparseDepthwiseConv(nn.Module):
     def __init__(self, channels: int, kernel_size, stride=1, dilation=1, transposed=False, bias=True, fwd_algo=None,
                  bwd_algo=None, *, spatial_dims=3, device=None, dtype=None):
         super().__init__()
-        self.channels = channels
+        self.channels = positive_int(channels, "channels")
         self.kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
         self.stride = as_tuple(stride, spatial_dims, "stride")
         self.dilation = as_tuple(dilation, spatial_dims, "dilation")
@@ -479,9 +474,9 @@ class SparseDepthwiseConv(nn.Module):
         algorithm_argument(fwd_algo, DEPTHWISE, "forward")
         algorithm_argument(bwd_algo, DEPTHWISE, "backward")
         self.fwd_algo, self.bwd_algo = fwd_algo, bwd_algo
-        volume = _kernel_volume(kernel_size, spatial_dims)
-        self.weight = nn.Parameter(torch.empty(volume, channels, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
+        volume = math.prod(self.kernel_size)
+        self.weight = nn.Parameter(torch.empty(volume, self.channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.channels, device=device, dtype=dtype)) if bias else None
         bound = 1.0 / math.sqrt(volume)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:

@@ -81,6 +81,11 @@ def global_avg_pool(input: SparseTensor) -> torch.Tensor:
 class SparseMaxPool(nn.Module):
     def __init__(self, kernel_size, stride=None, dilation=1):
         super().__init__()
+        # Kept as given: the input's dimensions, which settle how many ints each needs, come at each call.
+        as_tuple(kernel_size, None, "kernel_size")
+        if stride is not None:
+            as_tuple(stride, None, "stride")
+        as_tuple(dilation, None, "dilation")
         self.kernel_size, self.stride, self.dilation = kernel_size, stride, dilation
 
     def forward(self, input: SparseTensor) -> SparseTensor:
@@ -95,6 +100,7 @@ class SparseAvgPool(SparseMaxPool):
 class SparseUnpool(nn.Module):
     def __init__(self, stride):
         super().__init__()
+        as_tuple(stride, None, "stride")  # kept as given, as `SparseMaxPool`'s arguments
         self.stride = stride
 
     def forward(self, input: SparseTensor) -> SparseTensor:

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 from cupysparse.cuda.backend import is_cupy_array
 from cupysparse.cuda.dtypes import FEATURE_DTYPES
+from cupysparse.geometry.coords import is_integer
 from cupysparse.geometry.sparse_tensor import SparseTensor
+
+
+def positive_int(value, name: str) -> int:
+    """`value` as an int: a count a layer is built with (its channels). TypeError unless it is a Python or
+    NumPy integer (not a bool, a float or a string), ValueError unless it is positive; both name `name`."""
+    if not is_integer(value):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def require_like(array, name: str, reference, reference_name: str) -> None:

@@ -8,7 +8,8 @@ implements the same packing on the GPU; the two must change together.
 
 from __future__ import annotations
 
-import itertools
+import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +21,23 @@ MAX_SPATIAL_DIMS = 4
 # index runs up to one block (at most 1024 threads) past the last row, so an array of coordinates,
 # or any set of rows a map is built over, has at most this many rows.
 MAX_ROWS = 2**31 - 1024
-# Kernel sizes, strides and dilations reach the kernels as int32.
+# Kernel sizes, strides and dilations reach the kernels as int32, and so does a kernel's volume.
 MAX_GEOMETRY_VALUE = 2**31 - 1
+
+# What a kernel map's build holds on the host at its peak, per kernel offset (and row), measured with
+# tracemalloc on the NumPy path and rounded up; the checks below sum them before anything is allocated.
+# The offsets `[K, D]` as int32 and int64 arrays, a few at once (`kernel_offsets`, a query's shifts), on
+# either backend:
+_OFFSET_BYTES_PER_AXIS = 32
+# On the CPU, the pair table `[K, rows]` (int32), and the query's int64 positions over a block of rows,
+# about eight arrays of `[K, block rows, D]` at once:
+_PAIR_TABLE_BYTES = 4
+_QUERY_BYTES_PER_AXIS = 64
+# On the CPU, a generative convolution's candidates (input rows x offsets): their int64 positions, their
+# int32 coordinates and the keys, order and copies that deduplicate them, about 4 + 3·D int64 values each.
+_CANDIDATE_BYTES, _CANDIDATE_BYTES_PER_AXIS = 32, 24
+# An estimate at most this large is taken to fit: asking the OS costs more than building a small map.
+_SURELY_FITS_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -89,14 +105,42 @@ def unpack_keys(keys, spatial_dims: int):
     return coords
 
 
-def as_tuple(value, spatial_dims: int, name: str) -> tuple[int, ...]:
-    """Broadcast an int or a length-D sequence of positive ints to a D-tuple."""
-    if isinstance(value, (int, np.integer)):
-        values = (int(value),) * spatial_dims
-    else:
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, and not a bool (`True` is an int to Python, never a size or a count)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_sequence(value) -> bool:
+    """A tuple, a list or a 1-D NumPy array: what may hold one int per axis."""
+    return isinstance(value, (tuple, list)) or (isinstance(value, np.ndarray) and value.ndim == 1)
+
+
+def _describe(value) -> str:
+    """`value` and its type (or that of the first item that is no int), as an error message names what it got."""
+    wrong = next((v for v in value if not is_integer(v)), None) if _is_sequence(value) else None
+    if wrong is not None:
+        return f"{value!r} (a {type(value).__name__} holding a {type(wrong).__name__})"
+    return f"{value!r} ({type(value).__name__})"
+
+
+def as_tuple(value, spatial_dims: int | None, name: str) -> tuple[int, ...]:
+    """Broadcast an int or D ints (a tuple, a list or a 1-D NumPy array) to a D-tuple of positive ints.
+
+    The one check of every integer geometry argument (kernel sizes, strides, dilations, tensor strides):
+    ints are Python or NumPy integers; a bool, a float (even 3.0), a string or None raises TypeError
+    naming `name` and what it got, rather than being read as digits or truncated. `spatial_dims` None
+    takes any number of ints (one for a single int): a module whose input settles D at each call checks
+    the rest when it is built.
+    """
+    wanted = "an int or ints" if spatial_dims is None else f"an int or {spatial_dims} ints"
+    if is_integer(value):
+        values = (int(value),) * (1 if spatial_dims is None else spatial_dims)
+    elif _is_sequence(value) and all(is_integer(v) for v in value):
         values = tuple(int(v) for v in value)
-        if len(values) != spatial_dims:
-            raise ValueError(f"{name} must be an int or {spatial_dims} ints, got {value!r}")
+        if not values or (spatial_dims is not None and len(values) != spatial_dims):
+            raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    else:
+        raise TypeError(f"{name} must be {wanted}, got {_describe(value)}")
     if any(v < 1 for v in values):
         raise ValueError(f"{name} must be positive, got {value!r}")
     if any(v > MAX_GEOMETRY_VALUE for v in values):
@@ -120,9 +164,70 @@ def offset_range(size: int) -> range:
 
 def kernel_offsets(kernel_size: tuple[int, ...]) -> np.ndarray:
     """Kernel offsets `[K, D]` int32 in lexicographic order of (d0, d1, …), d0 slowest."""
-    return np.array(list(itertools.product(*(offset_range(s) for s in kernel_size))), dtype=np.int32).reshape(
-        -1, len(kernel_size)
-    )
+    axes = [np.arange(axis.start, axis.stop, dtype=np.int32) for axis in map(offset_range, kernel_size)]
+    return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(kernel_size))
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory new arrays can take now: Linux's MemAvailable (the free memory and the caches
+    the kernel can drop), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(needed_bytes: int, what: str) -> None:
+    """MemoryError, before anything is allocated, when `what` (an operation and its sizes) needs an
+    estimated `needed_bytes` of host memory and less is available: NumPy would otherwise fill the memory,
+    and swap, for minutes before failing, or not fail at all."""
+    if needed_bytes <= _SURELY_FITS_BYTES:
+        return
+    available = available_host_memory()
+    if needed_bytes > available:
+        raise MemoryError(
+            f"{what}: about {needed_bytes / 2**30:,.1f} GiB of host memory needed ({needed_bytes:,} bytes), more "
+            f"than the {available / 2**30:,.1f} GiB available; use a smaller kernel or split the input (e.g. by "
+            "batch item)"
+        )
+
+
+def check_kernel_volume(kernel_size: tuple[int, ...]) -> None:
+    """Raise, naming the kernel size, unless its offsets can be listed: ValueError past `MAX_GEOMETRY_VALUE`
+    of them, MemoryError when they do not fit the host memory available (either backend lists them there)."""
+    kernel_volume = math.prod(kernel_size)
+    if kernel_volume > MAX_GEOMETRY_VALUE:
+        raise ValueError(
+            f"kernel size {kernel_size} has {kernel_volume:,} offsets, more than the {MAX_GEOMETRY_VALUE:,} "
+            "that cupysparse's int32 kernel volume counts"
+        )
+    check_host_memory(kernel_volume * len(kernel_size) * _OFFSET_BYTES_PER_AXIS,
+                      f"the {kernel_volume:,} offsets of kernel size {kernel_size}")
+
+
+def check_pair_table_memory(kernel_size: tuple[int, ...], num_rows: int, query_block_rows: int) -> None:
+    """Before the NumPy path queries a pair table of `kernel_size` over `num_rows` output rows: ValueError
+    past `MAX_ROWS` rows (as the query itself refuses them), MemoryError when its offsets, its table and its
+    positions over `query_block_rows` rows at a time do not fit the host memory available. A GPU's table
+    is left to its allocator, whose error comes at once and names the map's sizes
+    (`out_of_memory.naming_map_sizes`)."""
+    check_row_count(num_rows, "the output coordinates")
+    kernel_volume, spatial_dims = math.prod(kernel_size), len(kernel_size)
+    needed = kernel_volume * spatial_dims * _OFFSET_BYTES_PER_AXIS + kernel_volume * num_rows * _PAIR_TABLE_BYTES
+    needed += kernel_volume * min(num_rows, query_block_rows) * spatial_dims * _QUERY_BYTES_PER_AXIS
+    check_host_memory(needed, f"a kernel map of kernel size {kernel_size} ({kernel_volume:,} offsets) over "
+                              f"{num_rows:,} output rows")
+
+
+def check_candidate_memory(num_candidates: int, spatial_dims: int, what: str) -> None:
+    """MemoryError unless the NumPy path's `num_candidates` candidate coordinates of a generative
+    convolution, and their deduplication, fit the host memory available (`check_host_memory`)."""
+    bytes_per_candidate = _CANDIDATE_BYTES + _CANDIDATE_BYTES_PER_AXIS * spatial_dims
+    check_host_memory(num_candidates * bytes_per_candidate, what)
 
 
 def check_coordinate_layout(coords, name: str = "coordinates") -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -27,8 +28,16 @@ import numpy as np
 
 from cupysparse.cuda.backend import array_module, is_cupy_array
 from cupysparse.cuda.compile import KernelSource, launch_config
-from cupysparse.geometry.hashing import Query, build_index, unique_coordinates, unique_coordinates_by
-from cupysparse.geometry.coords import as_tuple, check_row_count, kernel_offsets, key_layout
+from cupysparse.geometry.hashing import Query, SortedKeyIndex, build_index, unique_coordinates, unique_coordinates_by
+from cupysparse.geometry.coords import (
+    as_tuple,
+    check_candidate_memory,
+    check_kernel_volume,
+    check_pair_table_memory,
+    check_row_count,
+    kernel_offsets,
+    key_layout,
+)
 from cupysparse.cuda.out_of_memory import MapSizes, naming_map_sizes
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
@@ -497,13 +506,17 @@ def generative_coordinates(coords, kernel_size, stride, dilation):
     input rows outer and offsets inner.
 
     Raises ValueError when one falls outside the key range (it would wrap, not fail, otherwise), or
-    when the candidates (input rows x offsets, deduplicated on the device) are more than `coords.MAX_ROWS`.
+    when the candidates (input rows x offsets, deduplicated on the device) are more than `coords.MAX_ROWS`;
+    MemoryError when the NumPy path's candidates do not fit the host memory available.
     """
-    kernel_volume = int(np.prod(kernel_size))
-    check_row_count(coords.shape[0] * kernel_volume, f"the candidates of a generative transposed convolution "
-                    f"({coords.shape[0]} input rows x {kernel_volume} offsets)")
-    xp = array_module(coords)
+    kernel_volume = math.prod(kernel_size)  # exact: NumPy's product of a huge kernel would wrap around
     spatial_dims = coords.shape[1] - 1
+    candidates = (f"the candidates of a generative transposed convolution ({coords.shape[0]} input rows x "
+                  f"{kernel_volume} offsets)")
+    check_row_count(coords.shape[0] * kernel_volume, candidates)
+    if not is_cupy_array(coords):
+        check_candidate_memory(coords.shape[0] * kernel_volume, spatial_dims, candidates)
+    xp = array_module(coords)
     shift = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64))  # [K, D]
     spatial = coords[:, None, 1:].astype(np.int64) * xp.asarray(stride, dtype=np.int64) + shift[None, :, :]
     layout = key_layout(spatial_dims)
@@ -519,12 +532,18 @@ def generative_coordinates(coords, kernel_size, stride, dilation):
 
 
 def _geometry(coords, kernel_size, stride, dilation):
+    """The checked (kernel size, stride, dilation) of a map over `coords`: ints, and offsets that can be listed."""
     spatial_dims = coords.shape[1] - 1
-    return (
-        as_tuple(kernel_size, spatial_dims, "kernel_size"),
-        as_tuple(stride, spatial_dims, "stride"),
-        as_tuple(dilation, spatial_dims, "dilation"),
-    )
+    kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
+    check_kernel_volume(kernel_size)
+    return kernel_size, as_tuple(stride, spatial_dims, "stride"), as_tuple(dilation, spatial_dims, "dilation")
+
+
+def _check_query_memory(kernel_size: tuple[int, ...], out_coords) -> None:
+    """Before a pair-table query over `out_coords`: on the CPU, whether it fits the host memory (a GPU's
+    allocator raises at once by itself)."""
+    if not is_cupy_array(out_coords):
+        check_pair_table_memory(kernel_size, out_coords.shape[0], SortedKeyIndex._ROWS_PER_BLOCK)
 
 
 def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
@@ -539,6 +558,7 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
         return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows,
                          csr=pairs)
     index = index or build_index(in_coords)
+    _check_query_memory(kernel_size, in_coords)
     query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
     table, mask = index.pair_table(in_coords, query, same_coordinates=True)
     return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
@@ -550,6 +570,7 @@ def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coor
     if out_coords is None:
         out_coords = downsample_coordinates(in_coords, stride)
     index = index or build_index(in_coords)
+    _check_query_memory(kernel_size, out_coords)
     ones = (1,) * len(stride)
     table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=ones))
     return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
@@ -602,12 +623,29 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
     out_coords = generative_coordinates(in_coords, kernel_size, stride, dilation)
     index = index or build_index(in_coords)
+    _check_query_memory(kernel_size, out_coords)  # up to the input's rows times the kernel volume
     ones = (1,) * len(stride)
     query = Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1)
     table, mask = index.pair_table(out_coords, query)
     return out_coords, KernelMap(
         table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True, offset_mask=mask
     )
+
+
+def _memoised(by_arguments: dict, arguments: tuple) -> MapResult | None:
+    """The result `KernelMapCache.kernel_map` memoised for `arguments`, else None.
+
+    A layer asks with the same arguments every call: one look-up, no normalising. Only the very objects
+    that passed the checks find their result: an equal float or bool (3.0 == 3, True == 1) finds an
+    int's entry too, and must meet the checks that reject it.
+    """
+    try:
+        checked, result = by_arguments[arguments]
+    except (KeyError, TypeError):  # TypeError: unhashable arguments (lists), never memoised
+        return None
+    # Kernel size, stride and dilation; the tensor stride is the library's own, the flags are no sizes.
+    same = checked[1] is arguments[1] and checked[2] is arguments[2] and checked[3] is arguments[3]
+    return result if same else None
 
 
 @dataclass(frozen=True)
@@ -652,7 +690,8 @@ class KernelMapCache:
         self._coordinates = {self._input_stride: coordinates}
         self._indices = {}
         self._maps: dict[tuple, MapResult] = {}
-        self._by_arguments: dict[tuple, MapResult] = {}
+        # A call's arguments as given → (those arguments, their result): see `_memoised`.
+        self._by_arguments: dict[tuple, tuple[tuple, MapResult]] = {}
 
     def coordinates(self, tensor_stride: tuple[int, ...]):
         try:
@@ -700,21 +739,16 @@ class KernelMapCache:
     def kernel_map(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
         """The `MapResult` of a convolution applied to the coordinates at `tensor_stride`, cached."""
         arguments = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
-        try:  # a layer asks with the same arguments every call: one look-up, no normalising
-            return self._by_arguments[arguments]
-        except (KeyError, TypeError):  # TypeError: unhashable arguments (lists), normalised below
-            pass
-        result = self._normalised_kernel_map(tensor_stride, kernel_size, stride, dilation, transposed, generative)
-        with contextlib.suppress(TypeError):
-            self._by_arguments[arguments] = result
+        result = _memoised(self._by_arguments, arguments)
+        if result is None:
+            result = self._normalised_kernel_map(*arguments)
+            with contextlib.suppress(TypeError):  # unhashable arguments (lists): never memoised
+                self._by_arguments[arguments] = (arguments, result)
         return result
 
     def lookup(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
         """The `MapResult` of an earlier `kernel_map` call with these same arguments, else None."""
-        try:
-            return self._by_arguments.get((tensor_stride, kernel_size, stride, dilation, transposed, generative))
-        except TypeError:  # unhashable arguments: never memoised
-            return None
+        return _memoised(self._by_arguments, (tensor_stride, kernel_size, stride, dilation, transposed, generative))
 
     def _normalised_kernel_map(self, tensor_stride, kernel_size, stride, dilation, transposed, generative):
         coords = self.coordinates(tensor_stride)
