@@ -26,7 +26,6 @@ from cupysparse.adapters.torch.convolution import (
     SpatiallySparseConv,
     SubMConv2d,
     SubMConv3d,
-    load_spconv_state_dict,
     sparse_conv,
     sparse_depthwise_conv,
 )
@@ -43,6 +42,7 @@ from cupysparse.adapters.torch.pooling import (
     sparse_max_pool,
     sparse_unpool,
 )
+from cupysparse.adapters.torch.spconv import load_spconv_state_dict
 from cupysparse.adapters.torch.tensor import SparseTensor
 
 __all__ = [

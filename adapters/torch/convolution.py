@@ -40,7 +40,6 @@ from cupysparse.functional.checks import positive_int
 from cupysparse.functional.convolution import spatially_sparse_depthwise_conv, spatially_sparse_depthwise_conv_backward
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.geometry.kernel_map import KernelMap
-from cupysparse.networks.weight_layouts import from_spconv_weight
 from cupysparse.tuning.search_space import algorithm_argument
 
 from cupysparse.adapters.torch.bridge import core_dtype, from_core, on_torch_stream, to_core
@@ -486,29 +485,3 @@ class SparseDepthwiseConv(nn.Module):
         return sparse_depthwise_conv(input, self.weight, self.kernel_size, self.stride, self.dilation,
                                        self.transposed, self.bias, self.fwd_algo, self.bwd_algo)
 
-
-def load_spconv_state_dict(model: nn.Module, state_dict: dict, strict: bool = True) -> list[str]:
-    """Copy the convolution weights (and biases) of an spconv 2.x checkpoint into `model`, whose
-    convolution modules must have the same names as in the spconv model. spconv stores weights as
-    `[C_out, *kernel_size, C_in]`; they are converted to `[K, C_in, C_out]`. Returns the names of
-    the convolutions loaded; with `strict`, a convolution missing from `state_dict` raises KeyError."""
-    loaded = []
-    for name, module in model.named_modules():
-        if not isinstance(module, SpatiallySparseConv):
-            continue
-        key = f"{name}.weight" if name else "weight"
-        if key not in state_dict:
-            if strict:
-                raise KeyError(f"the spconv state dict has no {key!r} for {name or 'the model'}")
-            continue
-        weight = torch.as_tensor(from_spconv_weight(state_dict[key].detach().cpu().numpy()))
-        if tuple(weight.shape) != tuple(module.weight.shape):
-            raise ValueError(f"{key}: spconv weight converts to {tuple(weight.shape)} but {name} expects "
-                             f"{tuple(module.weight.shape)}")
-        with torch.no_grad():
-            module.weight.copy_(weight)
-            bias_key = key[: -len("weight")] + "bias"
-            if module.bias is not None and bias_key in state_dict:
-                module.bias.copy_(state_dict[bias_key])
-        loaded.append(name)
-    return loaded
