@@ -635,17 +635,27 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
 def _memoised(by_arguments: dict, arguments: tuple) -> MapResult | None:
     """The result `KernelMapCache.kernel_map` memoised for `arguments`, else None.
 
-    A layer asks with the same arguments every call: one look-up, no normalising. Only the very objects
-    that passed the checks find their result: an equal float or bool (3.0 == 3, True == 1) finds an
-    int's entry too, and must meet the checks that reject it.
+    A layer asks with the same arguments every call: one look-up, no normalising. An equal float or bool
+    (3.0 == 3, True == 1) finds an int's entry too and must meet the checks that reject it, so the sizes
+    must be the very objects that passed them or of the same types throughout (the layers sharing a map
+    each hold their own equal tuples).
     """
     try:
         checked, result = by_arguments[arguments]
     except (KeyError, TypeError):  # TypeError: unhashable arguments (lists), never memoised
         return None
     # Kernel size, stride and dilation; the tensor stride is the library's own, the flags are no sizes.
-    same = checked[1] is arguments[1] and checked[2] is arguments[2] and checked[3] is arguments[3]
-    return result if same else None
+    for given, accepted in zip(arguments[1:4], checked[1:4]):
+        if given is not accepted and not _same_types(given, accepted):
+            return None
+    return result
+
+
+def _same_types(given, accepted) -> bool:
+    """Whether two equal sizes (an int, or a tuple of ints) have the same types element by element."""
+    if type(given) is not type(accepted):
+        return False
+    return type(given) is not tuple or all(type(a) is type(b) for a, b in zip(given, accepted))
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,17 @@ def test_a_float_or_bool_equal_to_an_earlier_int_meets_the_check_too(argument, v
     assert x.kernel_map(**earlier) is first  # the ints themselves still find their map
 
 
+def test_layers_sharing_a_map_each_find_it_in_the_memo():
+    """Every layer of a level holds its own (3, 3, 3): equal tuples of ints answer from the memo, without
+    normalising again."""
+    x = tensor()
+    first = x.kernel_map(kernel_size=(3, 3, 3))
+    other_layers_size = tuple(int(size) for size in "333")  # equal, another object
+    assert other_layers_size is not (3, 3, 3)
+    assert x.map_cache.lookup((1, 1, 1), other_layers_size) is first
+    assert x.map_cache.lookup((1, 1, 1), (3.0, 3, 3)) is None  # a float among them: checked again
+
+
 @pytest.mark.parametrize("argument", GEOMETRY_ARGUMENTS)
 def test_spatially_sparse_conv_names_the_argument_that_is_not_an_int(argument):
     x = tensor()
