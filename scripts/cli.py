@@ -1,4 +1,4 @@
-"""`python -m cupysparse COMMAND`: the commands a user runs without a script of their own (info, warmup)."""
+"""`python -m cupysparse COMMAND`: the commands a user runs without a script of their own (info, warmup, segment)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from cupysparse.scripts import info
+from cupysparse.scripts import segment
 from cupysparse.scripts import warmup
 
 
@@ -21,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     warmup.add_arguments(warmup_parser)
     warmup_parser.set_defaults(run=warmup.run)
+    segment_parser = commands.add_parser(
+        "segment", help="one class label per point of point-cloud files (.bin, .npy, .ply, …), written as .npy",
+        description=segment.__doc__.split("\n\n")[0], epilog=segment.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    segment.add_arguments(segment_parser)
+    segment_parser.set_defaults(run=segment.run)
     args = parser.parse_args(argv)  # an unknown command exits 2 with argparse's usage message
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
