@@ -330,9 +330,10 @@ def measured_entries(cache: BenchmarkCache, namespace: str) -> list[CacheEntry]:
     return [entry for entry in cache.entries(namespace) if entry.results and entry.results[0][2] > 0]
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--namespace",
@@ -346,6 +347,11 @@ def parse_args(argv):
     parser.add_argument("--markdown", action="store_true", help="write Markdown tables instead of plain text")
     parser.add_argument("--output", type=pathlib.Path, help="write the report to this file instead of stdout")
     parser.add_argument("--plot", type=pathlib.Path, metavar="FILE.png", help="bar chart of win rates (matplotlib)")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.tolerance < 0:
         parser.error("--tolerance must not be negative")
@@ -354,8 +360,8 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     path = args.cache_file or cache_file_path()
     if not path.is_file():
         print(f"No benchmark cache at {path} yet: nothing to analyse.")

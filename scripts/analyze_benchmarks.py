@@ -704,9 +704,9 @@ def results_page(page_path: str, rows, tables: dict, plot_paths: dict, table_pat
     return "\n".join(lines).rstrip("\n")
 
 
-def parse_args(argv=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
     parser.add_argument("--input", nargs="+", default=["bench-results/benchmark_full.csv"], metavar="CSV",
@@ -716,13 +716,18 @@ def parse_args(argv=None):
     parser.add_argument("--baseline", default=None, help="backend the ratios divide by (default: the first "
                                                          f"measured of {', '.join(BASELINE_PREFERENCE)})")
     parser.add_argument("--markdown", default=None, metavar="PAGE", help="also write a markdown results page")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.command = shlex.join(["cupysparse-analyze-benchmarks", *(sys.argv[1:] if argv is None else argv)])
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     missing = [path for path in args.input if not os.path.isfile(path)]
     if missing:
         print(f"cupysparse-analyze-benchmarks: no such file {', '.join(missing)}", file=sys.stderr)

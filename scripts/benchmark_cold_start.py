@@ -47,8 +47,9 @@ from cupysparse.tuning.tuner import default_tuner
 PROFILE_LINES = 40
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="cupysparse-benchmark-cold-start", description=__doc__.splitlines()[0],
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or "cupysparse-benchmark-cold-start",
+                                     description=__doc__.splitlines()[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--framework", choices=("auto", "torch", "cupy"), default="auto",
                         help="the torch module or the framework-free network (auto: torch when installed)")
@@ -62,6 +63,11 @@ def parse_args(argv=None):
     parser.add_argument("--profile", metavar="FILE", default=None,
                         help="profile the first forward on the host (cProfile): write the statistics to FILE "
                              "(for pstats or snakeviz) and print the functions that took the longest")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = backend.default_device()
@@ -169,8 +175,8 @@ def describe_caches(device: str) -> str:
             f"({'present' if user.is_file() else 'absent'}); shipped tuning {shipped}")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     description = networks.minkunet(18, 3, len(INDOOR_CLASSES))
     constructed = time.perf_counter()
     forward = (TorchForward if args.framework == "torch" else CoreForward)(description, args.device, args.dtype,

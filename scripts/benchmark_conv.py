@@ -74,8 +74,8 @@ def best_time(measure, candidates, warmup, repeats):
     return best
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--num-voxels", type=int, default=1_000_000)
     parser.add_argument("--channels", default="32,64,128,256", help="comma-separated C (C → C layers)")
     parser.add_argument("--dtype", default="fp16", help="fp16, bf16, fp32 (spconv: fp16 and fp32 only)")
@@ -86,6 +86,11 @@ def parse_args(argv=None):
     parser.add_argument("--algorithms", default=None, help="comma-separated algorithm names (default: every one)")
     parser.add_argument("--no-spconv", action="store_true")
     parser.add_argument("--csv", default=None)
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         args.channels = [int(c) for c in args.channels.split(",")]
@@ -101,8 +106,8 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     device = args.device
     torch = torch_cuda() if device == "cuda" else None
     if torch is not None:

@@ -71,15 +71,21 @@ def host_ms(fn) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_grid_arguments(parser)
     parser.add_argument("--phases", default="forward,backward", help="comma-separated: forward, backward")
     parser.add_argument("--repeats", type=int, default=20, help="steady-state calls timed per phase")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the very first call to FILE")
     parser.add_argument("--csv", metavar="FILE", help="also write the table as CSV")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
     unknown = sorted(set(args.phases) - set(PHASES))
@@ -91,8 +97,8 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     grid = configurations(args.num_voxels, args.channels, args.kernel_sizes, args.dtypes)
     tuner = default_tuner()
     print(f"first call against steady state on {backend.describe_device(args.device)}, cache {cache_file_path()}")

@@ -53,15 +53,21 @@ PROGRAM = "cupysparse-benchmark-host-overhead"
 WAIT_NS_PER_CALL = 2_000_000
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_layer_arguments(parser, channels=32)
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
     parser.add_argument("--csv", metavar="FILE")
     add_results_page_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     check_results_page_arguments(parser, args, PROGRAM, argv)
     return args
@@ -186,8 +192,8 @@ def results_page(rows: list[dict], metadata: dict, csv_path: str, page_path: str
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     if args.from_csv:
         write_results_page(args.from_csv, args.markdown, results_page, PROGRAM)
         return 0

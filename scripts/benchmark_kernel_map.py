@@ -89,8 +89,8 @@ def spconv_stages(coords_numpy):
     }
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--num-voxels", default=None, help="comma-separated voxel counts (default: 100000,1000000 "
                         "on a GPU, 100000 on the CPU)")
     parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
@@ -99,6 +99,11 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-spconv", action="store_true", help="skip the spconv comparison")
     parser.add_argument("--csv", default=None, help="write the rows to this CSV file")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = backend.default_device()
@@ -112,8 +117,8 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     measure = make_timer(args.device)
     print(f"kernel-map build, {args.scene} scene, on {backend.describe_device(args.device)}; "
           f"median of {args.repeats} after {args.warmup} warm-up runs")

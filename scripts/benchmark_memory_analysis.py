@@ -120,9 +120,9 @@ def backend_names() -> tuple[str, ...]:
     return (*registered(CONV), AUTO, SPCONV, TORCH_DENSE)
 
 
-def parse_args(argv=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -153,6 +153,11 @@ def parse_args(argv=None):
                         help="start from empty kernel and tuning caches (a temporary folder, or an empty "
                              "--kernel-cache-dir) to measure first-call latency")
     parser.add_argument("--output-dir", default="bench-results")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         args.num_voxels = tuple(dict.fromkeys(_parse_voxel_count(v) for v in _comma_items(args.num_voxels)))
@@ -568,8 +573,8 @@ def library_versions(device: str) -> dict:
     return versions
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     with cache_folders(args):
         if args.device == "auto":
             args.device = backend.default_device()

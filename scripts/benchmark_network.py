@@ -354,9 +354,9 @@ def peer_names(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROGRAM, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        prog=prog or PROGRAM, description=__doc__.split("\n\n")[0], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--depth", type=int, choices=sorted(MINKUNETS), default=18, help="MinkUNet14, 18 or 34")
@@ -379,6 +379,11 @@ def parse_args(argv):
     parser.add_argument("--csv", metavar="FILE", help="also write one row per library and phase")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the times per library and phase (matplotlib)")
     add_results_page_arguments(parser)
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.command = shlex.join([PROGRAM, *(sys.argv[1:] if argv is None else argv)])
     if args.from_csv and not (args.markdown or args.plot):
@@ -576,8 +581,8 @@ def write_outputs(args, paths: list[str]) -> None:
         plot(paths, args.plot)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     if args.from_csv:
         write_outputs(args, args.from_csv.split(","))
         return 0

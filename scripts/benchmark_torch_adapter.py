@@ -37,9 +37,10 @@ from cupysparse.scripts.benchmarking import (
 )
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_layer_arguments(parser, channels=64)
     parser.add_argument("--warmup", type=int, default=5)
@@ -47,6 +48,11 @@ def parse_args(argv):
     parser.add_argument("--calls", type=int, default=20, help="calls per steady sample")
     parser.add_argument("--csv", metavar="FILE")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the adapter's steps to FILE")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     return parser.parse_args(argv)
 
 
@@ -59,8 +65,8 @@ def profile_steps(torch, step, repeats: int, path: str) -> None:
     pstats.Stats(path).sort_stats("tottime").print_stats(25)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     try:
         import torch
     except ImportError:

@@ -49,9 +49,9 @@ def _torch_or_none():
     return torch
 
 
-def parse_args(argv=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cupysparse-demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1], epilog=__doc__,
+        prog=prog or "cupysparse-demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--scene", choices=("indoor", "outdoor"), default="indoor")
@@ -71,6 +71,11 @@ def parse_args(argv=None):
     parser.add_argument("--plot", metavar="FILE", help=f"picture of the predicted classes ({', '.join(PLOT_SUFFIXES)})")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward passes")
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     _resolve(parser, args)
     return args
@@ -336,8 +341,8 @@ def plot_prediction(path: str, scene, coordinates: np.ndarray, labels: np.ndarra
     plt.close(figure)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     clock = _Clock(args.device)
     print(f"cupysparse demo on {backend.describe_device(args.device)}, framework {args.framework}, "
           f"{short_name(as_feature_dtype(args.dtype))}")

@@ -6,6 +6,7 @@ the report, since the report matters most on the machines where something is mis
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import os
@@ -158,6 +159,13 @@ def format_report(rows: list[tuple[str, list[str] | str]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    # no flags, but `info --help` should answer like every other command instead of printing the report
+    return argparse.ArgumentParser(prog=prog or "python -m cupysparse info", description=__doc__.split("\n\n")[0],
+                                   epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    build_parser(prog).parse_args(argv)
     print(format_report(collect()))
     return 0

@@ -215,9 +215,10 @@ def what_is_in_the_way(path: pathlib.Path) -> str | None:
     return f"is {kind}, not a benchmark cache file"
 
 
-def parse_args(argv):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("words", nargs="*", help="namespace=NAME to show one namespace; other words search")
     limit = parser.add_mutually_exclusive_group()
@@ -226,6 +227,11 @@ def parse_args(argv):
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--cache-file", type=pathlib.Path, help="inspect this file instead of the user's cache")
     source.add_argument("--shipped", metavar="ARCH", help="inspect this install's shipped tuning file of ARCH (sm_90)")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.top_k is not None and args.top_k < 1:
         parser.error("--top-k must be at least 1")
@@ -237,8 +243,8 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     if args.shipped is not None:
         path = shipped_cache_path(args.shipped)
         if not path.is_file():

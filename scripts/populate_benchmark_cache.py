@@ -205,9 +205,9 @@ def grid_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--device cuda: no CUDA GPU is usable (see `python -m cupysparse info`)")
 
 
-def parse_args(argv=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
     add_grid_arguments(parser)
@@ -218,6 +218,11 @@ def parse_args(argv=None):
     parser.add_argument(
         "--resume", action="store_true", help="skip configurations already in the cache (measured in any algo mode)"
     )
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     grid_from_arguments(parser, args)
     args.phases = ("forward", "backward")
@@ -325,8 +330,8 @@ def print_dry_run(grid: list[Configuration]) -> None:
     print(f"{len(grid)} configurations")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     grid = configurations(args.num_voxels, args.channels, args.kernel_sizes, args.dtypes)
     if args.dry_run:
         print_dry_run(grid)

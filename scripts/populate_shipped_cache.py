@@ -69,9 +69,9 @@ def _voxel_count(text: str) -> int:
     return count
 
 
-def parse_args(argv=None):
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cupysparse-populate-shipped-cache", description=__doc__.splitlines()[0], epilog=__doc__,
+        prog=prog or "cupysparse-populate-shipped-cache", description=__doc__.splitlines()[0], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--output", type=Path, help="the cache file to write (default: this install's shipped file)")
@@ -86,6 +86,11 @@ def parse_args(argv=None):
     parser.add_argument("--check", nargs="*", type=Path, metavar="FILE",
                         help="the release check: report the stale entries of the shipped files (default: this "
                              "install's) and exit 1 when there are any; measures nothing")
+    return parser
+
+
+def parse_args(argv=None, prog: str | None = None):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.check is not None:
         return args
@@ -189,8 +194,8 @@ def check(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     if args.check is not None:
         return check(args.check)
     planned = runs(args)

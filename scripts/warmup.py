@@ -131,11 +131,15 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cupysparse-warmup", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or "cupysparse-warmup", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return run(build_parser(prog).parse_args(argv))
 
 
 if __name__ == "__main__":
