@@ -712,7 +712,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--input", nargs="+", default=["bench-results/benchmark_full.csv"], metavar="CSV",
                         help="benchmark_full.csv of one or more runs")
     parser.add_argument("--output-dir", default="plots", help="where plots and tables go")
-    parser.add_argument("--format", default="png", choices=("png", "pdf"))
+    parser.add_argument("--format", default="png", choices=("png", "pdf"), help="file format of the plots")
     parser.add_argument("--baseline", default=None, help="backend the ratios divide by (default: the first "
                                                          f"measured of {', '.join(BASELINE_PREFERENCE)})")
     parser.add_argument("--markdown", default=None, metavar="PAGE", help="also write a markdown results page")

@@ -53,7 +53,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                      epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--framework", choices=("auto", "torch", "cupy"), default="auto",
                         help="the torch module or the framework-free network (auto: torch when installed)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
     parser.add_argument("--num-voxels", type=int, default=None, help="default: the demo's (200000; CPU 20000)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                         help="default: the demo's (float16 on a GPU, float32 on the CPU)")

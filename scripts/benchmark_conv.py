@@ -76,16 +76,18 @@ def best_time(measure, candidates, warmup, repeats):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--num-voxels", type=int, default=1_000_000)
+    parser.add_argument("--num-voxels", type=int, default=1_000_000, help="voxels of the scene")
     parser.add_argument("--channels", default="32,64,128,256", help="comma-separated C (C → C layers)")
     parser.add_argument("--dtype", default="fp16", help="fp16, bf16, fp32 (spconv: fp16 and fp32 only)")
-    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),
+                        help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs before the timed ones")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs (the median is reported)")
     parser.add_argument("--algorithms", default=None, help="comma-separated algorithm names (default: every one)")
-    parser.add_argument("--no-spconv", action="store_true")
-    parser.add_argument("--csv", default=None)
+    parser.add_argument("--no-spconv", action="store_true", help="skip the spconv comparison")
+    parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     return parser
 
 

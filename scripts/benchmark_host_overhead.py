@@ -61,7 +61,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add_layer_arguments(parser, channels=32)
     parser.add_argument("--calls", type=int, default=50, help="calls queued per batch")
     parser.add_argument("--repeats", type=int, default=15, help="batches per row")
-    parser.add_argument("--csv", metavar="FILE")
+    parser.add_argument("--csv", metavar="FILE", help="also write the rows to this CSV file")
     add_results_page_arguments(parser)
     return parser
 

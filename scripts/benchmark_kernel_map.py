@@ -93,10 +93,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--num-voxels", default=None, help="comma-separated voxel counts (default: 100000,1000000 "
                         "on a GPU, 100000 on the CPU)")
-    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),
+                        help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones")
+    parser.add_argument("--repeats", type=int, default=20, help="timed runs (the median is reported)")
     parser.add_argument("--no-spconv", action="store_true", help="skip the spconv comparison")
     parser.add_argument("--csv", default=None, help="write the rows to this CSV file")
     return parser

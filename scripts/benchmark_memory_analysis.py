@@ -125,7 +125,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
     parser.add_argument("--num-voxels", nargs="+", default=DEFAULT_NUM_VOXELS, metavar="N",
                         help="voxel counts, comma list (30000,100K,1M)")
     parser.add_argument("--channels", nargs="+", default=DEFAULT_CHANNELS, metavar="C_in,C_out",
@@ -134,7 +135,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--strides", nargs="+", default=("1",), metavar="S", help="strides (1: submanifold)")
     parser.add_argument("--dtypes", nargs="+", default=("fp16",), choices=DTYPE_CHOICES, metavar="DTYPE",
                         help="fp16, bf16, fp32, tf32 (fp32 features, TF32 products), fp64")
-    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"))
+    parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),
+                        help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
     parser.add_argument("--batch-size", type=int, default=1, help="scenes per batch, sharing the voxel count")
     parser.add_argument("--backends", default=",".join(backend_names()),
                         help=f"comma list of {', '.join(backend_names())}")
@@ -152,7 +154,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--cold", action="store_true",
                         help="start from empty kernel and tuning caches (a temporary folder, or an empty "
                              "--kernel-cache-dir) to measure first-call latency")
-    parser.add_argument("--output-dir", default="bench-results")
+    parser.add_argument("--output-dir", default="bench-results", help="folder for the CSV files and plots")
     return parser
 
 

@@ -370,7 +370,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="the models' dtype, or with --autocast the dtype autocast runs in")
     parser.add_argument("--autocast", action="store_true",
                         help="float32 parameters and inputs, the steps under torch.autocast to --dtype")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed runs before the timed ones")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (the median is reported)")
     parser.add_argument("--peers", type=peer_names, default=list(PEERS),

@@ -43,10 +43,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_layer_arguments(parser, channels=64)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs before the timed ones")
+    parser.add_argument("--repeats", type=int, default=50, help="timed runs (the median is reported)")
     parser.add_argument("--calls", type=int, default=20, help="calls per steady sample")
-    parser.add_argument("--csv", metavar="FILE")
+    parser.add_argument("--csv", metavar="FILE", help="also write the rows to this CSV file")
     parser.add_argument("--profile", metavar="FILE", help="write a cProfile of the adapter's steps to FILE")
     return parser
 

@@ -20,9 +20,10 @@ from cupysparse.networks.weight_layouts import to_spconv_weight
 def add_layer_arguments(parser, channels: int) -> None:
     """The options of a one-layer benchmark: --num-voxels of the indoor scene, --channels (in = out,
     default `channels`) and --dtype."""
-    parser.add_argument("--num-voxels", type=int, default=100_000)
+    parser.add_argument("--num-voxels", type=int, default=100_000, help="voxels of the scene")
     parser.add_argument("--channels", type=int, default=channels, help="input = output channels")
-    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
+                        help="dtype of the features and weights")
 
 
 def indoor_layer_coordinates(num_voxels: int) -> np.ndarray:

@@ -54,23 +54,26 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog or "cupysparse-demo", description=__doc__.split("\n\n")[0].split(": ", 1)[1], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--scene", choices=("indoor", "outdoor"), default="indoor")
+    parser.add_argument("--scene", choices=("indoor", "outdoor"), default="indoor",
+                        help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
     parser.add_argument("--num-voxels", type=int, default=None,
                         help="target voxel count (default 200000 on a GPU, 20000 on the CPU)")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
     parser.add_argument("--framework", choices=FRAMEWORKS, default="auto",
                         help="torch (needs PyTorch) or cupy (framework-free: CuPy or NumPy); auto: torch when "
                              "installed")
     parser.add_argument("--dtype", choices=("auto", "float16", "bfloat16", "float32"), default="auto",
                         help="inference dtype (auto: float16 on the GPU, float32 on the CPU)")
-    parser.add_argument("--depth", type=int, choices=sorted(networks.MINKUNET_BLOCKS), default=18)
+    parser.add_argument("--depth", type=int, choices=sorted(networks.MINKUNET_BLOCKS), default=18,
+                        help="MinkUNet14, 18 or 34")
     parser.add_argument("--width", type=float, default=1.0, help="channel width multiplier")
     parser.add_argument("--weights", metavar="FILE", help="safetensors weights to load (default: random)")
     parser.add_argument("--save-weights", metavar="FILE", help="write the weights (after training) to FILE")
     parser.add_argument("--train-steps", type=int, default=0, help="training steps on the scene (PyTorch)")
     parser.add_argument("--plot", metavar="FILE", help=f"picture of the predicted classes ({', '.join(PLOT_SUFFIXES)})")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward passes")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scene and of the random weights")
     return parser
 
 

@@ -174,7 +174,8 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"feature dtypes among {', '.join(DTYPE_CHOICES)}")
     parser.add_argument("--algo-mode", default="auto", help="auto, all, an algorithm name or [a,b] (fwd and bwd)")
     parser.add_argument("--batch-size", type=int, default=1, help="batch items sharing each voxel count")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                        help="where to run: auto (the GPU if there is one), cuda or cpu")
 
 
 def grid_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -212,8 +213,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     add_grid_arguments(parser)
     phases = parser.add_mutually_exclusive_group()
-    phases.add_argument("--forward-only", action="store_true")
-    phases.add_argument("--backward-only", action="store_true")
+    phases.add_argument("--forward-only", action="store_true", help="measure the forward pass only")
+    phases.add_argument("--backward-only", action="store_true", help="measure the backward passes only")
     parser.add_argument("--dry-run", action="store_true", help="list the configurations; run nothing")
     parser.add_argument(
         "--resume", action="store_true", help="skip configurations already in the cache (measured in any algo mode)"

@@ -75,13 +75,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--output", type=Path, help="the cache file to write (default: this install's shipped file)")
-    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=list(DEFAULT_NETWORKS))
+    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=list(DEFAULT_NETWORKS),
+                        help="the reference networks whose layer shapes are measured")
     parser.add_argument("--num-voxels", nargs="+", type=_voxel_count, default=list(DEFAULT_NUM_VOXELS),
                         metavar="N", help="scene sizes (200000, 200K, 1M)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
                         help="feature dtypes (tf32: fp32 multiplied in TF32)")
     parser.add_argument("--algo-mode", default="auto", help="the search space of both phases: auto, all, a name, [a,b]")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where to measure: cuda (the shipped files are GPU measurements) or cpu")
     parser.add_argument("--dry-run", action="store_true", help="list the runs; measure nothing")
     parser.add_argument("--check", nargs="*", type=Path, metavar="FILE",
                         help="the release check: report the stale entries of the shipped files (default: this "

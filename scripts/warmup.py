@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="architectures to compile for, without a GPU (default: the visible GPUs')")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
                         help="feature dtypes the networks run in (tf32: fp32 multiplied in TF32)")
-    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS))
+    parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=sorted(NETWORKS),
+                        help="the reference networks to compile for (default: all)")
     parser.add_argument("--jobs", type=int, default=compile.compile_workers(),
                         help="NVRTC compilations at a time (threads; default: the CPUs this process may use)")
     parser.add_argument("--list", action="store_true", help="list the modules and their cache files; compile nothing")

@@ -1,5 +1,7 @@
 """`cupysparse COMMAND`: one command line over every script."""
 
+import argparse
+
 import pytest
 
 from cupysparse.scripts import cli
@@ -31,3 +33,11 @@ def test_an_unknown_command_exits_2():
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["no-such-command"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_flag_of_every_command_has_help(command):
+    parser = cli.command_parser(command)
+    silent = [action.option_strings or action.dest for action in parser._actions
+              if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert silent == [], f"flags of {command} without help: {silent}"
