@@ -133,17 +133,13 @@ def spconv_convolution(layer: networks.Conv, spconv, keys: IndiceKeys) -> nn.Mod
 
 def spconv_module(layer, spconv, keys: IndiceKeys) -> nn.Module:
     """The spconv-side module of one layer description; `spconv` is the `spconv.pytorch` namespace."""
-    if isinstance(layer, networks.Conv):
-        return spconv_convolution(layer, spconv, keys)
-    if isinstance(layer, networks.BatchNorm):
-        return SpconvBatchNorm(layer.channels, eps=layer.eps, momentum=layer.momentum)
-    if isinstance(layer, networks.ReLU):
-        return SpconvReLU()
-    if isinstance(layer, networks.Sequential):
-        return SpconvSequential(layer, spconv, keys)
-    if isinstance(layer, networks.Residual):
-        return SpconvResidual(layer, spconv, keys)
-    raise TypeError(f"no spconv module for {type(layer).__name__}")
+    return networks.build_layer(layer, "spconv", {
+        networks.Conv: lambda conv: spconv_convolution(conv, spconv, keys),
+        networks.BatchNorm: lambda norm: SpconvBatchNorm(norm.channels, eps=norm.eps, momentum=norm.momentum),
+        networks.ReLU: lambda relu: SpconvReLU(),
+        networks.Sequential: lambda sequential: SpconvSequential(sequential, spconv, keys),
+        networks.Residual: lambda residual: SpconvResidual(residual, spconv, keys),
+    })
 
 
 def build_spconv_network(description: networks.Network, spconv) -> SpconvSequential:

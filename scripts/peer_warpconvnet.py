@@ -194,17 +194,13 @@ def warpconvnet_convolution(layer: networks.Conv, warpconvnet, pairing: StridePa
 
 def warpconvnet_module(layer, warpconvnet, pairing: StridePairing) -> nn.Module:
     """The WarpConvNet-side module of one layer description; `warpconvnet` is `import_peer()`'s namespace."""
-    if isinstance(layer, networks.Conv):
-        return warpconvnet_convolution(layer, warpconvnet, pairing)
-    if isinstance(layer, networks.BatchNorm):
-        return WarpConvNetBatchNorm(layer.channels, eps=layer.eps, momentum=layer.momentum)
-    if isinstance(layer, networks.ReLU):
-        return WarpConvNetReLU()
-    if isinstance(layer, networks.Sequential):
-        return WarpConvNetSequential(layer, warpconvnet, pairing)
-    if isinstance(layer, networks.Residual):
-        return WarpConvNetResidual(layer, warpconvnet, pairing)
-    raise TypeError(f"no WarpConvNet module for {type(layer).__name__}")
+    return networks.build_layer(layer, "WarpConvNet", {
+        networks.Conv: lambda conv: warpconvnet_convolution(conv, warpconvnet, pairing),
+        networks.BatchNorm: lambda norm: WarpConvNetBatchNorm(norm.channels, eps=norm.eps, momentum=norm.momentum),
+        networks.ReLU: lambda relu: WarpConvNetReLU(),
+        networks.Sequential: lambda sequential: WarpConvNetSequential(sequential, warpconvnet, pairing),
+        networks.Residual: lambda residual: WarpConvNetResidual(residual, warpconvnet, pairing),
+    })
 
 
 def build_warpconvnet_network(description: networks.Network, warpconvnet) -> WarpConvNetSequential:

@@ -134,18 +134,15 @@ class ResidualBlock(nn.Module):
 
 def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
     """The torch module of one layer description (see `cupysparse.networks.descriptions`)."""
-    if isinstance(layer, networks.Conv):
-        return SpatiallySparseConv(layer.in_channels, layer.out_channels, layer.kernel_size, layer.stride,
-                                   transposed=layer.transposed, bias=layer.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo)
-    if isinstance(layer, networks.BatchNorm):
-        return SparseBatchNorm(layer.channels, eps=layer.eps, momentum=layer.momentum)
-    if isinstance(layer, networks.ReLU):
-        return SparseReLU()
-    if isinstance(layer, networks.Sequential):
-        return SparseSequential(layer, fwd_algo, bwd_algo)
-    if isinstance(layer, networks.Residual):
-        return ResidualBlock(layer, fwd_algo, bwd_algo)
-    raise TypeError(f"no torch module for {type(layer).__name__}")
+    return networks.build_layer(layer, "torch", {
+        networks.Conv: lambda conv: SpatiallySparseConv(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, transposed=conv.transposed,
+            bias=conv.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo),
+        networks.BatchNorm: lambda norm: SparseBatchNorm(norm.channels, eps=norm.eps, momentum=norm.momentum),
+        networks.ReLU: lambda relu: SparseReLU(),
+        networks.Sequential: lambda sequential: SparseSequential(sequential, fwd_algo, bwd_algo),
+        networks.Residual: lambda residual: ResidualBlock(residual, fwd_algo, bwd_algo),
+    })
 
 
 class SparseNetwork(SparseSequential):

@@ -109,6 +109,15 @@ class Network:
     out_channels: int
 
 
+def build_layer(layer, framework: str, builders: dict):
+    """`builders[type(layer)](layer)`: the module of one layer description in `framework`, whose builders
+    take each kind (Conv, BatchNorm, ReLU, Sequential, Residual); a kind without one is a TypeError."""
+    builder = builders.get(type(layer))
+    if builder is None:
+        raise TypeError(f"no {framework} module for {type(layer).__name__}")
+    return builder(layer)
+
+
 def children(layer) -> tuple:
     """The layers directly inside `layer`, in the order they run."""
     if isinstance(layer, Sequential):

@@ -53,17 +53,6 @@ def jax_cpu_unless_gpu_test(request):
 
 
 @pytest.fixture
-def x64():
-    """float64 in JAX for the duration of one test."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
-@pytest.fixture
 def jax_gpu():
     try:
         return jax.devices("gpu")[0]

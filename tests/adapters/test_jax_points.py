@@ -23,17 +23,6 @@ def jax_cpu():
         yield
 
 
-@pytest.fixture
-def x64():
-    """float64 in JAX for the duration of one test."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
-
-
 def random_points(num_points=400, spatial_dims=3, batch_size=2, seed=0):
     rng = np.random.default_rng(seed)
     points = rng.uniform(-2.0, 2.0, (num_points, spatial_dims))
