@@ -14,6 +14,18 @@ import pytest
 
 from cupysparse.cuda.backend import gpu_available
 
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # the fuzz suites skip themselves
+    pass
+else:
+    # The fuzz suites' example counts: "ci", the default, is quick and the same on every run;
+    # `--hypothesis-profile deep --hypothesis-seed N` draws ten times as many from seed N.
+    _FUZZ = {"database": None, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+    settings.register_profile("ci", max_examples=250, derandomize=True, **_FUZZ)
+    settings.register_profile("deep", max_examples=2500, **_FUZZ)
+    settings.load_profile("ci")
+
 
 @functools.cache
 def nvrtc_available() -> bool:

@@ -6,6 +6,9 @@ of random sign grows like sqrt(n) times their typical size. So: rtol = the dtype
 (1e-4 for fp32, per the design notes) and atol = 4 · eps · sqrt(n) · rms(a) · rms(b), the factor 4
 covering the tails of the term magnitudes. The reference is computed from the inputs already
 rounded to the low dtype, so input rounding is not part of the error.
+
+Two implementations that each meet that bound differ by at most twice it (`assert_agree`): the
+bound for comparing with another library, neither result being exact.
 """
 
 from __future__ import annotations
@@ -25,4 +28,14 @@ def assert_close(actual, expected, dtype, num_terms: int, a, b, what: str = "") 
     atol = 4 * eps * np.sqrt(max(num_terms, 1)) * rms(a) * rms(b)
     np.testing.assert_allclose(
         np.asarray(actual, dtype=np.float64), expected, rtol=eps, atol=atol, err_msg=f"{what} ({np.dtype(dtype)})"
+    )
+
+
+def assert_agree(ours, theirs, dtype, num_terms: int, a, b, what: str = "") -> None:
+    """Two results of the same sums in `dtype`, each within `assert_close`'s bound of the exact one."""
+    eps = EPSILON[np.dtype(dtype).name]
+    atol = 8 * eps * np.sqrt(max(num_terms, 1)) * rms(a) * rms(b)
+    np.testing.assert_allclose(
+        np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64), rtol=2 * eps, atol=atol,
+        err_msg=f"{what} ({np.dtype(dtype)}): the two libraries disagree",
     )

@@ -7,8 +7,9 @@ coordinate tuples enumerate the pairs (`out = in·stride + dilation·offset` for
 way for transposed scatters), from which the output, the input gradient and the weight gradient
 follow as plain sums. An input the library documents as invalid (a coordinate out of range, a
 missing batch, a coordinate twice, generated coordinates past the key range) must raise
-ValueError; anything else must equal the oracle. CPU in CI with a fixed, seeded example count;
-`pytest -m gpu` runs the same properties on CuPy arrays and the torch modules on CUDA tensors.
+ValueError; anything else must equal the oracle. CPU in CI with a fixed example count (the
+Hypothesis profiles are in the tests' conftest); `pytest -m gpu` runs the same properties on CuPy
+arrays and the torch modules on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzz suite needs hypothesis (pip install '.[test]')")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cupysparse.functional import convolution as functional
@@ -32,8 +33,6 @@ from tolerances import assert_close
 
 KINDS = ("submanifold", "strided", "transposed", "generative")
 DTYPES = tuple(short_name(dtype) for dtype in FEATURE_DTYPES)  # fp64, fp32, fp16 and, with ml_dtypes, bf16
-FUZZ = settings(max_examples=250, derandomize=True, database=None, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])
 ON_DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.gpu),
@@ -170,14 +169,12 @@ def run_case(case, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-@FUZZ
 @given(case=convolutions())
 def test_convolutions_equal_brute_force_or_raise(device, case):
     run_case(case, device)
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-@FUZZ
 @given(case=convolutions())
 def test_torch_modules_equal_brute_force_or_raise(device, case):
     torch = pytest.importorskip("torch")
