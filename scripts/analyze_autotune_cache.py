@@ -31,6 +31,7 @@ import statistics
 import sys
 from collections import Counter
 
+from cupysparse.scripts.inspect_benchmark_cache import report_what_is_in_the_way
 from cupysparse.tuning.cache_file import BenchmarkCache, CacheEntry, NotACacheFile, cache_file_path, open_for_reading
 
 DEFAULT_NAMESPACES = ("sparse_conv_forward", "sparse_conv_backward")
@@ -363,6 +364,8 @@ def parse_args(argv=None, prog: str | None = None):
 def main(argv=None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     path = args.cache_file or cache_file_path()
+    if report_what_is_in_the_way(path, users_cache=args.cache_file is None):
+        return 1
     if not path.is_file():
         print(f"No benchmark cache at {path} yet: nothing to analyse.")
         print("Tune some convolutions or run cupysparse-populate-benchmark-cache first.")

@@ -38,6 +38,7 @@ from cupysparse.cuda import backend
 from cupysparse.cuda import compile
 from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.cache_file import cache_file_path
+from cupysparse.scripts import arguments
 from cupysparse.scripts.demo import scene_tensor
 from cupysparse.data.scenes import INDOOR_CLASSES
 from cupysparse.tuning.shipped import shipped_cache_path, shipped_caches_enabled
@@ -55,7 +56,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="the torch module or the framework-free network (auto: torch when installed)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
-    parser.add_argument("--num-voxels", type=int, default=None, help="default: the demo's (200000; CPU 20000)")
+    parser.add_argument("--num-voxels", type=arguments.count, default=None, help="default: the demo's (200000; CPU 20000)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                         help="default: the demo's (float16 on a GPU, float32 on the CPU)")
     parser.add_argument("--repeats", type=int, default=10, help="steady-state forwards timed")

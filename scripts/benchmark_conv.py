@@ -25,6 +25,7 @@ from cupysparse.cuda import backend
 from cupysparse.algorithms import ConvProblem, registered
 from cupysparse.cuda.dtypes import as_feature_dtype, short_name
 from cupysparse.data.scenes import make_scene
+from cupysparse.scripts import arguments
 from cupysparse.scripts.benchmarking import (
     make_timer,
     peak_extra_bytes,
@@ -76,7 +77,7 @@ def best_time(measure, candidates, warmup, repeats):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--num-voxels", type=int, default=1_000_000, help="voxels of the scene")
+    parser.add_argument("--num-voxels", type=arguments.count, default=1_000_000, help="voxels of the scene")
     parser.add_argument("--channels", default="32,64,128,256", help="comma-separated C (C → C layers)")
     parser.add_argument("--dtype", default="fp16", help="fp16, bf16, fp32 (spconv: fp16 and fp32 only)")
     parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),

@@ -29,6 +29,7 @@ from cupysparse.geometry.kernel_map import (
     submanifold_map,
 )
 from cupysparse.data.scenes import make_scene
+from cupysparse.scripts import arguments
 from cupysparse.scripts.benchmarking import make_timer, write_csv
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
@@ -91,8 +92,8 @@ def spconv_stages(coords_numpy):
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--num-voxels", default=None, help="comma-separated voxel counts (default: 100000,1000000 "
-                        "on a GPU, 100000 on the CPU)")
+    parser.add_argument("--num-voxels", type=arguments.counts, default=None,
+                        help="comma-separated voxel counts (default: 100000,1000000 on a GPU, 100000 on the CPU)")
     parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),
                         help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
@@ -109,11 +110,8 @@ def parse_args(argv=None, prog: str | None = None):
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = backend.default_device()
-    default_counts = "100000,1000000" if args.device == "cuda" else "100000"
-    try:
-        args.num_voxels = [int(n) for n in (args.num_voxels or default_counts).split(",")]
-    except ValueError:
-        parser.error(f"--num-voxels must be comma-separated integers, got {args.num_voxels!r}")
+    if args.num_voxels is None:
+        args.num_voxels = (100_000, 1_000_000) if args.device == "cuda" else (100_000,)
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
     return args

@@ -84,7 +84,8 @@ from cupysparse.scripts.memory_analysis_grid import (
     sampled_together,
     scene_coordinates,
 )
-from cupysparse.scripts.populate_benchmark_cache import _comma_items, _parse_channel_pair, _parse_voxel_count
+from cupysparse.scripts import arguments
+from cupysparse.scripts.populate_benchmark_cache import _comma_items, _parse_channel_pair
 from cupysparse.tuning.search_space import AUTO, candidates, parse_algorithm_filter
 
 PHASES = ("forward", "dgrad", "wgrad", "backward", "both")
@@ -102,7 +103,7 @@ BREAKDOWN_COLUMNS = (
     "estimated_mb", "peak_memory_mb",
 )
 COMPILE_COLUMNS = ("source", "dtype", "instantiations", "needed_by", "compiled", "compile_ms", "error")
-DEFAULT_NUM_VOXELS = ("30K", "100K", "300K", "1M")
+DEFAULT_NUM_VOXELS = (30_000, 100_000, 300_000, 1_000_000)
 DEFAULT_CHANNELS = ("32,32", "64,64", "128,128", "256,256")
 DTYPE_CHOICES = ("fp16", "bf16", "fp32", "tf32", "fp64", "float16", "bfloat16", "float32", "float64")
 DEFAULT_DENSE_MAX_CELLS = 2**24
@@ -127,8 +128,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
-    parser.add_argument("--num-voxels", nargs="+", default=DEFAULT_NUM_VOXELS, metavar="N",
-                        help="voxel counts, comma list (30000,100K,1M)")
+    parser.add_argument("--num-voxels", nargs="+", type=arguments.counts, metavar="N",
+                        help="voxel counts, comma list (30000,100K,1M; default 30K 100K 300K 1M)")
     parser.add_argument("--channels", nargs="+", default=DEFAULT_CHANNELS, metavar="C_in,C_out",
                         help="channel pairs, e.g. 32,32 64,128")
     parser.add_argument("--kernel-sizes", nargs="+", default=("3",), metavar="K", help="kernel sizes, e.g. 3 5")
@@ -137,7 +138,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="fp16, bf16, fp32, tf32 (fp32 features, TF32 products), fp64")
     parser.add_argument("--scene", default="indoor", choices=("indoor", "outdoor"),
                         help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
-    parser.add_argument("--batch-size", type=int, default=1, help="scenes per batch, sharing the voxel count")
+    parser.add_argument("--batch-size", type=arguments.count, default=1, help="scenes per batch, sharing the voxel count")
     parser.add_argument("--backends", default=",".join(backend_names()),
                         help=f"comma list of {', '.join(backend_names())}")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
@@ -146,7 +147,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls before the samples")
     parser.add_argument("--max-memory-gb", type=float, default=None,
                         help="skip (as oom) layers whose estimated footprint exceeds this; caps the GPU pool too")
-    parser.add_argument("--dense-max-cells", type=int, default=DEFAULT_DENSE_MAX_CELLS,
+    parser.add_argument("--dense-max-cells", type=arguments.count, default=DEFAULT_DENSE_MAX_CELLS,
                         help="largest dense grid (batch x bounding box) the torch baseline runs")
     parser.add_argument("--precompile", action="store_true",
                         help="compile every kernel module the grid needs before timing (compile_times.csv)")
@@ -162,7 +163,7 @@ def parse_args(argv=None, prog: str | None = None):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        args.num_voxels = tuple(dict.fromkeys(_parse_voxel_count(v) for v in _comma_items(args.num_voxels)))
+        args.num_voxels = arguments.joined(args.num_voxels) if args.num_voxels else DEFAULT_NUM_VOXELS
         args.channels = tuple(dict.fromkeys(_parse_channel_pair(pair) for pair in args.channels))
         args.kernel_sizes = _positive_ints(args.kernel_sizes, "--kernel-sizes")
         args.strides = _positive_ints(args.strides, "--strides")
@@ -175,8 +176,8 @@ def parse_args(argv=None, prog: str | None = None):
     args.phases = tuple(dict.fromkeys(phase.strip() for phase in args.phases.split(",") if phase.strip()))
     if not args.backends or not args.phases or set(args.phases) - set(PHASES):
         parser.error(f"--backends and --phases need valid names; phases: {', '.join(PHASES)}")
-    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--repeats", args.repeats, 1),
-                             ("--iterations", args.iterations, 1), ("--warmup", args.warmup, 0)):
+    for flag, value, low in (("--repeats", args.repeats, 1), ("--iterations", args.iterations, 1),
+                             ("--warmup", args.warmup, 0)):
         if value < low:
             parser.error(f"{flag} must be at least {low}")
     if args.max_memory_gb is not None and args.max_memory_gb <= 0:

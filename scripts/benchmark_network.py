@@ -83,6 +83,7 @@ from cupysparse.scripts.analyze_benchmarks import (
     relative,
     write_metadata,
 )
+from cupysparse.scripts import arguments
 from cupysparse.scripts.benchmarking import peak_extra_bytes, route_cupy_through_torch, write_csv
 
 PROGRAM = "cupysparse-benchmark-network"
@@ -322,20 +323,6 @@ def measure_phase(libraries: list[Library], phase: str, labels: torch.Tensor, de
 # Command line
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
@@ -363,8 +350,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--width", type=positive_float, default=1.0, help="scales every channel count")
     parser.add_argument("--scene", default="indoor", choices=sorted(DEFAULT_NUM_VOXELS),
                         help="indoor rooms (2 cm voxels) or outdoor LiDAR sweeps (5 cm)")
-    parser.add_argument("--batch-size", type=positive_int, default=2, help="scenes per batch")
-    parser.add_argument("--num-voxels", type=positive_int,
+    parser.add_argument("--batch-size", type=arguments.count, default=2, help="scenes per batch")
+    parser.add_argument("--num-voxels", type=arguments.count,
                         help="voxels per scene (within 5%%; default: indoor 200000, outdoor 173000)")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="the models' dtype, or with --autocast the dtype autocast runs in")
@@ -372,8 +359,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="float32 parameters and inputs, the steps under torch.autocast to --dtype")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
-    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed runs before the timed ones")
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed rounds (the median is reported)")
+    parser.add_argument("--warmup", type=arguments.count_or_zero, default=3, help="untimed runs before the timed ones")
+    parser.add_argument("--repeats", type=arguments.count, default=10, help="timed rounds (the median is reported)")
     parser.add_argument("--peers", type=peer_names, default=list(PEERS),
                         help=f"libraries to compare with, comma-separated: {', '.join(PEERS)} (default: every one "
                              "that imports), or none")

@@ -14,13 +14,14 @@ import numpy as np
 from cupysparse.cuda import backend
 from cupysparse.data.scenes import make_scene
 from cupysparse.cuda.timing import median_time_ms
+from cupysparse.scripts import arguments
 from cupysparse.networks.weight_layouts import to_spconv_weight
 
 
 def add_layer_arguments(parser, channels: int) -> None:
     """The options of a one-layer benchmark: --num-voxels of the indoor scene, --channels (in = out,
     default `channels`) and --dtype."""
-    parser.add_argument("--num-voxels", type=int, default=100_000, help="voxels of the scene")
+    parser.add_argument("--num-voxels", type=arguments.count, default=100_000, help="voxels of the scene")
     parser.add_argument("--channels", type=int, default=channels, help="input = output channels")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"),
                         help="dtype of the features and weights")

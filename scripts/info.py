@@ -169,3 +169,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     build_parser(prog).parse_args(argv)
     print(format_report(collect()))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

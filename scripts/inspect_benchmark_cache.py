@@ -1,6 +1,6 @@
 """Look inside the autotuner's benchmark cache.
 
-    cupysparse-inspect-benchmark-cache                          # location, size, age, namespaces
+    cupysparse-inspect-benchmark-cache                          # location, size, age, namespace tree
     cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward
     cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward --best-only
     cupysparse-inspect-benchmark-cache namespace=sparse_conv_forward --top-k 3
@@ -47,24 +47,17 @@ from cupysparse.tuning.shipped import (
 )
 
 RULE = "-" * 40
-SELECTION_PREFIX = "sparse_conv_"  # namespaces of the algorithm choice; the others tune one kernel's parameters
+BANNER = "=" * 60
 
 
-def format_result_line(algorithm: str, params: dict, time_ms: float) -> str:
-    return f"[{json.dumps(algorithm)}, {json.dumps(params, default=str)}, {time_ms:.3f}]"
-
-
-def format_best_result(algorithm: str, params: dict, time_ms: float) -> list[str]:
-    """The best result spelled out over several lines so its parameters are easy to read."""
-    lines = ["    [", f"      {json.dumps(algorithm)}"]
-    if params:
-        lines.append("      {")
-        lines.extend(f"        {name}: {value}" for name, value in params.items())
-        lines.append("      }")
-    else:
-        lines.append("      {}")
-    lines += [f"      {time_ms:.3f}", "    ]"]
-    return lines
+def format_result(algorithm: str, params: dict, time_ms: float) -> list[str]:
+    """One result of a configuration: on one line without parameters (`["explicit_gemm", {}, 2.107]`),
+    else spelled out over several lines, one parameter a line, so the parameters are easy to read."""
+    if not params:
+        return [f"    [{json.dumps(algorithm)}, {{}}, {time_ms:.3f}]"]
+    return ["    [", f"      {json.dumps(algorithm)}", "      {",
+            *(f"        {name}: {value}" for name, value in params.items()),
+            "      }", f"      {time_ms:.3f}", "    ]"]
 
 
 def format_configuration(number: int, entry: CacheEntry, top_k: int | None, changed_sources: list[str]) -> str:
@@ -77,8 +70,8 @@ def format_configuration(number: int, entry: CacheEntry, top_k: int | None, chan
         lines.append("  []")
         return "\n".join(lines)
     lines.append("  [")
-    lines.extend(format_best_result(*results[0]))
-    lines.extend(f"    {format_result_line(*result)}" for result in results[1:])
+    for result in results:
+        lines.extend(format_result(*result))
     lines.append("  ]")
     return "\n".join(lines)
 
@@ -126,22 +119,12 @@ def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
     print(f"Cache file:    {path}")
     print(f"Size:          {stat.st_size:,} bytes ({human_size(stat.st_size)})")
     print(f"Last modified: {modified}")
-    print(f"Namespaces:    {len(counts)} ({sum(counts.values())} configurations)")
-    print(f"Stale:         {sum(stale.values())} of {sum(counts.values())} configurations (a kernel file they "
-          "measured changed since; the library ignores them)")
+    print()
+    print_namespace_tree(counts, stale)
+    print(f"Stale: {sum(stale.values())} of {sum(counts.values())} configurations (a kernel file they measured "
+          "changed since; the library ignores them)")
     if stale_sources:
         print("  changed: " + ", ".join(f"{name} ({count})" for name, count in sorted(stale_sources.items())))
-    groups = {
-        f"algorithm choice ({SELECTION_PREFIX}*)": sorted(ns for ns in counts if ns.startswith(SELECTION_PREFIX)),
-        "kernel parameters": sorted(ns for ns in counts if not ns.startswith(SELECTION_PREFIX)),
-    }
-    width = max((len(ns) for ns in counts), default=0)
-    for group, namespaces in groups.items():
-        if namespaces:
-            print(f"  {group}")
-            for namespace in namespaces:
-                marked = f"  ({stale[namespace]} stale)" if stale[namespace] else ""
-                print(f"    {namespace:<{width}}  {counts[namespace]}{marked}")
     # A cache holds timings of one GPU architecture; several here means it was merged from different machines.
     architectures: dict[str, int] = {}
     for entry in cache.entries():
@@ -152,6 +135,15 @@ def print_summary(path: pathlib.Path, cache: BenchmarkCache) -> None:
         listed = ", ".join(f"{name} ({count})" for name, count in sorted(architectures.items()))
         print(f"Compute capabilities: {listed}")
     print("\nShow one namespace with: namespace=NAME   (search with extra words, e.g. wmma)")
+
+
+def print_namespace_tree(counts: dict[str, int], stale: Counter) -> None:
+    """Every namespace with its number of configurations (the cache's entries), under a banner."""
+    print(BANNER, "NAMESPACE TREE", BANNER, f"Total namespaces: {len(counts)}", "", sep="\n")
+    for namespace in sorted(counts):
+        marked = f" ({stale[namespace]} stale)" if stale[namespace] else ""
+        print(f"- {namespace}: {counts[namespace]} entry(ies){marked}")
+    print()
 
 
 def print_shipped_summary() -> None:
@@ -215,6 +207,19 @@ def what_is_in_the_way(path: pathlib.Path) -> str | None:
     return f"is {kind}, not a benchmark cache file"
 
 
+def report_what_is_in_the_way(path: pathlib.Path, users_cache: bool) -> bool:
+    """Say on stderr what sits at `path` where a cache file should be; False when nothing is in the way."""
+    in_the_way = what_is_in_the_way(path)
+    if in_the_way is None:
+        return False
+    print(f"{path} {in_the_way}.", file=sys.stderr)
+    if users_cache:
+        print("The library can neither read nor write its cache there, and keeps tuning results in memory "
+              "only: move that away, or point CUPYSPARSE_BENCHMARK_CACHE_DIR at another directory.",
+              file=sys.stderr)
+    return True
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
@@ -254,13 +259,7 @@ def main(argv=None, prog: str | None = None) -> int:
     else:
         path = args.cache_file or cache_file_path()
     users_cache = args.cache_file is None and args.shipped is None
-    in_the_way = what_is_in_the_way(path)
-    if in_the_way is not None:
-        print(f"{path} {in_the_way}.", file=sys.stderr)
-        if users_cache:
-            print("The library can neither read nor write its cache there, and keeps tuning results in memory "
-                  "only: move that away, or point CUPYSPARSE_BENCHMARK_CACHE_DIR at another directory.",
-                  file=sys.stderr)
+    if report_what_is_in_the_way(path, users_cache):
         return 1
     if not path.exists():
         link = f": it is a symbolic link to {os.readlink(path)}, which does not exist" if path.is_symlink() else ""

@@ -41,6 +41,7 @@ from cupysparse.tuning.cache_file import default_cache
 from cupysparse.cuda.dtypes import as_feature_dtype
 from cupysparse.functional.execution import backward_runner, forward_runner
 from cupysparse.geometry.kernel_map import KernelMapCache
+from cupysparse.scripts import arguments
 from cupysparse.scripts.progress import Progress
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, make_scene
 from cupysparse.tuning.tuner import NAMESPACES, Tuner, tuning_enabled, tuning_key
@@ -107,7 +108,6 @@ PRESETS = {
     },
 }
 DTYPE_CHOICES = ("float16", "bfloat16", "float32")
-VOXEL_SUFFIXES = {"K": 1_000, "M": 1_000_000}
 SCENE_SEED = 0
 
 
@@ -143,15 +143,6 @@ def configurations(num_voxels, channel_pairs, kernel_sizes, dtypes) -> list[Conf
     return grid
 
 
-def _parse_voxel_count(text: str) -> int:
-    text = text.strip().upper()
-    factor = VOXEL_SUFFIXES.get(text[-1:], 1)
-    value = int(float(text[:-1]) * factor) if factor != 1 else int(text)
-    if value <= 0:
-        raise ValueError(f"a voxel count must be positive, got {text}")
-    return value
-
-
 def _parse_channel_pair(text: str) -> tuple[int, int]:
     parts = text.split(",")
     if len(parts) != 2 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
@@ -167,13 +158,14 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that choose the configurations and how they run (shared with the first-call benchmark)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default",
                         help="the grid; the flags below replace one of its dimensions")
-    parser.add_argument("--num-voxels", nargs="+", metavar="N", help="voxel counts, comma list (30000,65K,1M)")
+    parser.add_argument("--num-voxels", nargs="+", type=arguments.counts, metavar="N",
+                        help="voxel counts, comma list (30000,65K,1M)")
     parser.add_argument("--channels", nargs="+", metavar="C_in,C_out", help="channel pairs, e.g. 3,32 32,64")
     parser.add_argument("--kernel-sizes", nargs="+", metavar="K", help="kernel sizes, e.g. 3 5")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, metavar="DTYPE",
                         help=f"feature dtypes among {', '.join(DTYPE_CHOICES)}")
     parser.add_argument("--algo-mode", default="auto", help="auto, all, an algorithm name or [a,b] (fwd and bwd)")
-    parser.add_argument("--batch-size", type=int, default=1, help="batch items sharing each voxel count")
+    parser.add_argument("--batch-size", type=arguments.count, default=1, help="batch items sharing each voxel count")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
 
@@ -182,8 +174,7 @@ def grid_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
     """Fill the grid dimensions of `args` from its preset and flags, or exit through `parser.error`."""
     preset = PRESETS[args.preset]
     try:
-        args.num_voxels = (tuple(_parse_voxel_count(v) for v in _comma_items(args.num_voxels))
-                           if args.num_voxels else preset["num_voxels"])
+        args.num_voxels = arguments.joined(args.num_voxels) if args.num_voxels else preset["num_voxels"]
         args.channels = tuple(_parse_channel_pair(p) for p in args.channels) if args.channels else preset["channels"]
         args.kernel_sizes = (tuple(int(k) for k in _comma_items(args.kernel_sizes))
                              if args.kernel_sizes else preset["kernel_sizes"])
@@ -196,8 +187,6 @@ def grid_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(str(error))
     if any(k <= 0 for k in args.kernel_sizes):
         parser.error(f"kernel sizes must be positive, got {args.kernel_sizes}")
-    if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
     if smallest := [n for n in args.num_voxels if n // args.batch_size < INDOOR_MIN_NUM_VOXELS]:
         parser.error(f"each batch item needs at least {INDOOR_MIN_NUM_VOXELS} voxels; too few in {smallest}")
     if args.device == "auto":

@@ -43,6 +43,7 @@ from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile
 from cupysparse.scripts.demo import scene_tensor
 from cupysparse.networks.tuning import tune_network
 from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
+from cupysparse.scripts import arguments
 from cupysparse.scripts.progress import Progress
 from cupysparse.tuning.shipped import ShippedFileCheck, check_shipped_file, shipped_cache_path, shipped_cache_paths
 from cupysparse.tuning.tuner import Tuner, tuning_enabled
@@ -57,16 +58,6 @@ DEFAULT_NUM_VOXELS = (100_000, 200_000, 400_000)
 DTYPE_CHOICES = ("float16", "bfloat16", "float32", "tf32")
 DEFAULT_DTYPES = ("float16", "bfloat16", "float32")
 SCENE_SEED = 0
-VOXEL_SUFFIXES = {"K": 1_000, "M": 1_000_000}
-
-
-def _voxel_count(text: str) -> int:
-    text = text.strip().upper()
-    factor = VOXEL_SUFFIXES.get(text[-1:], 1)
-    count = int(float(text[:-1]) * factor) if factor != 1 else int(text)
-    if count <= 0:
-        raise argparse.ArgumentTypeError(f"a voxel count must be positive, got {text}")
-    return count
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -77,8 +68,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="the cache file to write (default: this install's shipped file)")
     parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=list(DEFAULT_NETWORKS),
                         help="the reference networks whose layer shapes are measured")
-    parser.add_argument("--num-voxels", nargs="+", type=_voxel_count, default=list(DEFAULT_NUM_VOXELS),
-                        metavar="N", help="scene sizes (200000, 200K, 1M)")
+    parser.add_argument("--num-voxels", nargs="+", type=arguments.counts, default=[DEFAULT_NUM_VOXELS], metavar="N",
+                        help="scene sizes, comma list (200000,200K,1M; default 100K 200K 400K)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
                         help="feature dtypes (tf32: fp32 multiplied in TF32)")
     parser.add_argument("--algo-mode", default="auto", help="the search space of both phases: auto, all, a name, [a,b]")
@@ -94,6 +85,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def parse_args(argv=None, prog: str | None = None):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.num_voxels = arguments.joined(args.num_voxels)
     if args.check is not None:
         return args
     try:
@@ -114,7 +106,7 @@ def parse_args(argv=None, prog: str | None = None):
 
 
 def runs(args) -> list[tuple[str, int, str]]:
-    return [(name, count, dtype) for name in dict.fromkeys(args.networks) for count in dict.fromkeys(args.num_voxels)
+    return [(name, count, dtype) for name in dict.fromkeys(args.networks) for count in args.num_voxels
             for dtype in dict.fromkeys(args.dtypes)]
 
 

@@ -126,15 +126,17 @@ def test_inspect_namespace_reproduces_the_issue_layout(inspect_cache_file, capsy
     blocks = configuration_blocks(out)
     assert len(blocks) == 3
     assert blocks[0] == ISSUE_BLOCK
-    assert blocks[1].endswith(
+    assert blocks[1].endswith(  # without parameters on one line, whatever the rank; with them spelled out
         "Results:\n"
         "  [\n"
+        '    ["wmma_implicit_gemm", {}, 1.000]\n'
         "    [\n"
-        '      "wmma_implicit_gemm"\n'
-        "      {}\n"
-        "      1.000\n"
+        '      "implicit_gemm"\n'
+        "      {\n"
+        "        fwd_block_size: 32\n"
+        "      }\n"
+        "      1.500\n"
         "    ]\n"
-        '    ["implicit_gemm", {"fwd_block_size": 32}, 1.500]\n'
         '    ["explicit_gemm", {}, 2.250]\n'
         "  ]\n"
     )
@@ -149,7 +151,8 @@ def test_inspect_best_only_and_top_k_limit_the_results(inspect_cache_file, capsy
 
     _, top_two, _ = run_inspect(capsys, "namespace=sparse_conv_forward", "--top-k", "2")
     second = configuration_blocks(top_two)[1]
-    assert '    ["implicit_gemm", {"fwd_block_size": 32}, 1.500]\n  ]\n' in second
+    assert second.endswith('    ["wmma_implicit_gemm", {}, 1.000]\n    [\n      "implicit_gemm"\n      {\n'
+                           "        fwd_block_size: 32\n      }\n      1.500\n    ]\n  ]\n")
     assert "2.250" not in top_two
     assert configuration_blocks(top_two)[0] == ISSUE_BLOCK
 
@@ -157,16 +160,27 @@ def test_inspect_best_only_and_top_k_limit_the_results(inspect_cache_file, capsy
         inspect_cache.main(["namespace=sparse_conv_forward", "--top-k", "0"])
 
 
-def test_inspect_summary_shows_location_size_and_namespace_counts(inspect_cache_file, capsys):
+NAMESPACE_TREE = """\
+============================================================
+NAMESPACE TREE
+============================================================
+Total namespaces: 3
+
+- sparse_conv_backward: 1 entry(ies)
+- sparse_conv_forward: 3 entry(ies)
+- wmma_implicit_gemm_sm80: 2 entry(ies)
+
+"""
+
+
+def test_inspect_summary_shows_location_size_and_the_namespace_tree(inspect_cache_file, capsys):
     status, out, _ = run_inspect(capsys)
     assert status == 0
     lines = out.splitlines()
-    assert f"Cache file:    {inspect_cache_file}" in lines
-    assert f"Size:          {inspect_cache_file.stat().st_size:,} bytes" in out
-    assert any(line.startswith("Last modified: 20") for line in lines)
-    assert "Namespaces:    3 (6 configurations)" in lines
-    counts = {line.split()[0]: int(line.split()[1]) for line in lines if line.startswith("    ")}
-    assert counts == {"sparse_conv_backward": 1, "sparse_conv_forward": 3, "wmma_implicit_gemm_sm80": 2}
+    assert lines[0] == f"Cache file:    {inspect_cache_file}"
+    assert lines[1].startswith(f"Size:          {inspect_cache_file.stat().st_size:,} bytes")
+    assert lines[2].startswith("Last modified: 20") and lines[3] == ""
+    assert out.split("\n", 4)[4].startswith(NAMESPACE_TREE)
     assert "Compute capabilities: sm_90 (5)" in lines  # the issue's key names no architecture
 
 
@@ -214,6 +228,22 @@ def test_the_scripts_report_a_corrupt_cache_and_leave_it_in_place(script, cache_
     assert script.main([]) == 1
     assert f"Cannot read {path} is not a cupysparse benchmark cache" in capsys.readouterr().err
     assert path.read_bytes() == b"\x92\x01\x02" and [p.name for p in cache_dir.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("script", [inspect_cache, analyze])
+def test_the_scripts_name_a_directory_at_the_cache_path_instead_of_calling_it_no_cache(script, cache_dir, capsys):
+    cache_file_path().mkdir(parents=True)
+    assert script.main([]) == 1
+    captured = capsys.readouterr()
+    assert "No benchmark cache" not in captured.out
+    assert f"{cache_file_path()} is a directory, not a benchmark cache file." in captured.err
+    assert "point CUPYSPARSE_BENCHMARK_CACHE_DIR at another directory" in captured.err
+
+    elsewhere = cache_dir / "named.msgpack"
+    os.mkfifo(elsewhere)
+    assert script.main(["--cache-file", str(elsewhere)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"{elsewhere} is a named pipe, not a benchmark cache file.\n"  # not the user's cache
 
 
 @pytest.mark.parametrize("script", [inspect_cache, analyze])
@@ -420,11 +450,11 @@ def test_inspect_counts_and_marks_stale_configurations(cache_dir, shipped_dir, c
     write_with_sources(cache_file_path(), stale_keys={64})
     _, out, _ = run_inspect(capsys)
     lines = out.splitlines()
-    assert "Stale:         1 of 3 configurations (a kernel file they measured changed since; the library ignores " \
-           "them)" in lines
+    assert "Stale: 1 of 3 configurations (a kernel file they measured changed since; the library ignores them)" \
+        in lines
     assert f"  changed: {KERNEL_FILE} (1)" in lines
-    counts = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("    ")}
-    assert counts == {"sparse_conv_forward": "1", "wmma_implicit_gemm_sm80": "2  (1 stale)"}
+    tree = [line for line in lines if line.startswith("- ")]
+    assert tree == ["- sparse_conv_forward: 1 entry(ies)", "- wmma_implicit_gemm_sm80: 2 entry(ies) (1 stale)"]
 
     _, out, _ = run_inspect(capsys, "namespace=wmma_implicit_gemm_sm80")
     stale, fresh = sorted(configuration_blocks(out), key=lambda block: "stale" not in block)
@@ -446,7 +476,7 @@ def test_inspect_summarises_the_shipped_files_and_shows_one(cache_dir, shipped_d
     status, out, _ = run_inspect(capsys, "--shipped", "sm_90")
     assert status == 0
     assert f"Cache file:    {shipped_dir / 'benchmark_cache_sm_90.msgpack'}" in out
-    assert "Stale:         2 of 3 configurations" in out and "Shipped tuning files" not in out
+    assert "Stale: 2 of 3 configurations" in out and "Shipped tuning files" not in out
 
     status, _, err = run_inspect(capsys, "--shipped", "sm_75")
     assert status == 1 and "ships no tuning file for sm_75 (it ships: sm_80, sm_90)" in err
