@@ -1,6 +1,7 @@
-// The start of the output-stationary forward kernels (wmma_conv_forward, mma_conv_forward,
+// The start and the end of the output-stationary forward kernels (wmma_conv_forward, mma_conv_forward,
 // wgmma_conv_forward; dgrad is the same kernel): which tile of the output a block owns and that tile's
-// output rows, or, for the blocks a dgrad launch has past its tiles, their part of wgrad's sum.
+// output rows, or, for the blocks a dgrad launch has past its tiles, their part of wgrad's sum; and what
+// happens to an output value before it is stored.
 #pragma once
 #include "wgrad_sum.cuh"
 
@@ -40,3 +41,25 @@ __device__ __forceinline__ void read_tile_rows(const int* __restrict__ row_order
     out_rows[m] = row < num_out ? (row_order ? row_order[row] : (int)row) : -1;
   }
 }
+
+// The epilogue of a forward launch, applied to each accumulated output value before it is stored:
+//   out = relu?(acc * scale[col] + shift[col] (+ residual[row, col]))
+// in fp32: in inference, the batch norm after a convolution (its running statistics folded into scale and
+// shift), the residual sum and the ReLU of the layer, without a pass of their own. scale and shift are fp32
+// [channels], residual is laid out as the output; a null pointer leaves its term out, so a dgrad launch
+// (all null, relu 0) stores the accumulator as it is. relu clamps at zero; NaN stays NaN, as in torch.relu.
+template <typename T>
+struct ForwardEpilogue {
+  const float* __restrict__ scale;
+  const float* __restrict__ shift;
+  const T* __restrict__ residual;
+  int relu;
+
+  __device__ __forceinline__ float operator()(float value, long long row, int col, int channels) const {
+    if (scale != nullptr) value *= scale[col];
+    if (shift != nullptr) value += shift[col];
+    if (residual != nullptr) value += to_float(residual[row * channels + col]);
+    if (relu && value <= 0.0f) value = 0.0f;
+    return value;
+  }
+};

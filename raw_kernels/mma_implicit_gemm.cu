@@ -118,7 +118,7 @@ struct ForwardSharedLayout {
 // out_channels]. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is
 // its own reverse with the offsets flipped (a submanifold map), without a reversed table.
 // The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
-// (forward_tile_or_wgrad_sum).
+// (forward_tile_or_wgrad_sum). The epilogue_* arguments: ForwardEpilogue (all null in dgrad).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int WARPS_M, int WARPS_N, int STAGES,
           bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
                      const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume, int in_channels,
                      int in_channels_padded, int out_channels, int out_channels_padded, int vector_rows,
                      int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
-                     T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups) {
+                     T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups,
+                     const float* __restrict__ epilogue_scale, const float* __restrict__ epilogue_shift,
+                     const T* __restrict__ epilogue_residual, int epilogue_relu) {
   constexpr int WARPS = WARPS_M * WARPS_N;
   constexpr int THREADS = WARPS * WARP_SIZE;
   constexpr int WARP_M = BLOCK_M / WARPS_M, WARP_N = BLOCK_N / WARPS_N;
@@ -244,6 +246,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
   }
 
   // Accumulator element e of tile (i, j): row lane / 4 (+ 8 for e >= 2), column 2 (lane % 4) + e % 2.
+  const ForwardEpilogue<T> epilogue{epilogue_scale, epilogue_shift, epilogue_residual, epilogue_relu};
   using Pair = typename PairOf<T>::type;
   const bool paired_stores = out_channels % 2 == 0 && reinterpret_cast<unsigned long long>(out) % sizeof(Pair) == 0;
 #pragma unroll
@@ -260,13 +263,14 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N* WARP_SIZE)
         if (paired_stores) {
           if (col < out_channels) {
             Pair pair;
-            pair.x = from_float<T>(first);
-            pair.y = from_float<T>(second);
+            pair.x = from_float<T>(epilogue(first, out_row, col, out_channels));
+            pair.y = from_float<T>(epilogue(second, out_row, col + 1, out_channels));
             *reinterpret_cast<Pair*>(out_line + col) = pair;
           }
         } else {
-          if (col < out_channels) out_line[col] = from_float<T>(first);
-          if (col + 1 < out_channels) out_line[col + 1] = from_float<T>(second);
+          if (col < out_channels) out_line[col] = from_float<T>(epilogue(first, out_row, col, out_channels));
+          if (col + 1 < out_channels)
+            out_line[col + 1] = from_float<T>(epilogue(second, out_row, col + 1, out_channels));
         }
       }
     }

@@ -399,7 +399,8 @@ __device__ __forceinline__ void write_wgrad_partial(const float (&acc)[TILE_N / 
 // channel chunk of one offset: every chunk of an offset before the next offset, or with CHUNK_MAJOR one
 // chunk of every offset of the batch before the next chunk (faster for 256-column tiles, see
 // CHUNK_MAJOR_COLUMNS in cupysparse/algorithms/tensor_core/wgmma.py). The blocks past the tiles (a dgrad
-// launch's, none in a forward) sum wgrad's partials instead (forward_tile_or_wgrad_sum).
+// launch's, none in a forward) sum wgrad's partials instead (forward_tile_or_wgrad_sum). The epilogue_*
+// arguments: ForwardEpilogue (all null in dgrad).
 template <typename T, int BLOCK_M, int BLOCK_N, int STAGES, bool WEIGHT_TRANSPOSED, bool CHUNK_MAJOR>
 __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
     wgmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
@@ -407,7 +408,9 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
                        int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
                        int vector_rows, int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
                        T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts,
-                       int wgrad_slot_groups) {
+                       int wgrad_slot_groups, const float* __restrict__ epilogue_scale,
+                       const float* __restrict__ epilogue_shift, const T* __restrict__ epilogue_residual,
+                       int epilogue_relu) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int THREADS = BLOCK_M / WGMMA_M * WARPGROUP_THREADS, WARPS = THREADS / WARP_SIZE;
   static_assert(BLOCK_M % WGMMA_M == 0 && BLOCK_N % 64 == 0 && BLOCK_N <= 256, "wgmma tile shapes");
@@ -515,6 +518,7 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
 
   // Accumulator element 4 j + 2 h + e of a thread: row 16 (warp % 4) + lane / 4 + 8 h of its warpgroup's
   // 64, column 8 j + 2 (lane % 4) + e.
+  const ForwardEpilogue<T> epilogue{epilogue_scale, epilogue_shift, epilogue_residual, epilogue_relu};
   using Pair = typename PairOf<T>::type;
   const bool paired_stores = out_channels % 2 == 0 && reinterpret_cast<unsigned long long>(out) % sizeof(Pair) == 0;
 #pragma unroll
@@ -529,13 +533,14 @@ __global__ void __launch_bounds__(BLOCK_M / WGMMA_M * WARPGROUP_THREADS)
       if (paired_stores) {
         if (col < out_channels) {
           Pair pair;
-          pair.x = from_float<T>(first);
-          pair.y = from_float<T>(second);
+          pair.x = from_float<T>(epilogue(first, out_row, col, out_channels));
+          pair.y = from_float<T>(epilogue(second, out_row, col + 1, out_channels));
           *reinterpret_cast<Pair*>(out_line + col) = pair;
         }
       } else {
-        if (col < out_channels) out_line[col] = from_float<T>(first);
-        if (col + 1 < out_channels) out_line[col + 1] = from_float<T>(second);
+        if (col < out_channels) out_line[col] = from_float<T>(epilogue(first, out_row, col, out_channels));
+        if (col + 1 < out_channels)
+          out_line[col + 1] = from_float<T>(epilogue(second, out_row, col + 1, out_channels));
       }
     }
   }

@@ -63,14 +63,16 @@ __device__ __forceinline__ int fragments_inside(int extent, int warp_start) {
 // BLOCK_K. With `reverse_weight_offsets` offset k takes weight K-1-k: dgrad over a map that is its own
 // reverse with the offsets flipped (a submanifold map), without a reversed table.
 // The blocks past the tiles (a dgrad launch's, none in a forward) sum wgrad's partials instead
-// (forward_tile_or_wgrad_sum).
+// (forward_tile_or_wgrad_sum). The epilogue_* arguments: ForwardEpilogue (all null in dgrad).
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int STAGES, bool WEIGHT_TRANSPOSED>
 __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) * WARP_SIZE)
     wmma_conv_forward(const T* __restrict__ x, const int* __restrict__ pair_table, const int* __restrict__ row_order,
                       const T* __restrict__ weight, T* __restrict__ out, int num_out, int kernel_volume,
                       int in_channels, int in_channels_padded, int out_channels, int out_channels_padded,
                       int reverse_weight_offsets, const float* __restrict__ wgrad_workspace,
-                      T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups) {
+                      T* __restrict__ grad_weight, const int* __restrict__ wgrad_slot_starts, int wgrad_slot_groups,
+                      const float* __restrict__ epilogue_scale, const float* __restrict__ epilogue_shift,
+                      const T* __restrict__ epilogue_residual, int epilogue_relu) {
   static_assert(BLOCK_M % WARP_TILE == 0 && BLOCK_N % WARP_TILE == 0, "tiles are made of whole warp tiles");
   static_assert(BLOCK_K % FRAGMENT == 0, "BLOCK_K is a multiple of the fragment size");
   static_assert(STAGES >= 1, "at least one stage");
@@ -201,11 +203,13 @@ __global__ void __launch_bounds__((BLOCK_M / WARP_TILE) * (BLOCK_N / WARP_TILE) 
       wmma::store_matrix_sync(c_tile + (warp_row + i * FRAGMENT) * LDC + warp_col + j * FRAGMENT, acc[i][j], LDC,
                               wmma::mem_row_major);
   __syncthreads();
+  const ForwardEpilogue<T> epilogue{epilogue_scale, epilogue_shift, epilogue_residual, epilogue_relu};
   for (int e = threadIdx.x; e < BLOCK_M * BLOCK_N; e += THREADS) {
     const int m = e / BLOCK_N, n = e % BLOCK_N;
     const int out_row = out_rows[m], col = col_base + n;
     if (out_row >= 0 && col < out_channels)
-      out[(long long)out_row * out_channels + col] = from_float<T>(c_tile[m * LDC + n]);
+      out[(long long)out_row * out_channels + col] = from_float<T>(epilogue(c_tile[m * LDC + n], out_row, col,
+                                                                            out_channels));
   }
 }
 

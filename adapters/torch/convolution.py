@@ -38,6 +38,7 @@ from cupysparse.functional import execution
 from cupysparse.functional.execution import Arrays
 from cupysparse.functional.checks import positive_int
 from cupysparse.functional.convolution import spatially_sparse_depthwise_conv, spatially_sparse_depthwise_conv_backward
+from cupysparse.functional.epilogue import ConvEpilogue
 from cupysparse.geometry.coords import as_tuple
 from cupysparse.geometry.kernel_map import KernelMap
 from cupysparse.tuning.search_space import algorithm_argument
@@ -413,6 +414,24 @@ class SpatiallySparseConv(nn.Module):
     def forward(self, input: SparseTensor) -> SparseTensor:
         return sparse_conv(input, self.weight, self.kernel_size, self.stride, self.dilation, self.transposed,
                              self.generative, self.bias, self.fwd_algo, self.bwd_algo)
+
+    def fused_inference(self, input: SparseTensor, epilogue: ConvEpilogue) -> SparseTensor | None:
+        """`self(input)` with `epilogue` (torch tensors) applied as the kernel stores the output: inference in
+        eager mode with gradients off. None where it cannot be (a bias, CPU tensors, a residual unlike the
+        output, an algorithm without an epilogue): the caller runs its layers one by one then."""
+        if self.bias is not None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        require_sparse(input)
+        features, weight = _autocast(input.features, self.weight)
+        residual = epilogue.residual
+        if not features.is_cuda or weight.dtype != features.dtype or not features.is_contiguous() or (
+                residual is not None and residual.dtype != features.dtype):
+            return None
+        result = input.kernel_map(self.kernel_size, self.stride, self.dilation, self.transposed, self.generative)
+        argument = "" if self.fwd_algo is None else algorithm_argument(self.fwd_algo, CONV, "forward")
+        out = execution.fused_forward(TORCH_ARRAYS, features, weight.contiguous(), result.kernel_map, argument,
+                                      epilogue)
+        return None if out is None else input.with_map_result(result, out)
 
     def extra_repr(self) -> str:
         kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
+from cupysparse.functional.epilogue import ConvEpilogue
 from cupysparse.networks import descriptions as networks
 from cupysparse.networks.prefetch import prefetch_kernels
 from cupysparse.geometry.sparse_tensor import SparseTensor as CoreSparseTensor
@@ -42,30 +44,79 @@ class _NormThenReLU:
     relu: str
 
 
+@dataclass(frozen=True)
+class _ConvThenNorm:
+    """A convolution, the batch norm after it and the ReLU after that, if any (module names): in
+    inference, one launch, the norm and the ReLU in the convolution's epilogue."""
+
+    conv: str
+    norm: str
+    relu: str | None = None
+
+
 def _register_layers(owner: nn.Module, layers, fwd_algo, bwd_algo) -> list:
     """Add the modules of `layers` to `owner`; returns the steps that run them in order: module names,
-    the skips' descriptions, and a `_NormThenReLU` for each batch norm followed by a ReLU."""
+    the skips' descriptions, a `_ConvThenNorm` for each convolution followed by a batch norm (and a ReLU),
+    and a `_NormThenReLU` for another batch norm followed by a ReLU."""
     steps, previous = [], None
     for layer in layers:
         if isinstance(layer, (networks.SaveSkip, networks.ConcatSkip)):
             steps.append(layer)
         else:
             owner.add_module(layer.name, build_module(layer, fwd_algo, bwd_algo))
-            if isinstance(layer, networks.ReLU) and isinstance(previous, networks.BatchNorm):
-                steps[-1] = _NormThenReLU(previous.name, layer.name)
+            if isinstance(layer, networks.BatchNorm) and isinstance(previous, networks.Conv):
+                steps[-1] = _ConvThenNorm(previous.name, layer.name)
+            elif isinstance(layer, networks.ReLU) and isinstance(previous, networks.BatchNorm):
+                last = steps[-1]
+                steps[-1] = (_ConvThenNorm(last.conv, last.norm, layer.name) if isinstance(last, _ConvThenNorm)
+                             else _NormThenReLU(previous.name, layer.name))
             else:
                 steps.append(layer.name)
         previous = layer
     return steps
 
 
-def _norm_then_relu(owner: nn.Module, step: _NormThenReLU, input: SparseTensor) -> SparseTensor:
+def _norm_then_relu(owner: nn.Module, norm_name: str, relu_name: str, input: SparseTensor) -> SparseTensor:
     """One inference epilogue where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`),
     the two modules otherwise."""
-    norm = getattr(owner, step.norm)
+    norm = getattr(owner, norm_name)
     if norm.runs_inference_epilogue(input.features):
         return norm.inference_epilogue(input, relu=True)
-    return getattr(owner, step.relu)(norm(input))
+    return getattr(owner, relu_name)(norm(input))
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether calling these modules runs forward hooks (theirs or global ones), which a fusion would skip."""
+    return bool(module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or any(
+        module._forward_hooks or module._forward_pre_hooks for module in modules))
+
+
+def _fused(owner: nn.Module, conv_name: str, norm_name: str, relu_name: str | None, input: SparseTensor,
+           residual: torch.Tensor | None = None) -> SparseTensor | None:
+    """`relu?(norm(conv(input)) (+ residual))` in the convolution's launch, where the norm folds into it
+    (`SparseBatchNorm.folds_into_convolution`), no forward hook would be skipped and the convolution's
+    plan fuses an epilogue; None otherwise. A residual block's ReLU is its own (`relu_name` None)."""
+    conv, norm = getattr(owner, conv_name), getattr(owner, norm_name)
+    relu = None if relu_name is None else getattr(owner, relu_name)
+    if not norm.folds_into_convolution() or _hooked(conv, norm, *(() if relu is None else (relu,))):
+        return None
+    scale, shift = norm.folded()
+    return conv.fused_inference(input, ConvEpilogue(scale, shift, residual, relu is not None or residual is not None))
+
+
+def _run_step(owner: nn.Module, step, input: SparseTensor) -> SparseTensor:
+    """One step of `_register_layers`' but the skips'."""
+    if isinstance(step, _ConvThenNorm):
+        fused = _fused(owner, step.conv, step.norm, step.relu, input)
+        if fused is not None:
+            return fused
+        output = getattr(owner, step.conv)(input)
+        if step.relu is None:
+            return getattr(owner, step.norm)(output)
+        return _norm_then_relu(owner, step.norm, step.relu, output)
+    if isinstance(step, _NormThenReLU):
+        return _norm_then_relu(owner, step.norm, step.relu, input)
+    return getattr(owner, step)(input)
 
 
 class SparseSequential(nn.Module):
@@ -83,11 +134,10 @@ class SparseSequential(nn.Module):
                 skips.saved[step.name] = output
             elif isinstance(step, networks.ConcatSkip):
                 output = _concatenate(output, skips.saved.pop(step.skip), step.skip)
-            elif isinstance(step, _NormThenReLU):
-                output = _norm_then_relu(self, step, output)
+            elif isinstance(step, str) and isinstance(getattr(self, step), SparseSequential):
+                output = getattr(self, step)(output, skips)
             else:
-                module = getattr(self, step)
-                output = module(output, skips) if isinstance(module, SparseSequential) else module(output)
+                output = _run_step(self, step, output)
         return output
 
 
@@ -100,8 +150,9 @@ def _concatenate(current: SparseTensor, skip: SparseTensor, skip_name: str) -> S
 
 class ResidualBlock(nn.Module):
     """`relu(body(x) + shortcut(x))` of a `networks.Residual`. When the body ends with a batch norm,
-    the shortcut runs before it, and where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`)
-    the norm, the sum and the ReLU are one pass of the inference epilogue."""
+    the shortcut runs before it, and in inference the norm, the sum and the ReLU are the epilogue of the
+    convolution before the norm (`_fused`) or, where that cannot be, one pass of the norm's
+    (`SparseBatchNorm.runs_inference_epilogue`)."""
 
     def __init__(self, description: networks.Residual, fwd_algo=None, bwd_algo=None):
         super().__init__()
@@ -112,18 +163,23 @@ class ResidualBlock(nn.Module):
         if final is not None:
             self.add_module(final.name, build_module(final, fwd_algo, bwd_algo))
             self._final_norm = final.name
+        # The body ends with a convolution and its norm: in inference, one launch with the sum and the ReLU.
+        self._final_conv = final is not None and len(body) > 1 and isinstance(body[-2], networks.Conv)
         self.shortcut = None
         if description.shortcut is not None:
             self.shortcut = SparseSequential(description.shortcut, fwd_algo, bwd_algo)
 
     def forward(self, input: SparseTensor) -> SparseTensor:
+        steps = self._steps
         output = input
-        for step in self._steps:
-            if isinstance(step, _NormThenReLU):
-                output = _norm_then_relu(self, step, output)
-            else:
-                output = getattr(self, step)(output)
+        for step in steps[:-1] if self._final_conv else steps:
+            output = _run_step(self, step, output)
         identity = input if self.shortcut is None else self.shortcut(input)
+        if self._final_conv:
+            fused = _fused(self, steps[-1], self._final_norm, None, output, identity.features)
+            if fused is not None:
+                return fused
+            output = getattr(self, steps[-1])(output)
         if self._final_norm is not None:
             norm = getattr(self, self._final_norm)
             if norm.runs_inference_epilogue(output.features, identity.features):

@@ -46,6 +46,10 @@ class SparseBatchNorm(nn.BatchNorm1d):
     path in between.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._folded = None  # (what it was computed from, scale, shift): see `folded`
+
     def forward(self, input: SparseTensor) -> SparseTensor:
         features = input.features
         if self.runs_inference_epilogue(features):
@@ -79,11 +83,41 @@ class SparseBatchNorm(nn.BatchNorm1d):
         return not (features.requires_grad or (residual is not None and residual.requires_grad)
                     or any(parameter.requires_grad for parameter in self.parameters()))
 
+    def folds_into_convolution(self) -> bool:
+        """Whether a convolution before this module may apply it in its epilogue (`folded`): evaluation
+        with running statistics, in eager mode, with gradients off (no_grad or inference_mode)."""
+        return (not (self.training and not rehearsing()) and self.running_mean is not None
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 `(scale, shift)` with `self(x) = x · scale + shift` under the running statistics, for a
+        convolution's epilogue (`ConvEpilogue`); computed again only when a parameter or statistic moved
+        or changed (its address and version counter), so a layer pays a few attribute reads per call."""
+        key = (self.eps, *map(_state, (self.weight, self.bias, self.running_mean, self.running_var)))
+        if self._folded is None or self._folded[0] != key:
+            with torch.no_grad():
+                scale = torch.rsqrt(self.running_var.float() + self.eps)
+                if self.weight is not None:
+                    scale = scale * self.weight.float()
+                shift = -self.running_mean.float() * scale
+                if self.bias is not None:
+                    shift = shift + self.bias.float()
+            self._folded = (key, scale.contiguous(), shift.contiguous())
+        return self._folded[1], self._folded[2]
+
     def inference_epilogue(self, input: SparseTensor, residual: torch.Tensor | None = None,
                            relu: bool = False) -> SparseTensor:
         """`relu?(self(input).features (+ residual))` in one pass, for where `runs_inference_epilogue`."""
         return input.replace_feature(batch_norm_epilogue(input.features, self.running_mean, self.running_var,
                                                          self.weight, self.bias, self.eps, residual, relu))
+
+
+def _state(tensor: torch.Tensor | None):
+    """What tells whether `tensor` moved or changed since: its address and version counter (an
+    inference tensor has none: a fresh object, never equal)."""
+    if tensor is None:
+        return None
+    return (tensor.data_ptr(), object() if tensor.is_inference() else tensor._version)
 
 
 class SparseLayerNorm(PerVoxel):

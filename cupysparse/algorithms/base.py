@@ -93,11 +93,13 @@ class ForwardPlan:
     channel dimensions, or with `weight_transposed` each offset's matrix transposed, `[K, C_out, C_in]`
     padded likewise (a kernel that must read it K-major); `stream` is a raw CUDA stream handle. The
     kernels are those of the device the plan was made on; the map's derived formats are computed on
-    first use and kept with the map."""
+    first use and kept with the map. With `fuses_epilogue`, `launch` also takes `epilogue=` (scale,
+    shift, residual, relu: `functional.epilogue.ConvEpilogue`'s addresses) and applies it as it stores."""
 
     weight_shape: tuple[int, int, int]
     launch: Callable[..., None]
     weight_transposed: bool = False
+    fuses_epilogue: bool = False
 
 
 @dataclass(frozen=True)

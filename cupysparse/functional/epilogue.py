@@ -7,6 +7,10 @@ a residual sum and a ReLU, in one pass over the features `[N, C]`:
 what a network in evaluation runs after a convolution (batch norm and ReLU; a residual block's
 `relu(norm(body) + shortcut)`) as one read of the features and one write instead of a pass each.
 
+A convolution whose launch plan fuses an epilogue (`ForwardPlan.fuses_epilogue`: the tensor-core
+implicit GEMMs) applies the same formula as it stores its output (`ConvEpilogue`,
+`execution.fused_forward`), with scale and shift given in fp32: no pass of its own at all.
+
 On the GPU it is one kernel (raw_kernels/batch_norm_epilogue.cu), for fp32, fp16 and bf16 features
 with statistics and parameters of the features' dtype or fp32, computing in fp32 and deriving scale
 and shift from the statistics itself: nothing derived from them is kept, so a change of the
@@ -19,12 +23,25 @@ where the kernel takes the arrays as they are, else the checked function on the 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 from cupysparse.cuda.backend import array_module, cupy_module, is_cupy_array
 from cupysparse.cuda.compile import KernelSource
 from cupysparse.cuda.dtypes import BFLOAT16, FEATURE_DTYPES, FLOAT16, FLOAT32, accumulation_dtype, cuda_type_name, short_name
+
+class ConvEpilogue(NamedTuple):
+    """What a convolution's forward applies to each output value as it stores it, in fp32:
+    `out = relu?(out · scale + shift (+ residual))`, a batch norm under running statistics folded into
+    `scale` and `shift` (fp32 `[C_out]`, either None: 1 and 0), `residual` `[N_out, C_out]` of the
+    output's dtype (None: nothing added), all contiguous on the convolution's device, in its framework."""
+
+    scale: object = None
+    shift: object = None
+    residual: object = None
+    relu: bool = False
+
 
 BLOCK = 256
 ROWS_PER_THREAD = 4  # rows a thread normalises with the scale and shift it derived once

@@ -35,6 +35,7 @@ from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import FEATURE_DTYPES
 from cupysparse.cuda.out_of_memory import naming_sizes
 from cupysparse.functional import checks
+from cupysparse.functional.epilogue import ConvEpilogue
 from cupysparse.tuning.search_space import Selection, algorithm_filter, parse_algorithm_filter
 from cupysparse.tuning.tuner import rehearsing, select_algorithm, size_bucket
 
@@ -194,15 +195,47 @@ def forward(arrays: Arrays, features, weight, kernel_map, argument: str, reuse_w
         with arrays.device_context(features):
             core = arrays.to_core
             return arrays.from_core(unplanned_forward(core(features), core(weight), kernel_map, argument))
+    return _launch_forward(plan, arrays, features, weight, kernel_map, reuse_weight)
+
+
+def fused_forward(arrays: Arrays, features, weight, kernel_map, argument: str, epilogue: ConvEpilogue):
+    """`forward` with `epilogue` applied as the output is stored, in the one launch, for inference (the
+    padded weight is kept from call to call); None where the layer's plan cannot fuse it (no plan, or an
+    algorithm without an epilogue), for the caller to apply it after a plain `forward`."""
+    plan = layer_plan(arrays, "forward", argument, features, weight, kernel_map)
+    if plan is None or not plan.fuses_epilogue:
+        return None
+    _check_epilogue(arrays, epilogue, features, kernel_map.num_out, weight.shape[2])
+    addresses = (*(0 if array is None else arrays.address(array) for array in epilogue[:3]), int(epilogue.relu))
+    return _launch_forward(plan, arrays, features, weight, kernel_map, True, epilogue=addresses)
+
+
+def _launch_forward(plan, arrays: Arrays, features, weight, kernel_map, reuse_weight: bool, **launch_options):
     try:
         out = arrays.empty(features, (kernel_map.num_out, weight.shape[2]))
         padded = arrays.padded_weight(weight, plan.weight_shape, plan.weight_transposed, reuse_weight)
         plan.launch(kernel_map, arrays.address(features), arrays.address(padded), arrays.address(out),
-                    arrays.stream(features))
+                    arrays.stream(features), **launch_options)
     except Exception as error:  # a `with naming_sizes` costs a microsecond on every call
         naming_sizes("forward", features, weight, kernel_map).name(error)
         raise
     return out
+
+
+def _check_epilogue(arrays: Arrays, epilogue: ConvEpilogue, features, num_out: int, out_channels: int) -> None:
+    """What the kernel reads without looking: fp32 `[C_out]` scale and shift, a residual like the output,
+    each contiguous on the features' GPU."""
+    device = arrays.gpu(features)
+    for name, array, shape, dtype in (("scale", epilogue.scale, (out_channels,), np.float32),
+                                      ("shift", epilogue.shift, (out_channels,), np.float32),
+                                      ("residual", epilogue.residual, (num_out, out_channels), None)):
+        if array is None:
+            continue
+        wanted = arrays.core_dtype(features.dtype) if dtype is None else np.dtype(dtype)
+        if (tuple(array.shape) != shape or arrays.core_dtype(array.dtype) != wanted or arrays.gpu(array) != device
+                or not arrays.is_contiguous(array)):
+            raise ValueError(f"the epilogue's {name} must be a contiguous {np.dtype(wanted).name} array of shape "
+                             f"{shape} on the features' GPU, got {array.dtype} of shape {tuple(array.shape)}")
 
 
 def backward(arrays: Arrays, grad_output, features, weight, kernel_map, argument: str, needs_input_grad: bool = True,

@@ -12,6 +12,7 @@ from tolerances import EPSILON
 torch = pytest.importorskip("torch")
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.functional import epilogue as core_epilogue  # noqa: E402
+from cupysparse.functional import execution  # noqa: E402
 from cupysparse.adapters.torch import pointwise as torch_pointwise  # noqa: E402
 from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
 
@@ -213,19 +214,81 @@ def test_evaluation_on_cuda_equals_torch_batch_norm_and_relu(dtype, parameter_dt
     assert len(launches) == (0 if dtype == "float64" else 1)
 
 
+def counted_fusions(monkeypatch) -> list:
+    """Whether each `execution.fused_forward` the convolutions try fused its epilogue, as they run."""
+    fusions = []
+    fused_forward = execution.fused_forward
+
+    def recording(*args):
+        out = fused_forward(*args)
+        fusions.append(out is not None)
+        return out
+
+    monkeypatch.setattr(execution, "fused_forward", recording)
+    return fusions
+
+
 @gpu_test
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_a_minkunet_in_inference_on_cuda_launches_one_epilogue_per_norm(dtype, monkeypatch):
-    """No norm falls back to the core's array path: each is one launch from the adapter."""
+def test_a_minkunet_in_inference_on_cuda_applies_each_norm_once(dtype, monkeypatch):
+    """Every norm follows a convolution: it is that convolution's epilogue where the layer's plan fuses
+    one (the tensor-core GEMMs, which 16-bit layers run), else one launch of its own from the adapter;
+    none falls back to the core's array path."""
     model = minkunet18(DTYPES[dtype], "cuda")
     if model.prefetched is not None:
         model.prefetched.result(timeout=300)  # its rehearsal launches the epilogues too, on its own thread
     launches = []
     launch = core_epilogue.launch
     monkeypatch.setattr(core_epilogue, "launch", lambda *args: launches.append(1) or launch(*args))
+    fusions = counted_fusions(monkeypatch)
     coords = coordinates(num_per_item=600)
     x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=DTYPES[dtype]))
     with torch.no_grad():
         out = model(x).features
     norms = sum(isinstance(module, cst.SparseBatchNorm) for module in model.modules())
-    assert len(launches) == norms and out.dtype == DTYPES[dtype] and torch.isfinite(out).all()
+    assert len(fusions) == norms and len(launches) + sum(fusions) == norms
+    assert out.dtype == DTYPES[dtype] and torch.isfinite(out).all()
+    if dtype != "float32":
+        assert sum(fusions) > 0
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_minkunet_with_norms_in_the_convolutions_epilogues_equals_one_with_norms_of_their_own(dtype, monkeypatch):
+    """The same model and input with and without the fusion. The two differ by roundings only: the
+    fused path rounds a layer's output to the dtype once, the other also the convolution's result before
+    the norm, so the relative difference stays within a few of the dtype's epsilons per layer."""
+    model = minkunet18(DTYPES[dtype], "cuda")
+    if model.prefetched is not None:
+        model.prefetched.result(timeout=300)
+    coords = coordinates(num_per_item=600)
+    x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=DTYPES[dtype]))
+    fusions = counted_fusions(monkeypatch)
+    with torch.no_grad():
+        fused = model(x).features.double()
+    assert any(fusions)
+    monkeypatch.setattr(cst.SparseBatchNorm, "folds_into_convolution", lambda self: False)
+    fusions.clear()
+    with torch.no_grad():
+        separate = model(x).features.double()
+    assert fusions == []
+    norms = sum(isinstance(module, cst.SparseBatchNorm) for module in model.modules())
+    relative = (fused - separate).norm() / separate.norm()
+    assert relative <= 2 * norms * EPSILON[dtype], relative
+
+
+@gpu_test
+def test_a_forward_hook_keeps_its_layer_out_of_the_fusion(monkeypatch):
+    """A hooked convolution runs as a module, so its hook sees it; the other layers still fuse."""
+    model = minkunet18(torch.float16, "cuda")
+    if model.prefetched is not None:
+        model.prefetched.result(timeout=300)
+    first = next(module for module in model.modules() if isinstance(module, cst.SpatiallySparseConv))
+    seen = []
+    first.register_forward_hook(lambda module, inputs, output: seen.append(output.features.shape))
+    fusions = counted_fusions(monkeypatch)
+    coords = coordinates(num_per_item=600)
+    x = cst.SparseTensor(coords.cuda(), torch.randn(len(coords), 3, device="cuda", dtype=torch.float16))
+    with torch.no_grad():
+        model(x)
+    assert len(seen) == 1 and any(fusions)

@@ -194,6 +194,10 @@ class WgradSum(NamedTuple):
 # its tiles.
 WGRAD_SUM_ARGUMENTS = (None, None, None, None)
 NO_WGRAD_SUM = (0, 0, 0, 0)
+# The forward kernels' epilogue (`ForwardEpilogue` in raw_kernels/forward_tile.cuh): scale, shift and
+# residual addresses and the ReLU flag, per call; none of it in dgrad or a plain forward.
+EPILOGUE_ARGUMENTS = (None, None, None, None)
+NO_EPILOGUE = (0, 0, 0, 0)
 
 
 def with_wgrad_sum(grid: tuple[int, int, int], threads: int, wgrad_sum: WgradSum) -> tuple[tuple, tuple]:
@@ -205,9 +209,10 @@ def with_wgrad_sum(grid: tuple[int, int, int], threads: int, wgrad_sum: WgradSum
 def forward_arguments(kernel_volume: int, in_channels: int, out_channels: int) -> tuple:
     """The fixed arguments of an output-stationary forward kernel that takes `vector_rows`
     (`mma_conv_forward`, `wgmma_conv_forward`): features, pair table, row order, weight, out and the row
-    count, then vector_rows, the offset order and the wgrad sum's four, are per call."""
+    count, then vector_rows, the offset order, the wgrad sum's four and the epilogue's four, are per call."""
     sizes = (kernel_volume, in_channels, padded_channels(in_channels), out_channels, padded_channels(out_channels))
-    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None, *WGRAD_SUM_ARGUMENTS)
+    return (None, None, None, None, None, None, *(np.int32(size) for size in sizes), None, None, *WGRAD_SUM_ARGUMENTS,
+            *EPILOGUE_ARGUMENTS)
 
 
 class ForwardGemmPlan:
@@ -226,17 +231,19 @@ class ForwardGemmPlan:
         self._map_values = functools.partial(forward_map_values, rows, column_tiles, sort_rows)
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None) -> None:
+               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None,
+               epilogue: tuple[int, int, int, int] = NO_EPILOGUE) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major; the weight padded, in
         the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
-        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
+        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too;
+        `epilogue` the forward's (`EPILOGUE_ARGUMENTS`)."""
         table, order, num_out, grid = kernel_map.derived(self, self._map_values)
         sum_arguments = NO_WGRAD_SUM
         if wgrad_sum is not None:
             grid, sum_arguments = with_wgrad_sum(grid, self.kernel.block_threads, wgrad_sum)
         vector_rows = 1 if self.vector_rows and not features % VECTOR_BYTES else 0
         self.kernel.launch(stream, features, table, order, weight, out, num_out, vector_rows,
-                           reverse_weight_offsets, *sum_arguments, grid=grid)
+                           reverse_weight_offsets, *sum_arguments, *epilogue, grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         out = cupy_module().empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # all written once
@@ -659,7 +666,7 @@ class TensorCoreImplicitGemm(Algorithm):
         transposed = self.forward_weight_transposed(problem.dtype)
         plan = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels, tile,
                               params["stages"], params["sort_rows"], transposed)
-        return ForwardPlan(padded_weight_shape(problem, transposed), plan.launch, transposed)
+        return ForwardPlan(padded_weight_shape(problem, transposed), plan.launch, transposed, fuses_epilogue=True)
 
     def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):

@@ -18,6 +18,8 @@ from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, cuda_type_name, short_name
 from cupysparse.algorithms.base import ConvProblem, gpu_only_reason, register
 from cupysparse.algorithms.tensor_core.common import (
+    EPILOGUE_ARGUMENTS,
+    NO_EPILOGUE,
     NO_WGRAD_SUM,
     VECTOR_BYTES,
     WARP_SIZE,
@@ -132,9 +134,9 @@ class _GemmPlan:
         block_k = _block_k(in_padded)
         type_name = cuda_type_name(dtype)
         sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
-        # features, pair table, row order, weight, out, the row count, the offset order and the wgrad sum's
-        # four are per call.
-        arguments = (None, None, None, None, None, None, *sizes, None, *WGRAD_SUM_ARGUMENTS)
+        # features, pair table, row order, weight, out, the row count, the offset order, the wgrad sum's
+        # four and the epilogue's four are per call.
+        arguments = (None, None, None, None, None, None, *sizes, None, *WGRAD_SUM_ARGUMENTS, *EPILOGUE_ARGUMENTS)
 
         def prepared(kernel_stages: int) -> PreparedLaunch:
             name = _forward_kernel_name(type_name, tile, block_k, kernel_stages, weight_transposed)
@@ -146,10 +148,12 @@ class _GemmPlan:
         self._map_values = functools.partial(forward_map_values, tile[0], -(-out_padded // tile[1]), sort_rows)
 
     def launch(self, kernel_map, features: int, weight: int, out: int, stream: int,
-               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None) -> None:
+               reverse_weight_offsets: int = 0, wgrad_sum: WgradSum | None = None,
+               epilogue: tuple[int, int, int, int] = NO_EPILOGUE) -> None:
         """Launch over `kernel_map`'s pair table on device addresses (row-major arrays; the weight padded,
         in the layout the plan reads, its offsets taken in reverse when `reverse_weight_offsets`), on the
-        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too."""
+        raw CUDA stream handle `stream`; with `wgrad_sum`, a dgrad launch that sums wgrad's partials too;
+        `epilogue` the forward's (`EPILOGUE_ARGUMENTS`)."""
         table, order, num_out, grid = kernel_map.derived(self, self._map_values)
         sum_arguments = NO_WGRAD_SUM
         if wgrad_sum is not None:
@@ -157,7 +161,8 @@ class _GemmPlan:
         # The pipelined kernel copies 16-byte vectors: rows and base address must allow them.
         pipelined = self.vector_rows and not features % VECTOR_BYTES
         self._launches[self._stages if pipelined else SYNCHRONOUS_STAGES].launch(
-            stream, features, table, order, weight, out, num_out, reverse_weight_offsets, *sum_arguments, grid=grid)
+            stream, features, table, order, weight, out, num_out, reverse_weight_offsets, *sum_arguments, *epilogue,
+            grid=grid)
 
     def __call__(self, kernel_map, features, padded_weight, reverse_weight_offsets: int = 0):
         out = cupy_module().empty((kernel_map.num_out, self.out_channels), dtype=self.dtype)  # all written once
