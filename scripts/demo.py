@@ -9,8 +9,10 @@ convolution with the algorithm chosen and its time, and the whole forward pass.
 With PyTorch installed the network is the `torch.nn` module (`--framework torch`, the default
 then); without it, or with `--framework cupy`, the same network runs framework-free
 (`cupysparse.networks.inference`). `--train-steps N` trains for N steps on the scene's labels (PyTorch)
-and prints the loss; `--plot FILE` draws the scene coloured by the predicted class; `--weights`
-and `--save-weights` read and write safetensors files that both frameworks share.
+and prints the loss; `--plot FILE` draws the scene, with the walls between the viewer and the inside
+cut away, coloured by true class, by predicted class and by where the prediction is wrong, with the
+accuracy and mIoU in the title; `--weights` and `--save-weights` read and write safetensors files that
+both frameworks share.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from cupysparse.networks import descriptions as networks
 from cupysparse.cuda.dtypes import as_feature_dtype, short_name
 from cupysparse.functional.convolution import select_forward
 from cupysparse.networks.inference import InferenceNetwork, LayerObserver
+from cupysparse.scripts import arguments
 from cupysparse.scripts.progress import Progress
 from cupysparse.data.scenes import make_scene
 from cupysparse.geometry.sparse_tensor import SparseTensor
@@ -37,7 +40,11 @@ from cupysparse.networks.weights_file import load_weights, save_weights as save_
 FRAMEWORKS = ("auto", "torch", "cupy")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg")
 MAX_PLOTTED_VOXELS = 60_000
-CEILING_CUT = 0.1  # the top tenth of an indoor scene's height is left out of the picture, to see into the room
+VIEW_ELEVATION_DEG, VIEW_AZIMUTH_DEG = 35.0, -60.0
+# The surfaces that enclose a scene: where they stand between the camera and the inside, the picture cuts them away.
+ENCLOSING_CLASSES = ("wall", "ceiling", "building")
+# Surface normals are estimated per cube of this many voxels a side: enough for a few of a far LiDAR's scan lines.
+NORMAL_CELL_VOXELS = 16
 LEARNING_RATE = 1e-2
 
 
@@ -56,8 +63,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--scene", choices=("indoor", "outdoor"), default="indoor",
                         help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
-    parser.add_argument("--num-voxels", type=int, default=None,
-                        help="target voxel count (default 200000 on a GPU, 20000 on the CPU)")
+    parser.add_argument("--num-voxels", type=arguments.count, default=None,
+                        help="target voxel count, e.g. 200000 or 200K (default 200K on a GPU, 20K on the CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
     parser.add_argument("--framework", choices=FRAMEWORKS, default="auto",
@@ -71,7 +78,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--weights", metavar="FILE", help="safetensors weights to load (default: random)")
     parser.add_argument("--save-weights", metavar="FILE", help="write the weights (after training) to FILE")
     parser.add_argument("--train-steps", type=int, default=0, help="training steps on the scene (PyTorch)")
-    parser.add_argument("--plot", metavar="FILE", help=f"picture of the predicted classes ({', '.join(PLOT_SUFFIXES)})")
+    parser.add_argument("--plot", metavar="FILE",
+                        help=f"picture of the true and predicted classes and the errors ({', '.join(PLOT_SUFFIXES)})")
     parser.add_argument("--repeats", type=int, default=5, help="timed forward passes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scene and of the random weights")
     return parser
@@ -86,8 +94,6 @@ def parse_args(argv=None, prog: str | None = None):
 
 def _resolve(parser, args) -> None:
     """Fill in the automatic choices and reject what cannot run, before any work starts."""
-    if args.num_voxels is not None and args.num_voxels < 1:
-        parser.error(f"--num-voxels must be positive, got {args.num_voxels}")
     if args.train_steps < 0 or args.repeats < 1:
         parser.error("--train-steps must be ≥ 0 and --repeats ≥ 1")
     if not (args.width > 0 and np.isfinite(args.width)):
@@ -267,6 +273,7 @@ class _Runner:
         scaler = torch.amp.GradScaler("cuda", enabled=autocast and self.args.dtype == "float16")
         losses = []
         for step in range(steps):
+            begin = time.perf_counter()
             with torch.autocast("cuda", dtype=getattr(torch, self.args.dtype), enabled=autocast):
                 logits = model(inputs).features
             loss = torch.nn.functional.cross_entropy(logits.float(), target)
@@ -274,8 +281,8 @@ class _Runner:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            losses.append(loss.item())
-            print(f"  step {step + 1}/{steps}  loss {losses[-1]:.4f}")
+            losses.append(loss.item())  # waits for the step: the time below is the whole step's
+            print(f"  step {step + 1}/{steps}  loss {losses[-1]:.4f}  {(time.perf_counter() - begin) * 1e3:,.0f} ms")
         return losses
 
     def save_weights(self, path: str) -> None:
@@ -311,35 +318,104 @@ def _median_ms(clock: _Clock, fn, repeats: int) -> float:
     return float(np.median([clock.time_ms(fn)[1] for _ in range(repeats)]))
 
 
-def plot_prediction(path: str, scene, coordinates: np.ndarray, labels: np.ndarray, predicted: np.ndarray) -> None:
-    """Two oblique 3D views of the voxels, coloured by true and by predicted class, side by side."""
+def segmentation_scores(labels: np.ndarray, predicted: np.ndarray, num_classes: int) -> tuple[float, float]:
+    """(accuracy, mean IoU over the classes present in the labels or the prediction) of per-voxel classes."""
+    confusion = np.bincount(labels * num_classes + predicted, minlength=num_classes**2).reshape(num_classes, -1)
+    hits = np.diag(confusion)
+    union = confusion.sum(axis=0) + confusion.sum(axis=1) - hits
+    present = union > 0
+    return float(hits.sum() / max(confusion.sum(), 1)), float(np.mean(hits[present] / union[present]))
+
+
+def _normal_axes(xyz: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """The axis each voxel's surface is normal to, for voxels `xyz` `[M, 3]` of classes `classes` on
+    axis-aligned surfaces: of the three axis-aligned slabs three voxels thick centred on the voxel (a
+    LiDAR's range noise thickens a facade), the one whose voxels of its class in its cube of
+    `NORMAL_CELL_VOXELS` cover the largest area of the slab's plane. Ties go to x, then y, then z."""
+    offset = xyz - xyz.min(axis=0)
+    # The last cube along each axis takes the remainder, so none is thinner than NORMAL_CELL_VOXELS: in a
+    # thin one, a wall meeting the voxel's surface could cover more of a slab than the surface itself.
+    cells = np.minimum(offset // NORMAL_CELL_VOXELS, np.maximum(offset.max(axis=0) // NORMAL_CELL_VOXELS - 1, 0))
+    local = offset - cells * NORMAL_CELL_VOXELS
+    side = int(local.max()) + 1
+    _, patch = np.unique(np.column_stack([classes, cells]), axis=0, return_inverse=True)
+    patch = patch.ravel().astype(np.int64)
+    area = np.zeros((len(xyz), 3), np.int64)
+    for axis in range(3):
+        u, v = np.delete(local, axis, axis=1).T
+        slab = patch * (side + 2) + local[:, axis] + 1  # one below and one above stay in the patch's range
+        # A voxel covers its pixel (u, v) of the slabs centred one below it, on it and one above it.
+        covered = np.unique(np.concatenate([((slab + step) * side + u) * side + v for step in (-1, 0, 1)]))
+        slabs, areas = np.unique(covered // (side * side), return_counts=True)
+        area[:, axis] = areas[np.searchsorted(slabs, slab)]
+    return area.argmax(axis=1)
+
+
+def cut_away(xyz: np.ndarray, classes: np.ndarray, enclosing: np.ndarray, elevation_deg: float,
+             azimuth_deg: float) -> np.ndarray:
+    """Which voxels `xyz` `[N, 3]` of classes `classes` to draw for a camera at matplotlib's `elevation_deg`
+    and `azimuth_deg`: all but the enclosing ones (mask `enclosing`: walls, ceilings, buildings) that
+    stand between the camera and the scene's inside, i.e. whose surface's outward normal faces the
+    camera. The normal is along the surface's axis (`_normal_axes`) and points away from the centre of
+    the bounding box of what the surfaces enclose (all voxels when they enclose nothing)."""
+    keep = np.ones(len(xyz), bool)
+    surface = np.flatnonzero(enclosing)
+    if len(surface) == 0:
+        return keep
+    inside = xyz[~enclosing] if np.any(~enclosing) else xyz
+    centre = (inside.min(axis=0) + inside.max(axis=0)) / 2
+    elevation, azimuth = np.radians(elevation_deg), np.radians(azimuth_deg)
+    towards_camera = np.array([np.cos(elevation) * np.cos(azimuth), np.cos(elevation) * np.sin(azimuth),
+                               np.sin(elevation)])
+    axes = _normal_axes(xyz[surface], classes[surface])
+    outward = np.sign(xyz[surface, axes] - centre[axes])
+    keep[surface[outward * towards_camera[axes] > 0]] = False
+    return keep
+
+
+def plot_prediction(path: str, scene, coordinates: np.ndarray, labels: np.ndarray, predicted: np.ndarray,
+                    model: str = "", train_steps: int = 0) -> None:
+    """The voxels coloured by true class, by predicted class, and by whether the prediction is right,
+    side by side, looking into the scene (`cut_away`); accuracy, mIoU and training steps in the title,
+    a legend of the classes present (in the labels or the prediction). `model` names the network."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    keep = np.ones(len(coordinates), bool)
-    if scene.name.startswith("indoor") and len(coordinates):
-        height = coordinates[:, 3]
-        keep = height <= height.min() + (1 - CEILING_CUT) * np.ptp(height)
-    chosen = np.flatnonzero(keep)
+    xyz = coordinates[:, 1:].astype(np.int64)
+    enclosing = np.isin(labels, [i for i, name in enumerate(scene.class_names) if name in ENCLOSING_CLASSES])
+    chosen = np.flatnonzero(cut_away(xyz, labels, enclosing, VIEW_ELEVATION_DEG, VIEW_AZIMUTH_DEG))
     if len(chosen) > MAX_PLOTTED_VOXELS:
         chosen = np.random.default_rng(0).choice(chosen, MAX_PLOTTED_VOXELS, replace=False)
-    xyz = coordinates[chosen, 1:].astype(np.float32)
+    xyz = xyz[chosen].astype(np.float32)
+    accuracy, mean_iou = segmentation_scores(labels, predicted, len(scene.class_names))
+    wrong = labels[chosen] != predicted[chosen]
     colours = plt.get_cmap("tab10")
     marker_size = float(np.clip(MAX_PLOTTED_VOXELS / max(len(chosen), 1), 1.0, 6.0))
-    figure = plt.figure(figsize=(14, 6.5))
-    for index, (title, classes) in enumerate((("labels", labels), ("prediction", predicted))):
-        axes = figure.add_subplot(1, 2, index + 1, projection="3d")
-        axes.scatter(xyz[:, 0], xyz[:, 1], xyz[:, 2], c=colours(classes[chosen] % 10), s=marker_size, linewidths=0,
-                     depthshade=False)
-        axes.set_title(f"{scene.name}: {title}")
-        axes.view_init(elev=35, azim=-60)
-        axes.set_box_aspect(np.ptp(xyz, axis=0) + 1)
+    panels = (("labels", colours(labels[chosen] % 10)), ("prediction", colours(predicted[chosen] % 10)),
+              (f"errors: {np.mean(labels != predicted):.1%} of voxels wrong",
+               np.where(wrong[:, None], matplotlib.colors.to_rgba_array("tab:red"),
+                        matplotlib.colors.to_rgba_array("0.8"))))
+    marker = {"marker": "o", "linestyle": ""}
+    figure = plt.figure(figsize=(19, 6.8))
+    for index, (title, colour) in enumerate(panels):
+        axes = figure.add_subplot(1, len(panels), index + 1, projection="3d")
+        axes.scatter(xyz[:, 0], xyz[:, 1], xyz[:, 2], c=colour, s=marker_size, linewidths=0, depthshade=False)
+        axes.set_title(title)
+        axes.view_init(elev=VIEW_ELEVATION_DEG, azim=VIEW_AZIMUTH_DEG)
+        axes.set_box_aspect(np.ptp(xyz, axis=0) + 1 if len(xyz) else None)
         axes.set_axis_off()
-    handles = [plt.Line2D([], [], marker="o", linestyle="", color=colours(i % 10), label=name)
-               for i, name in enumerate(scene.class_names)]
-    figure.legend(handles=handles, loc="lower center", ncol=len(scene.class_names), frameon=False)
+    # The errors' own legend, apart from the classes': red is also a class's colour.
+    axes.legend(handles=[plt.Line2D([], [], color="0.8", label="right", **marker),
+                         plt.Line2D([], [], color="tab:red", label="wrong", **marker)],
+                loc="lower center", ncol=2, frameon=False, fontsize=11)
+    steps = f"{train_steps} training step{'' if train_steps == 1 else 's'}"
+    figure.suptitle(f"{scene.name}, {len(labels):,} voxels{f' — {model}' if model else ''}, {steps}: "
+                    f"accuracy {accuracy:.1%}, mIoU {mean_iou:.1%}", fontsize=14)
+    present = np.union1d(labels, predicted)
+    handles = [plt.Line2D([], [], color=colours(i % 10), label=scene.class_names[i], **marker) for i in present]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=11)
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
@@ -381,7 +457,9 @@ def main(argv=None, prog: str | None = None) -> int:
     print(f"\nforward   {cached:.2f} ms with the kernel maps cached, {built:.2f} ms building them "
           f"(median of {args.repeats})")
     predicted = backend.to_numpy(logits.argmax(axis=1))
-    print(f"accuracy  {np.mean(predicted == labels):.1%} of voxels ({args.weights or 'random weights'})")
+    num_classes = len(scene.class_names)
+    accuracy, mean_iou = segmentation_scores(labels, predicted, num_classes)
+    print(f"accuracy  {accuracy:.1%} of voxels, mIoU {mean_iou:.1%} ({args.weights or 'random weights'})")
 
     if args.train_steps:
         print(f"\ntraining  {args.train_steps} steps, Adam lr {LEARNING_RATE:g}, cross-entropy on the voxel labels")
@@ -389,12 +467,16 @@ def main(argv=None, prog: str | None = None) -> int:
         trend = "falling" if losses[-1] < losses[0] else "NOT falling"
         print(f"loss      {losses[0]:.4f} → {losses[-1]:.4f} ({trend})")
         predicted = backend.to_numpy(runner.forward(tensor).argmax(axis=1))
-        print(f"accuracy  {np.mean(predicted == labels):.1%} of voxels after training")
+        accuracy, mean_iou = segmentation_scores(labels, predicted, num_classes)
+        print(f"accuracy  {accuracy:.1%} of voxels after training, mIoU {mean_iou:.1%}")
     if args.save_weights:
         runner.save_weights(args.save_weights)
         print(f"weights   written to {args.save_weights}")
     if args.plot:
-        plot_prediction(args.plot, scene, backend.to_numpy(tensor.coordinates), labels, predicted)
+        weights = f"weights {os.path.basename(args.weights)}" if args.weights else "random weights"
+        model = f"{description.name}, {weights}"
+        plot_prediction(args.plot, scene, backend.to_numpy(tensor.coordinates), labels, predicted, model,
+                        args.train_steps)
         print(f"plot      written to {args.plot}")
     return 0
 

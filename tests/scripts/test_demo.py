@@ -31,8 +31,9 @@ def test_demo_trains_with_falling_loss_and_writes_plot_and_weights(tmp_path, cap
     convolutions = dict(networks.convolutions(networks.minkunet(14, 3, 9, 0.25)))
     for row in rows:  # the CPU's one algorithm, for every kernel size
         assert row[0] in convolutions and row[-2] == "explicit_gemm" and float(row[-1]) > 0, row
-    losses = [float(value) for value in re.findall(r"step \d/3\s+loss (\S+)", output)]
+    losses = [float(value) for value in re.findall(r"step \d/3\s+loss (\S+)\s+[\d,]+ ms", output)]
     assert len(losses) == 3 and losses[-1] < losses[0]
+    assert re.search(r"accuracy\s+\S+% of voxels after training, mIoU \S+%", output)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(load_weights(weights)) >= set(networks.parameter_shapes(networks.minkunet(14, 3, 9, 0.25)))
 
@@ -55,7 +56,7 @@ def test_demo_runs_the_outdoor_scene_framework_free(capsys):
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--num-voxels", "0"], "--num-voxels must be positive"),
+    (["--num-voxels", "0"], "expected a count of at least 1"),
     (["--train-steps", "-1"], "--train-steps must be"),
     (["--repeats", "0"], "--repeats ≥ 1"),
     (["--width", "-1"], "--width must be a positive number"),
@@ -88,7 +89,7 @@ def test_defaults_pick_a_smaller_scene_and_float32_on_the_cpu():
     assert args.framework in ("torch", "cupy")
 
 
-def test_the_plot_colours_each_voxel_by_its_class(tmp_path):
+def test_the_plot_shows_three_panels_the_scores_and_only_the_classes_present(tmp_path):
     pytest.importorskip("matplotlib")
     from cupysparse.data.scenes import make_scene
 
@@ -96,6 +97,77 @@ def test_the_plot_colours_each_voxel_by_its_class(tmp_path):
     coordinates = np.zeros((4, 4), np.int32)
     coordinates[:, 1:] = [[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]]
     path = tmp_path / "tiny.svg"
-    demo.plot_prediction(str(path), scene, coordinates, np.array([0, 1, 2, 3]), np.array([3, 2, 1, 0]))
+    demo.plot_prediction(str(path), scene, coordinates, np.array([0, 1, 2, 3]), np.array([3, 2, 1, 0]),
+                         "MinkUNet14", 1)
     text = path.read_text()
     assert text.count("<svg") == 1 and "prediction" in text and "labels" in text
+    assert "errors: 100.0% of voxels wrong" in text
+    assert "MinkUNet14, 1 training step: accuracy 0.0%, mIoU 0.0%" in text
+    for present in ("floor", "wall", "ceiling", "table"):
+        assert present in text
+    for absent in ("chair", "cabinet", "bookshelf", "sofa", "box"):
+        assert absent not in text
+
+
+def test_segmentation_scores_count_as_by_hand():
+    labels = np.array([0, 0, 0, 1, 1, 2, 2, 2, 4])
+    predicted = np.array([0, 0, 1, 1, 2, 2, 2, 0, 4])
+    accuracy, mean_iou = demo.segmentation_scores(labels, predicted, 5)
+    ious = []
+    for c in (0, 1, 2, 4):  # class 3 occurs in neither
+        true, guess = set(np.flatnonzero(labels == c)), set(np.flatnonzero(predicted == c))
+        ious.append(len(true & guess) / len(true | guess))
+    assert accuracy == pytest.approx(6 / 9)
+    assert mean_iou == pytest.approx(np.mean(ious))
+
+
+def _room(width=40, depth=34, height=22):
+    """Voxels of a box room: floor, four walls, ceiling, and a block inside; the side each lies on."""
+    floor = np.mgrid[0:width + 1, 0:depth + 1, 0:1].reshape(3, -1).T
+    sides = {
+        "west": np.mgrid[0:1, 1:depth, 1:height].reshape(3, -1).T,
+        "east": np.mgrid[width:width + 1, 1:depth, 1:height].reshape(3, -1).T,
+        "south": np.mgrid[1:width, 0:1, 1:height].reshape(3, -1).T,
+        "north": np.mgrid[1:width, depth:depth + 1, 1:height].reshape(3, -1).T,
+        "ceiling": np.mgrid[1:width, 1:depth, height:height + 1].reshape(3, -1).T,
+    }
+    block = np.mgrid[15:20, 12:18, 1:6].reshape(3, -1).T
+    xyz = np.concatenate([floor, *sides.values(), block])
+    side = np.concatenate([np.full(len(floor), "floor"), *[np.full(len(v), k) for k, v in sides.items()],
+                           np.full(len(block), "block")])
+    wall, ceiling, inside = 1, 2, 3
+    classes = np.select([side == "ceiling", np.isin(side, ["west", "east", "south", "north"]), side == "block"],
+                        [ceiling, wall, inside], 0)
+    return xyz, classes, side
+
+
+@pytest.mark.parametrize("azimuth, facing", [(-60, {"east", "south"}), (120, {"west", "north"}),
+                                             (30, {"east", "north"}), (-150, {"west", "south"})])
+def test_the_walls_and_ceiling_between_the_camera_and_the_room_are_cut_away(azimuth, facing):
+    xyz, classes, side = _room()
+    for elevation, lid in ((35, {"ceiling"}), (-20, set())):
+        keep = demo.cut_away(xyz, classes, np.isin(classes, [1, 2]), elevation, azimuth)
+        # Away from the room's edges (where a voxel is on two surfaces) each voxel goes with its side.
+        near_bounds = (xyz <= 1) | (xyz >= xyz.max(axis=0) - 1)
+        away_from_edges = near_bounds.sum(axis=1) <= 1
+        for name in ("floor", "block", "west", "east", "south", "north", "ceiling"):
+            on_side = (side == name) & away_from_edges
+            assert on_side.sum() > 20
+            assert np.all(keep[on_side] == (name not in facing | lid)), (azimuth, elevation, name)
+
+
+def test_the_street_facades_in_front_of_the_street_are_cut_away():
+    from cupysparse.data.scenes import OUTDOOR_CLASSES
+
+    scene, tensor, labels = demo.scene_tensor("outdoor", 150_000, 0, "cpu", np.float32)  # buildings both sides
+    xyz = tensor.coordinates[:, 1:].astype(np.int64)
+    building = labels == OUTDOOR_CLASSES.index("building")
+    assert scene.name == "outdoor_lidar" and building.sum() > 1000
+    keep = demo.cut_away(xyz, labels, building, 35, -60)
+    street = xyz[~building]
+    centre_y = (street[:, 1].min() + street[:, 1].max()) / 2
+    near = building & (xyz[:, 1] < centre_y)  # the camera looks from -y
+    far = building & (xyz[:, 1] > centre_y)
+    assert near.sum() > 100 and far.sum() > 100
+    assert np.mean(keep[near]) < 0.01 and np.mean(keep[far]) > 0.99
+    assert np.all(keep[~building])

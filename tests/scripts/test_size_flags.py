@@ -11,9 +11,6 @@ from cupysparse.scripts import populate_benchmark_cache as populate
 SIZE_FLAG = re.compile(r"--(num-[a-z-]+|batch-size|[a-z-]+-cells)")
 COUNT_TYPES = (arguments.count, arguments.counts)
 # scripts/demo.py belongs to another change; its --num-voxels still takes a plain int.
-PENDING = {"demo": "scripts/demo.py's --num-voxels is still type=int"}
-
-
 @pytest.mark.parametrize("text, value", [
     ("200000", 200_000), ("200K", 200_000), ("200k", 200_000), ("2M", 2_000_000), ("2m", 2_000_000),
     ("1.5M", 1_500_000), ("2.5K", 2_500), (" 65K ", 65_000), ("1", 1), ("3.0", 3), ("0.001M", 1_000),
@@ -72,10 +69,7 @@ def test_a_command_reads_every_spelling_of_its_counts():
     assert args.num_voxels == (30_000, 65_000, 1_500_000) and args.batch_size == 2
 
 
-@pytest.mark.parametrize("command", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=PENDING[name])) if name in PENDING else name
-    for name in sorted(cli.COMMANDS)
-])
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
 def test_every_size_flag_of_every_command_takes_a_count(command):
     parser = cli.command_parser(command)
     plain = [flag for action in parser._actions for flag in action.option_strings
