@@ -23,6 +23,8 @@ from cupysparse.adapters.torch.convolution import (
     SparseConvTranspose2d,
     SparseConvTranspose3d,
     SparseDepthwiseConv,
+    SparseInverseConv2d,
+    SparseInverseConv3d,
     SpatiallySparseConv,
     SubMConv2d,
     SubMConv3d,
@@ -42,7 +44,7 @@ from cupysparse.adapters.torch.pooling import (
     sparse_max_pool,
     sparse_unpool,
 )
-from cupysparse.adapters.torch.spconv import load_spconv_state_dict
+from cupysparse.adapters.torch.spconv import from_spconv, from_spconv_tensor, load_spconv_state_dict, to_spconv_tensor
 from cupysparse.adapters.torch.tensor import SparseTensor
 
 __all__ = [
@@ -57,6 +59,8 @@ __all__ = [
     "SparseConvTranspose3d",
     "SparseDepthwiseConv",
     "SparseDropout",
+    "SparseInverseConv2d",
+    "SparseInverseConv3d",
     "SparseLayerNorm",
     "SparseMaxPool",
     "SparseReLU",
@@ -69,6 +73,8 @@ __all__ = [
     "global_avg_pool",
     "global_max_pool",
     "convert_sync_batchnorm",
+    "from_spconv",
+    "from_spconv_tensor",
     "load_spconv_state_dict",
     "sparse_avg_pool",
     "sparse_conv",
@@ -76,4 +82,5 @@ __all__ = [
     "sparse_max_pool",
     "sparse_unpool",
     "share_tuning",
+    "to_spconv_tensor",
 ]

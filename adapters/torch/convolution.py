@@ -20,6 +20,13 @@ The modules keep weights `[K, C_in, C_out]` (depthwise `[K, C]`), initialised li
 convolutions (uniform in ±1/sqrt(fan_in), fan_in = K · C_in). Their algorithm arguments are those of
 the functional API (an enum member, a name, a list of either, `auto`, `all`; None reads the
 environment variables) and are checked when the module is built.
+
+spconv's arguments: `padding` gives a strided (or stride-1 "regular") convolution spconv's geometry
+(`cupysparse.geometry.padding`), and a transposed one its inverse or, generative, spconv's transposed
+convolution. `indice_key` names what a convolution registers on its output (`IndiceKeyEntry`, carried by
+the tensors derived from it, as spconv's `indice_dict`): `SparseInverseConv3d` finds its strided convolution
+by it, and submanifold convolutions sharing a key must share their kernel. The maps themselves are shared
+by the map cache, key or no key.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -341,13 +349,15 @@ def _autocast(features: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return features, weight
 
 def sparse_conv(input: SparseTensor, weight: torch.Tensor, kernel_size, stride=1, dilation=1, transposed=False,
-                generative=False, bias: torch.Tensor | None = None, fwd_algo=None, bwd_algo=None) -> SparseTensor:
-    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`."""
+                generative=False, bias: torch.Tensor | None = None, fwd_algo=None, bwd_algo=None,
+                padding=None) -> SparseTensor:
+    """`cupysparse.spatially_sparse_conv` for torch: weight `[K, C_in, C_out]`, bias `[C_out]`; `padding`
+    (None: unpadded) as there."""
     require_sparse(input)
     features, weight = _autocast(input.features, weight)
     _check_like_features(weight, "weight", features)
     _check_contiguous(features)
-    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative, padding)
     kernel_map = result.kernel_map
     if weight.dim() != 3 or weight.shape[0] != kernel_map.kernel_volume or weight.shape[1] != features.shape[1]:
         raise ValueError(f"weight must have shape [K={kernel_map.kernel_volume}, C_in={features.shape[1]}, C_out], "
@@ -383,20 +393,42 @@ def sparse_depthwise_conv(input: SparseTensor, weight: torch.Tensor, kernel_size
     return input.with_map_result(result, out)
 
 
+@dataclass(frozen=True)
+class IndiceKeyEntry:
+    """What a convolution built with an `indice_key` registers on its output: its kind ("submanifold",
+    "forward" for a strided or padded one, "transposed") and geometry (padding None: unpadded)."""
+
+    kind: str
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    padding: tuple[int, ...] | None
+
+
+def _indice_key(value, name: str = "indice_key") -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {value!r} ({type(value).__name__})")
+    return value
+
+
 class SpatiallySparseConv(nn.Module):
     """A sparse convolution: submanifold (stride 1), strided, transposed (back to the coordinates
-    the input was downsampled from) or generative transposed. See `cupysparse.spatially_sparse_conv`."""
+    the input was downsampled from) or generative transposed. See `cupysparse.spatially_sparse_conv`.
+    `padding` (an int or D ints, not negative; None: unpadded) gives it spconv's geometry; `indice_key`
+    registers it on its output (see the module's docstring)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, dilation=1, transposed=False,
                  generative=False, bias=True, fwd_algo=None, bwd_algo=None, *, spatial_dims=3, device=None,
-                 dtype=None):
+                 dtype=None, padding=None, indice_key=None):
         super().__init__()
         self.in_channels = positive_int(in_channels, "in_channels")
         self.out_channels = positive_int(out_channels, "out_channels")
         self.kernel_size = as_tuple(kernel_size, spatial_dims, "kernel_size")
         self.stride = as_tuple(stride, spatial_dims, "stride")
         self.dilation = as_tuple(dilation, spatial_dims, "dilation")
+        self.padding = None if padding is None else as_tuple(padding, spatial_dims, "padding", minimum=0)
         self.transposed, self.generative = transposed, generative
+        self.indice_key = _indice_key(indice_key)
         algorithm_argument(fwd_algo, CONV, "forward")
         algorithm_argument(bwd_algo, CONV, "backward")
         self.fwd_algo, self.bwd_algo = fwd_algo, bwd_algo
@@ -411,15 +443,25 @@ class SpatiallySparseConv(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
+    @property
+    def kind(self) -> str:
+        """"submanifold", "forward" (strided or padded) or "transposed", as `IndiceKeyEntry` has it."""
+        if self.transposed:
+            return "transposed"
+        return "forward" if self.padding is not None or any(s != 1 for s in self.stride) else "submanifold"
+
     def forward(self, input: SparseTensor) -> SparseTensor:
-        return sparse_conv(input, self.weight, self.kernel_size, self.stride, self.dilation, self.transposed,
-                             self.generative, self.bias, self.fwd_algo, self.bwd_algo)
+        entry = None if self.indice_key is None else self._entry(input)
+        output = sparse_conv(input, self.weight, self.kernel_size, self.stride, self.dilation, self.transposed,
+                             self.generative, self.bias, self.fwd_algo, self.bwd_algo, self.padding)
+        return output if entry is None else output.with_indice_key(self.indice_key, entry)
 
     def fused_inference(self, input: SparseTensor, epilogue: ConvEpilogue) -> SparseTensor | None:
         """`self(input)` with `epilogue` (torch tensors) applied as the kernel stores the output: inference in
-        eager mode with gradients off. None where it cannot be (a bias, CPU tensors, a residual unlike the
-        output, an algorithm without an epilogue): the caller runs its layers one by one then."""
-        if self.bias is not None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        eager mode with gradients off. None where it cannot be (a bias, an indice key, CPU tensors, a residual
+        unlike the output, an algorithm without an epilogue): the caller runs its layers one by one then."""
+        if self.bias is not None or self.indice_key is not None or torch.is_grad_enabled() or (
+                torch.compiler.is_compiling()):
             return None
         require_sparse(input)
         features, weight = _autocast(input.features, self.weight)
@@ -427,40 +469,102 @@ class SpatiallySparseConv(nn.Module):
         if not features.is_cuda or weight.dtype != features.dtype or not features.is_contiguous() or (
                 residual is not None and residual.dtype != features.dtype):
             return None
-        result = input.kernel_map(self.kernel_size, self.stride, self.dilation, self.transposed, self.generative)
+        result = input.kernel_map(self.kernel_size, self.stride, self.dilation, self.transposed, self.generative,
+                                  self.padding)
         argument = "" if self.fwd_algo is None else algorithm_argument(self.fwd_algo, CONV, "forward")
         out = execution.fused_forward(TORCH_ARRAYS, features, weight.contiguous(), result.kernel_map, argument,
                                       epilogue)
         return None if out is None else input.with_map_result(result, out)
 
+    def _entry(self, input: SparseTensor) -> IndiceKeyEntry | None:
+        """What this convolution registers under its key on `input` (None: already there, the same); a
+        ValueError for a key registered otherwise (spconv's rules)."""
+        require_sparse(input)
+        entry = IndiceKeyEntry(self.kind, self.kernel_size, self.stride, self.dilation, self.padding)
+        registered = input.indice_keys.get(self.indice_key)
+        if registered is None:
+            return entry
+        if entry.kind == registered.kind == "submanifold":
+            if (registered.kernel_size, registered.dilation) != (entry.kernel_size, entry.dilation):
+                raise ValueError(
+                    f"submanifold convolutions sharing indice_key {self.indice_key!r} must share kernel size and "
+                    f"dilation: registered {registered.kernel_size}, {registered.dilation}; this one "
+                    f"{entry.kernel_size}, {entry.dilation}")
+            return None
+        raise ValueError(f"indice_key {self.indice_key!r} is already registered on the input, by a {registered.kind} "
+                         f"convolution; a {entry.kind} convolution needs a key of its own")
+
     def extra_repr(self) -> str:
         kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
+        padding = "" if self.padding is None else f", padding={self.padding}"
+        key = "" if self.indice_key is None else f", indice_key={self.indice_key!r}"
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"dilation={self.dilation}, {kind}, bias={self.bias is not None}")
+                f"dilation={self.dilation}{padding}, {kind}, bias={self.bias is not None}{key}")
 
 
 class SubMConv3d(SpatiallySparseConv):
-    """Submanifold 3D convolution: the output has the input's coordinates."""
+    """Submanifold 3D convolution: the output has the input's coordinates. No padding: spconv's
+    SubMConv3d ignores its own."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, dilation=1, bias=True, **kwargs):
-        super().__init__(in_channels, out_channels, kernel_size, 1, dilation, bias=bias, **kwargs)
+    def __init__(self, in_channels, out_channels, kernel_size, dilation=1, bias=True, *, indice_key=None, **kwargs):
+        if "padding" in kwargs:
+            raise TypeError("a submanifold convolution keeps its input's coordinates and takes no padding (spconv's "
+                            "SubMConv3d ignores its own): leave it out")
+        super().__init__(in_channels, out_channels, kernel_size, 1, dilation, bias=bias, indice_key=indice_key,
+                         **kwargs)
 
 
 class SparseConv3d(SpatiallySparseConv):
-    """Strided 3D convolution: output coordinates floor(input / stride). Unlike spconv's
-    SparseConv3d, stride 1 keeps the input coordinates (submanifold)."""
+    """Strided 3D convolution: output coordinates floor(input / stride), and stride 1 keeps the input
+    coordinates (submanifold). With `padding`, spconv's SparseConv3d: every voxel a kernel tap reaches, inside
+    the output's spatial shape when the input has one, stride 1 included (spconv's "regular" convolution)."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, **kwargs):
-        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, bias=bias, **kwargs)
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, *, padding=None,
+                 indice_key=None, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, bias=bias, padding=padding,
+                         indice_key=indice_key, **kwargs)
 
 
 class SparseConvTranspose3d(SpatiallySparseConv):
     """Transposed 3D convolution back to the coordinates the input was downsampled from;
-    `generative=True` creates every reachable coordinate instead."""
+    `generative=True` creates every reachable coordinate instead. With `padding`: the inverse of the padded
+    convolution that made the input's coordinates, or, generative, spconv's SparseConvTranspose3d."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, generative=False,
-                 **kwargs):
-        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, True, generative, bias, **kwargs)
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, dilation=1, bias=True, generative=False, *,
+                 padding=None, indice_key=None, **kwargs):
+        super().__init__(in_channels, out_channels, kernel_size, stride, dilation, True, generative, bias,
+                         padding=padding, indice_key=indice_key, **kwargs)
+
+
+class SparseInverseConv3d(SpatiallySparseConv):
+    """spconv's SparseInverseConv3d: the transposed convolution of the strided (or padded) convolution registered
+    under `indice_key` on the way to the input, back to that convolution's input coordinates; its stride,
+    dilation and padding come from there, its kernel size must be that convolution's."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, indice_key, bias=True, **kwargs):
+        if _indice_key(indice_key) is None:
+            raise TypeError("an inverse convolution needs the indice_key of the convolution it inverts")
+        super().__init__(in_channels, out_channels, kernel_size, transposed=True, bias=bias, **kwargs)
+        self.inverts = indice_key
+
+    def forward(self, input: SparseTensor) -> SparseTensor:
+        require_sparse(input)
+        entry = input.indice_keys.get(self.inverts)
+        if entry is None:
+            raise ValueError(f"no convolution registered indice_key {self.inverts!r} on the way to this input "
+                             f"(registered: {sorted(input.indice_keys)})")
+        if entry.kind != "forward":
+            raise ValueError(f"an inverse convolution inverts a strided or padded convolution; indice_key "
+                             f"{self.inverts!r} was registered by a {entry.kind} one")
+        if entry.kernel_size != self.kernel_size:
+            raise ValueError(f"an inverse convolution has the kernel size of the convolution it inverts, "
+                             f"{entry.kernel_size} (indice_key {self.inverts!r}); this one has {self.kernel_size}")
+        return sparse_conv(input, self.weight, entry.kernel_size, entry.stride, entry.dilation, True, False, self.bias,
+                           self.fwd_algo, self.bwd_algo, entry.padding)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, inverts "
+                f"indice_key={self.inverts!r}, bias={self.bias is not None}")
 
 
 class SubMConv2d(SubMConv3d):
@@ -474,6 +578,11 @@ class SparseConv2d(SparseConv3d):
 
 
 class SparseConvTranspose2d(SparseConvTranspose3d):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, spatial_dims=2, **kwargs)
+
+
+class SparseInverseConv2d(SparseInverseConv3d):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, spatial_dims=2, **kwargs)
 

@@ -4,11 +4,16 @@ The coordinates and features are torch tensors (features carry autograd); a core
 `cupysparse.SparseTensor` over zero-copy views of the same memory holds the tensor stride and the
 kernel-map cache, so every tensor derived from one input (convolutions, `replace_feature`) shares
 the maps built for it and a U-Net's decoder reuses its encoder's maps.
+
+Like spconv's `SparseConvTensor`, a tensor may have a spatial shape (every coordinate in [0, shape)),
+which padded convolutions derive their outputs' from, and carries the indice keys its layers registered
+(`indice_keys`), which an inverse convolution finds its strided convolution by.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -57,15 +62,21 @@ def require_sparse(input) -> None:
         raise TypeError(f"input must be a cupysparse.adapters.torch.SparseTensor, got {type(input).__name__}")
 
 
+_NO_KEYS = types.MappingProxyType({})
+
+
 class SparseTensor:
     """Sparse voxels in torch: int32 coordinates `[N, 1 + D]` (column 0 the batch index), floating
     features `[N, C]` on the same device, and a tensor stride.
 
     `validate=False` skips the value checks of the coordinates (range, batch gaps, duplicates),
-    which synchronise the GPU; use it only for coordinates the library produced.
+    which synchronise the GPU; use it only for coordinates the library produced. `spatial_shape` (D positive
+    ints, spconv's: each coordinate in [0, shape), checked with the rest) bounds the outputs of padded
+    convolutions.
     """
 
-    def __init__(self, coordinates: torch.Tensor, features: torch.Tensor, tensor_stride=1, *, validate=True):
+    def __init__(self, coordinates: torch.Tensor, features: torch.Tensor, tensor_stride=1, *, validate=True,
+                 spatial_shape=None):
         _require_tensor(coordinates, "coordinates")
         _require_tensor(features, "features")
         if coordinates.device != features.device:
@@ -74,27 +85,43 @@ class SparseTensor:
             raise TypeError(f"coordinates must be int32, got {coordinates.dtype}; use coordinates.int()")
         with on_torch_stream(coordinates.device):  # validation runs kernels: on torch's stream and allocator
             core = cupysparse.SparseTensor(
-                to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate
+                to_core(coordinates.contiguous()), to_core(features), tensor_stride, validate=validate,
+                spatial_shape=spatial_shape,
             )
         if coordinates.is_cuda:  # the maps' formats, derived at their first use, too
             core.map_cache.derive_in = functools.partial(on_torch_stream, coordinates.device)
-        self._set(coordinates, core.coordinates, features, core.tensor_stride, core.map_cache, None)
+        self._set(coordinates, core.coordinates, features, core.tensor_stride, core.map_cache, None, _NO_KEYS)
 
-    def _set(self, coordinates, core_coordinates, features, tensor_stride, map_cache, batch_size) -> None:
+    def _set(self, coordinates, core_coordinates, features, tensor_stride, map_cache, batch_size,
+             indice_keys) -> None:
         self._coordinates = coordinates  # None: the torch view of the core's is made when first asked for
         self._core_coordinates = core_coordinates
         self._features = features
         self._tensor_stride = tensor_stride
         self._map_cache = map_cache
         self._batch_size = batch_size  # None: counted when first asked for (that synchronises the GPU)
+        self._indice_keys = indice_keys  # a read-only mapping, shared: a new key makes a new one
         self._core = None
 
     def with_map_result(self, result: MapResult, features: torch.Tensor) -> SparseTensor:
         """The output of an operation on this tensor over `result`'s map: its coordinates, stride and
-        map cache with torch `features`, and this tensor's batch size."""
+        map cache with torch `features`, and this tensor's batch size and indice keys."""
         tensor = SparseTensor.__new__(SparseTensor)
         tensor._set(None, result.out_coordinates, features, result.out_tensor_stride, result.out_map_cache,
-                    self._batch_size)
+                    self._batch_size, self._indice_keys)
+        return tensor
+
+    @property
+    def indice_keys(self) -> types.MappingProxyType:
+        """What the convolutions built with an `indice_key` registered on the way to this tensor, by key
+        (spconv's `indice_dict`, read-only): `SparseInverseConv3d` finds its strided convolution there."""
+        return self._indice_keys
+
+    def with_indice_key(self, key: str, entry) -> SparseTensor:
+        """This tensor with `key` → `entry` added to its indice keys; everything else shared."""
+        tensor = SparseTensor.__new__(SparseTensor)
+        tensor._set(self._coordinates, self._core_coordinates, self._features, self._tensor_stride, self._map_cache,
+                    self._batch_size, types.MappingProxyType({**self._indice_keys, key: entry}))
         return tensor
 
     @classmethod
@@ -105,7 +132,7 @@ class SparseTensor:
             raise TypeError(f"tensor must be a cupysparse.SparseTensor, got {type(tensor).__name__}")
         result = cls.__new__(cls)
         result._set(None, tensor.coordinates, from_core(tensor.features), tensor.tensor_stride, tensor.map_cache,
-                    None)
+                    None, _NO_KEYS)
         return result
 
     @classmethod
@@ -204,6 +231,11 @@ class SparseTensor:
         return self._tensor_stride
 
     @property
+    def spatial_shape(self) -> tuple[int, ...] | None:
+        """Every coordinate lies in [0, spatial_shape) (spconv's `spatial_shape`); None when not known."""
+        return self._map_cache.spatial_shape(self._tensor_stride)
+
+    @property
     def spatial_dims(self) -> int:
         return self._core_coordinates.shape[1] - 1
 
@@ -233,10 +265,11 @@ class SparseTensor:
         return (f"SparseTensor(num_points={self.num_points}, channels={self._features.shape[1]}, "
                 f"tensor_stride={self.tensor_stride}, dtype={self.dtype}, device={self.device})")
 
-    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
+    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False,
+                   padding=None) -> MapResult:
         """The core kernel map (built once per map cache; see `cupysparse.SparseTensor.kernel_map`), built on
         torch's stream and allocator."""
-        arguments = (self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        arguments = (self._tensor_stride, kernel_size, stride, dilation, transposed, generative, padding)
         result = self._map_cache.lookup(*arguments)
         if result is None:
             with on_torch_stream(self.device):
@@ -259,7 +292,7 @@ class SparseTensor:
             raise ValueError(f"features must have shape [{self.num_points}, C], got {tuple(features.shape)}")
         tensor = SparseTensor.__new__(SparseTensor)
         tensor._set(self._coordinates, self._core_coordinates, features, self._tensor_stride, self._map_cache,
-                    self._batch_size)
+                    self._batch_size, self._indice_keys)
         return tensor
 
     replace_features = replace_feature

@@ -57,10 +57,16 @@ def spatially_sparse_conv(
     bias=None,
     fwd_algo=None,
     bwd_algo=None,
+    padding=None,
 ) -> SparseTensor:
     """A sparse convolution of `input` with weight `[K, C_in, C_out]`: submanifold (stride 1),
     strided, transposed (back to the coordinates `input` was downsampled from) or generative
     transposed (every reachable coordinate). See `cupysparse.geometry.kernel_map` for the exact semantics.
+
+    `padding` (an int or D ints, not negative; None: unpadded) gives spconv's geometry instead
+    (`cupysparse.geometry.padding`): every voxel a kernel tap reaches, at any stride, kept inside the
+    output's spatial shape when `input` has one; transposed, the inverse of the padded convolution that made
+    `input`'s coordinates; generative transposed, spconv's transposed convolution.
 
     `fwd_algo` / `bwd_algo`: an enum member, a name, a list of either, `auto`, `all`, or None for
     the environment variables; `bwd_algo` is only checked here and used by
@@ -68,7 +74,7 @@ def spatially_sparse_conv(
     """
     checks.check_input(input)
     parse_algorithm_filter(bwd_algo, CONV, "backward")
-    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative, padding)
     features = input.features
     checks.check_weight(weight, features, result.kernel_map)
     checks.check_bias(bias, features, weight.shape[2])
@@ -93,10 +99,11 @@ def spatially_sparse_conv_backward(
     bwd_algo=None,
     needs_input_grad=True,
     needs_weight_grad=True,
+    padding=None,
 ) -> ConvGradients:
     """Gradients of `spatially_sparse_conv` (same arguments) given `grad_output` `[N_out, C_out]`."""
     checks.check_input(input)
-    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative)
+    result = input.kernel_map(kernel_size, stride, dilation, transposed, generative, padding)
     grad_input, grad_weight = conv_backward(
         grad_output, input.features, weight, result.kernel_map, bwd_algo, needs_input_grad, needs_weight_grad
     )

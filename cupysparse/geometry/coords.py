@@ -123,8 +123,9 @@ def _describe(value) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def as_tuple(value, spatial_dims: int | None, name: str) -> tuple[int, ...]:
-    """Broadcast an int or D ints (a tuple, a list or a 1-D NumPy array) to a D-tuple of positive ints.
+def as_tuple(value, spatial_dims: int | None, name: str, minimum: int = 1) -> tuple[int, ...]:
+    """Broadcast an int or D ints (a tuple, a list or a 1-D NumPy array) to a D-tuple of positive ints
+    (`minimum=0`: non-negative ints, as paddings are).
 
     The one check of every integer geometry argument (kernel sizes, strides, dilations, tensor strides):
     ints are Python or NumPy integers; a bool, a float (even 3.0), a string or None raises TypeError
@@ -141,8 +142,8 @@ def as_tuple(value, spatial_dims: int | None, name: str) -> tuple[int, ...]:
             raise ValueError(f"{name} must be {wanted}, got {value!r}")
     else:
         raise TypeError(f"{name} must be {wanted}, got {_describe(value)}")
-    if any(v < 1 for v in values):
-        raise ValueError(f"{name} must be positive, got {value!r}")
+    if any(v < minimum for v in values):
+        raise ValueError(f"{name} must be {'positive' if minimum == 1 else 'non-negative'}, got {value!r}")
     if any(v > MAX_GEOMETRY_VALUE for v in values):
         raise ValueError(f"{name} must be at most {MAX_GEOMETRY_VALUE}, got {value!r}")
     return values

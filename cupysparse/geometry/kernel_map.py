@@ -10,7 +10,9 @@ offset (`coords.kernel_offsets`):
 - submanifold: output = input coordinates, pair when `in = out + dilation·o_k`;
 - strided: output = unique(floor(in / stride)), pair when `in = out·stride + dilation·o_k`;
 - transposed: the strided map with input and output swapped (output = the finer coordinates);
-- generative transposed: output = every `in·stride + dilation·o_k`, pair when that holds.
+- generative transposed: output = every `in·stride + dilation·o_k`, pair when that holds;
+- padded (spconv's `padding`, any stride): output = every voxel a kernel tap reaches, its transposed and
+  generative transposed kinds alike (`padding` has the rules).
 New output coordinates come in order of first occurrence (input rows outer, offsets inner), on
 both backends, so results are deterministic without sorting.
 """
@@ -18,8 +20,8 @@ both backends, so results are deterministic without sorting.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -27,8 +29,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import array_module, is_cupy_array
-from cupysparse.cuda.compile import KernelSource, launch_config
 from cupysparse.geometry.hashing import Query, SortedKeyIndex, build_index, unique_coordinates, unique_coordinates_by
+from cupysparse.geometry.padding import (
+    anchor_shift,
+    anchors,
+    as_padding,
+    conv_output_shape,
+    reached_coordinates,
+    transposed_output_shape,
+)
 from cupysparse.geometry.coords import (
     as_tuple,
     check_candidate_memory,
@@ -39,70 +48,18 @@ from cupysparse.geometry.coords import (
     key_layout,
 )
 from cupysparse.cuda.out_of_memory import MapSizes, naming_map_sizes
-
-# The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
-# threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
-_RADIX_BITS = 8
-_RADIX = 1 << _RADIX_BITS
-_RADIX_CHUNKS = 8
-# Where a radix pass reads its keys (ROWS_IN_ORDER, CARRIED_KEYS, GATHERED_KEYS in the kernels).
-_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
-# The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
-_PAIR_BLOCK, _PAIR_ITEMS = 256, 16
-_SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
-
-
-def _radix_count(source: int) -> str:
-    return f"radix_count<{source}, {_RADIX_CHUNKS}>"
-
-
-def _radix_scatter(source: int, write_keys: bool) -> str:
-    return f"radix_scatter<{source}, {'true' if write_keys else 'false'}, {_RADIX_CHUNKS}>"
-
-
-_SCAN_32 = f"scan_counts_by_row<unsigned int, {_SCAN_BLOCK}>"
-_SCAN_64 = f"scan_counts_by_row<unsigned long long, {_SCAN_BLOCK}>"
-_COUNT_PAIRS = f"count_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
-_FILL_PAIRS = f"fill_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
-_FORMAT_KERNELS = KernelSource(
-    "kernel_map_formats.cu",
-    (
-        "offset_mask",
-        "invert_pairs",
-        _SCAN_32,
-        _SCAN_64,
-        _COUNT_PAIRS,
-        _FILL_PAIRS,
-        *(_radix_count(source) for source in (_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS)),
-        _radix_scatter(_ROWS_IN_ORDER, False),
-        _radix_scatter(_ROWS_IN_ORDER, True),
-        _radix_scatter(_CARRIED_KEYS, False),
-        _radix_scatter(_CARRIED_KEYS, True),
-        _radix_scatter(_GATHERED_KEYS, False),
-        "wgrad_share_table",
-    ),
+# The formats derived from a pair table (`KernelMap` calls them through this module's names).
+from cupysparse.geometry.map_formats import (
+    CsrPairs,
+    PairCounts,
+    WgradShares,
+    count_pairs,
+    csr_pairs,
+    invert_pair_table,
+    mask_sorted_order,
+    offset_mask,
+    wgrad_shares,
 )
-_SHARE_TABLE_BLOCK = 256  # threads of a block of `wgrad_share_table`
-
-
-@dataclass(frozen=True)
-class CsrPairs:
-    """Pairs grouped by offset: pairs `offsets[k]:offsets[k+1]` belong to offset k, by output row."""
-
-    in_idx: object
-    out_idx: object
-    offsets: object
-
-
-@dataclass(frozen=True)
-class WgradShares:
-    """How the split-K wgrad kernels cut the per-offset pair lists among `kernel_volume x rounds` blocks
-    (`wgrad_shares`): `table` `[blocks, 4]` int32 holds block z's (offset, share, the offset's shares,
-    workspace slot), offset -1 for a block without a share; offset k's partials are the workspace slots
-    `slot_starts[k]:slot_starts[k + 1]`."""
-
-    table: object
-    slot_starts: object
 
 
 class KernelMap:
@@ -110,7 +67,7 @@ class KernelMap:
 
     def __init__(
         self, pair_table, num_in: int, kernel_size, stride, dilation, transposed=False, generative=False,
-        offset_mask=None, mask_sorted_order=None, csr=None, derive_in=contextlib.nullcontext,
+        offset_mask=None, mask_sorted_order=None, csr=None, derive_in=contextlib.nullcontext, padding=None,
     ):
         check_row_count(pair_table.shape[1], "a kernel map's output")
         check_row_count(num_in, "a kernel map's input")
@@ -131,6 +88,7 @@ class KernelMap:
         self.dilation = tuple(dilation)
         self.transposed = transposed
         self.generative = generative
+        self.padding = None if padding is None else tuple(padding)  # None: not a padded (spconv) map
         # What the formats derived later (and the reversed map) are computed in: e.g. a framework's
         # stream and allocator, as the map itself was.
         self.derive_in = derive_in
@@ -143,15 +101,18 @@ class KernelMap:
     def identity_offset(self) -> int | None:
         """The offset whose pairs join every row to itself (the zero offset of a map between the
         same coordinates, stride 1), which needs no gather; None for other maps."""
-        if self.generative or any(s != 1 for s in self.stride) or self.num_in != self.num_out:
+        if self.generative or self.padding is not None or any(s != 1 for s in self.stride):
+            return None
+        if self.num_in != self.num_out:
             return None
         return int(np.flatnonzero((self.offsets == 0).all(axis=1))[0])
 
     def __repr__(self) -> str:
         kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
+        padding = "" if self.padding is None else f", padding={self.padding}"
         return (
-            f"KernelMap({kind}, kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, "
-            f"num_in={self.num_in}, num_out={self.num_out})"
+            f"KernelMap({kind}, kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}"
+            f"{padding}, num_in={self.num_in}, num_out={self.num_out})"
         )
 
     @functools.cached_property
@@ -243,6 +204,7 @@ class KernelMap:
             transposed=not self.transposed,
             generative=self.generative,
             derive_in=self.derive_in,
+            padding=self.padding,
         )
         # Weakly: a map and its reverse holding each other would live on until a garbage collection, and with
         # them their GPU memory, which the next scene's maps would then have to allocate anew.
@@ -293,207 +255,6 @@ class KernelMap:
             kernel_map._host_pair_offsets
             kernel_map.identity_offset
         return self
-
-
-@dataclass(frozen=True)
-class PairCounts:
-    """The counts behind a GPU pair table's CSR lists: per-offset `offsets` `[K + 1]` and the position
-    of each chunk's first pair on the device, and the pair count on its way to pinned host memory
-    (`total`, valid once the event `copied` has completed)."""
-
-    offsets: object
-    chunk_starts: object
-    num_chunks: int
-    total: np.ndarray
-    copied: object
-
-
-def count_pairs(pair_table) -> PairCounts:
-    """Count a GPU pair table's pairs per offset and chunk of rows, and start copying the total to the
-    host, without waiting for either."""
-    import cupy
-    import cupyx
-
-    kernel_volume, num_out = pair_table.shape
-    num_chunks = -(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS))
-    num_blocks = kernel_volume * num_chunks  # block k * num_chunks + c: chunk c of offset k
-    # One allocation: the chunk counts (which the scan turns into the chunks' first pairs), the
-    # offsets' totals and the CSR offsets, written by the scan (as unsigned: never negative).
-    scratch = cupy.empty(num_blocks + 2 * kernel_volume + 1, dtype=np.uint64)
-    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks : num_blocks + kernel_volume]
-    offsets = scratch[num_blocks + kernel_volume :].view(np.int64)
-    total = cupyx.empty_pinned(1, dtype=np.int64)
-    stream = cupy.cuda.get_current_stream()
-    if num_blocks:
-        cupy.cuda.runtime.memsetAsync(offset_totals.data.ptr, 0, offset_totals.nbytes, stream.ptr)
-        _FORMAT_KERNELS.prepared(_COUNT_PAIRS, _PAIR_BLOCK, 5).launch(
-            stream.ptr, pair_table.data.ptr, num_out, num_chunks, chunk_counts.data.ptr, offset_totals.data.ptr,
-            grid=(num_blocks, 1, 1),
-        )
-        # Each block's count becomes the position of its first pair.
-        _FORMAT_KERNELS.prepared(_SCAN_64, _SCAN_BLOCK, 5).launch(
-            stream.ptr, chunk_counts.data.ptr, num_chunks, offset_totals.data.ptr, kernel_volume, offsets.data.ptr,
-            grid=(kernel_volume, 1, 1),
-        )
-        cupy.cuda.runtime.memcpyAsync(total.ctypes.data, offsets.data.ptr + 8 * kernel_volume, 8,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-    else:
-        offsets.fill(0)
-        total[0] = 0
-    copied = cupy.cuda.Event(block=False, disable_timing=True)
-    copied.record(stream)
-    return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
-
-
-def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
-    """The per-offset pair lists of a pair table; see `KernelMap.csr`.
-
-    On the GPU: per-chunk pair counts and their scan (`count_pairs`, or `counts` made earlier by it),
-    then a fill kernel; the host waits for the pair count, which sizes the lists, and for nothing else.
-    """
-    kernel_volume, num_out = pair_table.shape
-    if not is_cupy_array(pair_table):
-        valid = pair_table >= 0
-        flat = np.flatnonzero(valid.ravel())  # k-major, then output row ascending
-        offsets = np.zeros(kernel_volume + 1, dtype=np.int64)
-        np.cumsum(valid.sum(axis=1, dtype=np.int64), out=offsets[1:])
-        return CsrPairs(
-            in_idx=pair_table.ravel()[flat],
-            out_idx=(flat % max(num_out, 1)).astype(np.int32),
-            offsets=offsets,
-        )
-    import cupy
-
-    counts = counts or count_pairs(pair_table)
-    counts.copied.synchronize()
-    num_pairs = int(counts.total[0])
-    lists = cupy.empty((2, num_pairs), dtype=np.int32)  # one allocation for both
-    in_idx, out_idx = lists
-    if num_pairs:
-        _FORMAT_KERNELS.prepared(_FILL_PAIRS, _PAIR_BLOCK, 6).launch(
-            cupy.cuda.get_current_stream().ptr, pair_table.data.ptr, num_out, counts.num_chunks,
-            counts.chunk_starts.data.ptr, in_idx.data.ptr, out_idx.data.ptr,
-            grid=(kernel_volume * counts.num_chunks, 1, 1),
-        )
-    return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
-
-
-def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
-    """The shares of the per-offset pair lists (CSR offsets `pair_offsets` `[K + 1]`) among the
-    `K x rounds` blocks of a split-K wgrad launch. Offset k gets `1 + P_k (K rounds - K) // P` shares (P_k
-    its pairs, P all of them; none without pairs), so that every share holds about as many pairs whatever
-    its offset; the last blocks may get none. Offset-major, block z is workspace slot z; round-major, round
-    t holds the shares s of every offset with `s rounds // shares_k = t` (the same stretch of each pair
-    list, which runs by output row), offsets in order within it. As `wgrad_share_table` in
-    raw_kernels/kernel_map_formats.cu computes on the GPU."""
-    kernel_volume = len(pair_offsets) - 1
-    slots = kernel_volume * rounds
-    if is_cupy_array(pair_offsets):
-        import cupy
-
-        table = cupy.empty((slots, 4), dtype=np.int32)
-        slot_starts = cupy.empty(kernel_volume + 1, dtype=np.int32)
-        threads = max(slots, kernel_volume + 1)
-        _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6).launch(
-            cupy.cuda.get_current_stream().ptr, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major),
-            table.data.ptr, slot_starts.data.ptr, grid=(-(-threads // _SHARE_TABLE_BLOCK), 1, 1))
-        return WgradShares(table, slot_starts)
-    pairs = np.diff(np.asarray(pair_offsets, dtype=np.int64))
-    shares = np.where(pairs > 0, 1 + pairs * (slots - kernel_volume) // max(int(pairs.sum()), 1), 0)
-    slot_starts = np.zeros(kernel_volume + 1, dtype=np.int32)
-    np.cumsum(shares, out=slot_starts[1:])
-    used = int(slot_starts[-1])
-    offset = np.repeat(np.arange(kernel_volume), shares)
-    share = np.arange(used) - slot_starts[offset]
-    entries = np.stack([offset, share, shares[offset], np.arange(used)], axis=1)
-    if round_major:
-        entries = entries[np.lexsort((share, offset, share * rounds // shares[offset]))]
-    table = np.zeros((slots, 4), dtype=np.int32)
-    table[:, 0] = -1
-    table[:used] = entries
-    return WgradShares(table, slot_starts)
-
-
-def offset_mask(pair_table):
-    """The offset bitmask of a pair table; see `KernelMap.offset_mask`."""
-    kernel_volume, num_out = pair_table.shape
-    num_words = -(-kernel_volume // 32)
-    if not is_cupy_array(pair_table):
-        present = np.zeros((num_words * 32, num_out), dtype=np.uint8)
-        present[:kernel_volume] = pair_table >= 0
-        packed = np.packbits(present.T.reshape(num_out, num_words, 32), axis=2, bitorder="little")
-        return np.ascontiguousarray(packed).view("<u4").reshape(num_out, num_words).astype(np.uint32)
-    import cupy
-
-    mask = cupy.empty((num_out, num_words), dtype=np.uint32)
-    if num_out:
-        grid, block = launch_config(num_out)
-        _FORMAT_KERNELS.get("offset_mask")(grid, block, (pair_table, np.int32(num_out), np.int32(kernel_volume), mask))
-    return mask
-
-
-def mask_sorted_order(mask, kernel_volume: int | None = None):
-    """Rows ordered by their offset bitmask (as a little-endian big integer), stable.
-
-    `kernel_volume` (K), when given, says that bits K and above are zero. The GPU sorts with a
-    stable LSD radix sort over the 8-bit digits below bit K (one pass for K <= 8, four for K = 27),
-    three kernels a pass and no synchronisation.
-    """
-    if not is_cupy_array(mask):
-        if mask.shape[1] == 1:
-            return np.argsort(mask[:, 0], kind="stable").astype(np.int32)
-        # The last key is the primary one: the highest word is the most significant.
-        return np.lexsort(mask.T).astype(np.int32)
-    import cupy
-
-    mask = cupy.ascontiguousarray(mask)
-    num_rows, num_words = mask.shape
-    key_bits = 32 * num_words if kernel_volume is None else min(kernel_volume, 32 * num_words)
-    num_passes = -(-key_bits // _RADIX_BITS)
-    if num_rows == 0 or num_passes == 0:  # no rows, or every mask empty: the rows stay in order
-        return cupy.arange(num_rows, dtype=np.int32)
-    num_tiles = -(-num_rows // (_RADIX_CHUNKS * _RADIX))
-    # Single-word keys move with their rows from pass to pass; a longer mask is read again by row.
-    carry_keys = num_words == 1 and num_passes > 1
-    num_key_buffers = min(num_passes - 1, 2) if carry_keys else 0
-    # One scratch allocation: the digit totals of every pass (zeroed once), the tile counts (reused
-    # by every pass), the digit starts (a by-product of the scan), rows and keys between passes.
-    # The launches are prepared and take device addresses: a sort is a dozen small kernels, each
-    # shorter than a CuPy launch's argument conversions.
-    sizes = (num_passes * _RADIX, _RADIX * num_tiles, _RADIX + 1, num_rows if num_passes > 1 else 0,
-             num_key_buffers * num_rows)
-    scratch = cupy.empty(sum(sizes), dtype=np.uint32)
-    digit_totals, tile_counts, digit_starts, rows_between, keys_between = (
-        scratch.data.ptr + 4 * start for start in itertools.accumulate(sizes[:-1], initial=0)
-    )
-    key_buffers = (keys_between, keys_between + 4 * num_rows)
-    order = cupy.empty(num_rows, dtype=np.int32)
-    stream = cupy.cuda.get_current_stream().ptr
-    cupy.cuda.runtime.memsetAsync(digit_totals, 0, 4 * sizes[0], stream)
-    grid = (num_tiles, 1, 1)
-    # Placeholders: the first pass takes the rows in order, keys from the mask.
-    rows_in, keys_in = order.data.ptr, mask.data.ptr
-    for step in range(num_passes):
-        word, shift = divmod(step * _RADIX_BITS, 32)
-        source = _ROWS_IN_ORDER if step == 0 else _CARRIED_KEYS if carry_keys else _GATHERED_KEYS
-        write_keys = carry_keys and step < num_passes - 1
-        # The last pass writes `order`.
-        rows_out = order.data.ptr if (num_passes - 1 - step) % 2 == 0 else rows_between
-        keys_out = key_buffers[step % 2] if write_keys else mask.data.ptr  # mask: a placeholder, not written
-        totals = digit_totals + 4 * step * _RADIX
-        reads = (mask.data.ptr, num_words, keys_in, rows_in, num_rows, word, shift)
-        _FORMAT_KERNELS.prepared(_radix_count(source), _RADIX, 10).launch(
-            stream, *reads, num_tiles, tile_counts, totals, grid=grid
-        )
-        # Tile counts become where each tile's rows of each digit go.
-        _FORMAT_KERNELS.prepared(_SCAN_32, _SCAN_BLOCK, 5).launch(
-            stream, tile_counts, num_tiles, totals, _RADIX, digit_starts, grid=(_RADIX, 1, 1)
-        )
-        _FORMAT_KERNELS.prepared(_radix_scatter(source, write_keys), _RADIX, 11).launch(
-            stream, *reads, tile_counts, num_tiles, keys_out, rows_out, grid=grid
-        )
-        rows_in, keys_in = rows_out, keys_out
-    return order
 
 
 def downsample_coordinates(coords, stride):
@@ -576,37 +337,6 @@ def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coor
     return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
 
 
-def invert_pair_table(pair_table, num_in: int):
-    """The pair table seen from the input side: `[K, num_in]`, the output row each input feeds
-    through offset k, or -1.
-
-    Well defined because, for every kind of map, an input row and an offset determine at most one
-    output row. On the CPU, invalid entries all write -1 into one spare slot past the end, so no
-    compaction is needed; on the GPU one kernel scatters the pairs into a table filled with -1.
-    """
-    kernel_volume, num_out = pair_table.shape
-    if not is_cupy_array(pair_table):
-        valid = pair_table >= 0
-        spare = kernel_volume * num_in
-        target = np.where(valid, np.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
-        out_rows = np.broadcast_to(np.arange(num_out, dtype=np.int32), pair_table.shape)
-        inverse = np.full(spare + 1, -1, dtype=np.int32)
-        inverse[target.ravel()] = np.where(valid, out_rows, -1).ravel()
-        return inverse[:spare].reshape(kernel_volume, num_in)
-    import cupy
-
-    table = cupy.ascontiguousarray(pair_table)
-    inverse = cupy.empty((kernel_volume, num_in), dtype=np.int32)
-    # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
-    cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
-    if kernel_volume and num_out and num_in:
-        grid, block = launch_config(num_out)
-        _FORMAT_KERNELS.get("invert_pairs")(
-            grid, block, (table, np.int32(num_out), np.int32(kernel_volume), np.int32(num_in), inverse)
-        )
-    return inverse
-
-
 def transposed_map(strided: KernelMap) -> KernelMap:
     """The map of the transposed convolution matching `strided`: coarse input, fine output.
 
@@ -632,23 +362,65 @@ def generative_map(in_coords, kernel_size, stride, dilation=1, index=None):
     )
 
 
+def padded_map(in_coords, kernel_size, stride, dilation=1, padding=0, spatial_shape=None, index=None):
+    """(out_coords, their spatial shape or None, map) of a padded convolution (spconv's regular one, at any
+    stride): every voxel a tap reaches, kept inside the output's spatial shape when `spatial_shape` (the
+    input's) is given. See `padding` for the rules."""
+    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
+    padding = as_padding(padding, len(kernel_size))
+    out_shape = None if spatial_shape is None else conv_output_shape(spatial_shape, kernel_size, stride, dilation,
+                                                                     padding)
+    out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape)
+    index = index or build_index(in_coords)
+    _check_query_memory(kernel_size, out_coords)
+    ones = (1,) * len(stride)
+    starts = anchors(out_coords, stride, anchor_shift(kernel_size, dilation, padding))
+    table, mask = index.pair_table(starts, Query(kernel_size, dilation, out_scale=ones, divisor=ones))
+    kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask, padding=padding)
+    return out_coords, out_shape, kernel_map
+
+
+def padded_generative_map(in_coords, kernel_size, stride, dilation=1, padding=0, spatial_shape=None, index=None):
+    """(out_coords, their spatial shape or None, map) of a padded transposed convolution (spconv's
+    SparseConvTranspose): every `in·stride - padding + dilation·tap`, kept inside the output's spatial shape
+    when `spatial_shape` (the input's) is given. See `padding` for the rules."""
+    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
+    padding = as_padding(padding, len(kernel_size))
+    out_shape = None if spatial_shape is None else transposed_output_shape(spatial_shape, kernel_size, stride,
+                                                                           dilation, padding)
+    out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape, transposed=True)
+    index = index or build_index(in_coords)
+    _check_query_memory(kernel_size, out_coords)
+    ones = (1,) * len(stride)
+    starts = anchors(out_coords, ones, -anchor_shift(kernel_size, dilation, padding))
+    table, mask = index.pair_table(starts, Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1))
+    kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True,
+                           offset_mask=mask, padding=padding)
+    return out_coords, out_shape, kernel_map
+
+
 def _memoised(by_arguments: dict, arguments: tuple) -> MapResult | None:
     """The result `KernelMapCache.kernel_map` memoised for `arguments`, else None.
 
     A layer asks with the same arguments every call: one look-up, no normalising. An equal float or bool
     (3.0 == 3, True == 1) finds an int's entry too and must meet the checks that reject it, so the sizes
     must be the very objects that passed them or of the same types throughout (the layers sharing a map
-    each hold their own equal tuples).
+    each hold their own equal tuples). A padded convolution's result whose output cache is gone is no
+    result: its next call builds it again.
     """
     try:
         checked, result = by_arguments[arguments]
     except (KeyError, TypeError):  # TypeError: unhashable arguments (lists), never memoised
         return None
-    # Kernel size, stride and dilation; the tensor stride is the library's own, the flags are no sizes.
-    for given, accepted in zip(arguments[1:4], checked[1:4]):
+    # Kernel size, stride, dilation and padding; the tensor stride is the library's own, the flags are no sizes.
+    for index in _SIZE_ARGUMENTS:
+        given, accepted = arguments[index], checked[index]
         if given is not accepted and not _same_types(given, accepted):
             return None
-    return result
+    return _held(result)
+
+
+_SIZE_ARGUMENTS = (1, 2, 3, 6)  # of `KernelMapCache.kernel_map`'s arguments after `self`
 
 
 def _same_types(given, accepted) -> bool:
@@ -656,6 +428,22 @@ def _same_types(given, accepted) -> bool:
     if type(given) is not type(accepted):
         return False
     return type(given) is not tuple or all(type(a) is type(b) for a, b in zip(given, accepted))
+
+
+class _OutputCacheRef(weakref.ref):
+    """A cache's weak reference to the output cache of one of its padded convolutions, which holds it in
+    turn (`Origin`) and is kept by the output's tensors."""
+
+    __slots__ = ()
+
+
+def _held(result: MapResult) -> MapResult | None:
+    """`result` as a caller gets it: a padded convolution's with its output cache held (None when that cache is
+    gone), any other as it is."""
+    if type(result.output_cache) is not _OutputCacheRef:
+        return result
+    cache = result.output_cache()
+    return None if cache is None else dataclasses.replace(result, output_cache=cache)
 
 
 @dataclass(frozen=True)
@@ -682,21 +470,39 @@ class MapResult:
         return cache
 
 
+@dataclass(frozen=True)
+class Origin:
+    """How a padded convolution made the coordinates of a cache: its geometry (kernel size, stride, dilation,
+    padding), its map, and its input, the coordinates at `tensor_stride` of `cache`. Its inverse returns there."""
+
+    geometry: tuple[tuple[int, ...], ...]
+    kernel_map: KernelMap
+    cache: KernelMapCache
+    tensor_stride: tuple[int, ...]
+
+
 class KernelMapCache:
     """Coordinates per tensor stride, their indices, and the maps built between them.
 
     Shared by every tensor derived from one input through submanifold, strided and transposed
     convolutions, so a U-Net builds each map once and its decoder reuses the encoder's maps
-    (a transposed convolution inverts the matching strided map). Generative convolutions create
-    new coordinates and so start a cache of their own.
+    (a transposed convolution inverts the matching strided map). Generative and padded convolutions
+    create new coordinates and so start a cache of their own; a padded convolution's output cache
+    keeps its `origin`, where its inverse returns to (the input's cache, held: the input's cache holds its
+    output cache only weakly).
 
+    `spatial_shape` is that of the input coordinates (spconv's: each coordinate in [0, shape)), or None; the
+    levels downsampled from them get ceil(shape / step), padded convolutions spconv's output shapes.
     `derive_in` (a context-manager factory, settable) is what its maps derive their formats in later:
     a framework adapter sets its stream and allocator, which the maps are built in too.
     """
 
-    def __init__(self, coordinates, tensor_stride: tuple[int, ...], derive_in=contextlib.nullcontext):
+    def __init__(self, coordinates, tensor_stride: tuple[int, ...], derive_in=contextlib.nullcontext, *,
+                 spatial_shape: tuple[int, ...] | None = None, origin: Origin | None = None):
         self.derive_in = derive_in
         self._input_stride = tuple(tensor_stride)
+        self._spatial_shape = None if spatial_shape is None else tuple(spatial_shape)
+        self.origin = origin
         self._coordinates = {self._input_stride: coordinates}
         self._indices = {}
         self._maps: dict[tuple, MapResult] = {}
@@ -713,6 +519,13 @@ class KernelMapCache:
                 "a transposed convolution returns to the coordinates of a tensor this one was downsampled "
                 "from; use generative=True to create new coordinates instead"
             ) from None
+
+    def spatial_shape(self, tensor_stride: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The spatial shape of the coordinates at `tensor_stride` (see the class), or None."""
+        if self._spatial_shape is None:
+            return None
+        return tuple(-(-size * base // step) for size, base, step in zip(self._spatial_shape, self._input_stride,
+                                                                          tensor_stride))
 
     def downsample_to(self, tensor_strides) -> None:
         """Compute now the coordinates at each of `tensor_strides` (multiples of the input's stride),
@@ -746,34 +559,56 @@ class KernelMapCache:
     def __len__(self) -> int:
         return len(self._maps)
 
-    def kernel_map(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
-        """The `MapResult` of a convolution applied to the coordinates at `tensor_stride`, cached."""
-        arguments = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
+    def kernel_map(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False,
+                   padding=None):
+        """The `MapResult` of a convolution applied to the coordinates at `tensor_stride`, cached; `padding`
+        (None: none, the unpadded rules) makes it a padded one (`padding`)."""
+        arguments = (tensor_stride, kernel_size, stride, dilation, transposed, generative, padding)
         result = _memoised(self._by_arguments, arguments)
         if result is None:
-            result = self._normalised_kernel_map(*arguments)
+            result, kept = self._normalised_kernel_map(*arguments)
             with contextlib.suppress(TypeError):  # unhashable arguments (lists): never memoised
-                self._by_arguments[arguments] = (arguments, result)
+                self._by_arguments[arguments] = (arguments, kept)
         return result
 
-    def lookup(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False):
+    def lookup(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False,
+               padding=None):
         """The `MapResult` of an earlier `kernel_map` call with these same arguments, else None."""
-        return _memoised(self._by_arguments, (tensor_stride, kernel_size, stride, dilation, transposed, generative))
+        return _memoised(self._by_arguments,
+                         (tensor_stride, kernel_size, stride, dilation, transposed, generative, padding))
 
-    def _normalised_kernel_map(self, tensor_stride, kernel_size, stride, dilation, transposed, generative):
+    def _normalised_kernel_map(self, tensor_stride, kernel_size, stride, dilation, transposed, generative, padding):
+        """(the result, as `_maps` keeps it): a padded convolution's keeps its output cache weakly."""
         coords = self.coordinates(tensor_stride)
         tensor_stride = tuple(tensor_stride)
         kernel_size, stride, dilation = _geometry(coords, kernel_size, stride, dilation)
+        if padding is not None:
+            padding = as_padding(padding, len(kernel_size))
+            if not generative and max(kernel_size + stride) == 1 and not any(padding):
+                # spconv's 1x1 convolution: a matrix product on its input's coordinates, the submanifold one's.
+                padding = None
         if generative and not transposed:
             raise ValueError("generative=True needs transposed=True")
-        key = (tensor_stride, kernel_size, stride, dilation, transposed, generative)
-        if key not in self._maps:
-            sizes = MapSizes(int(coords.shape[0]), *key)
+        key = (tensor_stride, kernel_size, stride, dilation, transposed, generative, padding)
+        kept = self._maps.get(key)
+        result = None if kept is None else _held(kept)
+        if result is not None:
+            return result, kept
+        if kept is not None:  # a padded convolution whose output's tensors are all gone: its map is still good
+            result = self._padded_output(kept.kernel_map, kept.out_coordinates, tensor_stride, key[1:4] + (padding,))
+        else:
+            sizes = MapSizes(int(coords.shape[0]), *key[:6])
             with naming_map_sizes(sizes):
-                result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+                if padding is None:
+                    result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)
+                else:
+                    result = self._build_padded(coords, *key)
             result.kernel_map.derive_in = self.derive_in
-            self._maps[key] = result
-        return self._maps[key]
+        kept = result
+        if not transposed and padding is not None:  # the output cache holds this one (`Origin`): weakly
+            kept = dataclasses.replace(result, output_cache=_OutputCacheRef(result.output_cache))
+        self._maps[key] = kept
+        return result, kept
 
     def _build(self, coords, tensor_stride, kernel_size, stride, dilation, transposed, generative) -> MapResult:
         index = self._index(tensor_stride)
@@ -786,12 +621,56 @@ class KernelMapCache:
                 self._coordinates[out_stride] = downsample_coordinates(coords, stride)
             out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index, self._coordinates[out_stride])
             return MapResult(forward, out_coords, out_stride, weakref.ref(self))
-        if any(t % s for t, s in zip(tensor_stride, stride)):
-            raise ValueError(f"a transposed convolution with stride {stride} needs a tensor stride divisible by it, "
-                             f"got {tensor_stride}")
-        fine_stride = tuple(t // s for t, s in zip(tensor_stride, stride))
+        fine_stride = _fine_stride(tensor_stride, stride)
         if generative:
             out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)
             return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride, self.derive_in))
         forward = self.kernel_map(fine_stride, kernel_size, stride, dilation).kernel_map
         return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, weakref.ref(self))
+
+    def _build_padded(self, coords, tensor_stride, kernel_size, stride, dilation, transposed, generative,
+                      padding) -> MapResult:
+        geometry = (kernel_size, stride, dilation, padding)
+        if not transposed:
+            out_coords, _, forward = padded_map(coords, *geometry, self.spatial_shape(tensor_stride),
+                                                self._index(tensor_stride))
+            return self._padded_output(forward, out_coords, tensor_stride, geometry)
+        if generative:
+            # spconv's geometry counts voxels at each level: a stride that does not divide the tensor stride
+            # (an upsampling below the input's voxels) leaves the quotient rounded down, at least 1.
+            fine_stride = tuple(max(t // s, 1) for t, s in zip(tensor_stride, stride))
+            out_coords, out_shape, backward = padded_generative_map(
+                coords, *geometry, self.spatial_shape(tensor_stride), self._index(tensor_stride))
+            return MapResult(backward, out_coords, fine_stride,
+                             KernelMapCache(out_coords, fine_stride, self.derive_in, spatial_shape=out_shape))
+        origin = self.origin
+        if origin is None or tensor_stride != self._input_stride or origin.geometry != geometry:
+            made_by = "no padded convolution" if origin is None else (
+                "a padded convolution of kernel size {}, stride {}, dilation {}, padding {}".format(*origin.geometry)
+            )
+            raise ValueError(
+                f"a padded transposed convolution (kernel size {kernel_size}, stride {stride}, dilation {dilation}, "
+                f"padding {padding}) inverts the padded convolution that made its input's coordinates, with that "
+                f"same geometry; these coordinates (tensor stride {tensor_stride}) were made by {made_by}"
+            )
+        return MapResult(transposed_map(origin.kernel_map), origin.cache.coordinates(origin.tensor_stride),
+                         origin.tensor_stride, origin.cache)
+
+    def _padded_output(self, forward: KernelMap, out_coords, tensor_stride, geometry) -> MapResult:
+        """The result of the padded convolution `forward` of the coordinates at `tensor_stride`: its output
+        coordinates in a cache of their own, with their spatial shape and this `Origin`."""
+        kernel_size, stride, dilation, padding = geometry
+        in_shape = self.spatial_shape(tensor_stride)
+        out_shape = None if in_shape is None else conv_output_shape(in_shape, kernel_size, stride, dilation, padding)
+        out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
+        origin = Origin(geometry, forward, self, tensor_stride)
+        return MapResult(forward, out_coords, out_stride,
+                         KernelMapCache(out_coords, out_stride, self.derive_in, spatial_shape=out_shape, origin=origin))
+
+
+def _fine_stride(tensor_stride: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor stride a transposed convolution of `stride` returns to from `tensor_stride`."""
+    if any(t % s for t, s in zip(tensor_stride, stride)):
+        raise ValueError(f"a transposed convolution with stride {stride} needs a tensor stride divisible by it, "
+                         f"got {tensor_stride}")
+    return tuple(t // s for t, s in zip(tensor_stride, stride))

@@ -3,7 +3,8 @@
 Coordinates are int32 `[N, 1 + D]` (column 0 the batch index, then D = 2..4 spatial coordinates in
 units of the tensor's own stride); features are floating `[N, C]`. Both arrays are NumPy (CPU) or
 both CuPy (GPU). The kernel-map cache travels with the coordinates, so tensors that share
-coordinates (e.g. the output of `replace_features`) share the maps built for them.
+coordinates (e.g. the output of `replace_features`) share the maps built for them. An optional
+spatial shape (spconv's: every coordinate in [0, shape)) bounds the outputs of padded convolutions.
 
 `SparseTensor.from_points` voxelises float points, optionally returning each point's voxel row
 (`point_to_voxel`), and `point_features` gathers voxel features back to the points; `voxelise` is the
@@ -74,25 +75,48 @@ def _check_coordinates(coordinates, validate: bool) -> None:
         check_coordinate_layout(coordinates, "coordinates")  # the value checks would synchronise the GPU
 
 
+def _check_spatial_shape(coordinates, spatial_shape, validate: bool) -> tuple[int, ...]:
+    """`spatial_shape` as D positive ints; with `validate`, every coordinate inside [0, shape) (on the GPU
+    this synchronises)."""
+    shape = as_tuple(spatial_shape, coordinates.shape[1] - 1, "spatial_shape")
+    if validate and coordinates.shape[0]:
+        lows = to_numpy(coordinates[:, 1:].min(axis=0))
+        highs = to_numpy(coordinates[:, 1:].max(axis=0))
+        for axis, (low, high, size) in enumerate(zip(lows, highs, shape)):
+            if low < 0 or high >= size:
+                raise ValueError(f"coordinates: axis {axis} spans [{int(low)}, {int(high)}], outside the spatial "
+                                 f"shape {shape} (each coordinate in [0, size))")
+    return shape
+
+
 class SparseTensor:
     """Sparse voxels: int32 coordinates `[N, 1 + D]`, floating features `[N, C]`, a tensor stride.
 
     `validate=False` skips the value checks of the coordinates (range, batch gaps, duplicates),
     which synchronise the GPU; use it only for coordinates the library produced itself. Dtype and
     shape checks always run. `map_cache` (a `KernelMapCache`) is shared by the tensors derived
-    from one another, so each kernel map is built once.
+    from one another, so each kernel map is built once. `spatial_shape` (D positive ints, spconv's
+    `spatial_shape`: each coordinate in [0, shape)) starts a new cache with it; the tensors derived
+    from this one get theirs from the cache (`KernelMapCache.spatial_shape`).
     """
 
-    def __init__(self, coordinates, features, tensor_stride=1, *, validate=True, map_cache=None):
+    def __init__(self, coordinates, features, tensor_stride=1, *, validate=True, map_cache=None,
+                 spatial_shape=None):
         _require_array(coordinates, "coordinates")
         _require_array(features, "features")
         _require_same_backend(("coordinates", coordinates), ("features", features))
         _check_coordinates(coordinates, validate)
         _check_features(features, coordinates.shape[0], "coordinates")
+        if spatial_shape is not None:
+            if map_cache is not None:
+                raise ValueError("pass spatial_shape or map_cache, not both: a map cache has its spatial shape")
+            spatial_shape = _check_spatial_shape(coordinates, spatial_shape, validate)
         self._coordinates = coordinates
         self._features = features
         self._tensor_stride = as_tuple(tensor_stride, coordinates.shape[1] - 1, "tensor_stride")
-        self._map_cache = KernelMapCache(coordinates, self._tensor_stride) if map_cache is None else map_cache
+        if map_cache is None:
+            map_cache = KernelMapCache(coordinates, self._tensor_stride, spatial_shape=spatial_shape)
+        self._map_cache = map_cache
         self._batch_size = None
 
     @property
@@ -141,13 +165,21 @@ class SparseTensor:
     def map_cache(self):
         return self._map_cache
 
-    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False) -> MapResult:
+    @property
+    def spatial_shape(self) -> tuple[int, ...] | None:
+        """Every coordinate lies in [0, spatial_shape) (spconv's `spatial_shape`); None when not known."""
+        return self._map_cache.spatial_shape(self._tensor_stride)
+
+    def kernel_map(self, kernel_size, stride=1, dilation=1, transposed=False, generative=False,
+                   padding=None) -> MapResult:
         """The kernel map of a convolution applied to this tensor, built once and cached.
 
-        See `cupysparse.geometry.kernel_map` for the semantics of each kind. The result also carries the
-        output coordinates and tensor stride, and the map cache the output tensor should share.
+        See `cupysparse.geometry.kernel_map` for the semantics of each kind, and `padding` for spconv's
+        (`padding` not None). The result also carries the output coordinates and tensor stride, and the map
+        cache the output tensor should share.
         """
-        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative)
+        return self._map_cache.kernel_map(self._tensor_stride, kernel_size, stride, dilation, transposed, generative,
+                                          padding)
 
     def __repr__(self) -> str:
         return (
@@ -156,9 +188,10 @@ class SparseTensor:
             f"dtype={self.dtype}, device={self.device!r})"
         )
 
-    def _with_arrays(self, coordinates, features, map_cache) -> SparseTensor:
+    def _with_arrays(self, coordinates, features, map_cache, spatial_shape=None) -> SparseTensor:
         """A tensor over already-validated coordinates; the batch size carries over unchanged."""
-        tensor = SparseTensor(coordinates, features, self._tensor_stride, validate=False, map_cache=map_cache)
+        tensor = SparseTensor(coordinates, features, self._tensor_stride, validate=False, map_cache=map_cache,
+                              spatial_shape=spatial_shape)
         tensor._batch_size = self._batch_size
         return tensor
 
@@ -173,7 +206,7 @@ class SparseTensor:
         coordinates = to_device(self._coordinates, device)
         features = to_device(self._features, device)
         # Kernel maps hold arrays of the old device, so the moved tensor starts a fresh cache.
-        return self._with_arrays(coordinates, features, None)
+        return self._with_arrays(coordinates, features, None, self.spatial_shape)
 
     def to_dense(self, origin=None, shape=None):
         """Scatter into a dense `[B, C, *shape]` array; return `(dense, origin)`.

@@ -24,9 +24,13 @@ sides; the fine voxel at coordinate f is torch's output index `f + pad` with `pa
 
 spconv 2.x SubMConv / SparseConv / SparseInverseConv, weight `[C_out, *k, C_in]` (KRSC), with
 kernel axes in the order of its index columns, which must be cupysparse's coordinate columns:
-`W_k = w[:, d(k), :]^T`. Its geometry is ours when its padding is `dilation·((n - 1) // 2)` (so
-size 2, stride 2 with padding 0: `in[2q + d]`; size 3, stride 2 with padding 1), and its inverse
-convolution, like ours, reuses the pairs of the forward one.
+`W_k = w[:, d(k), :]^T`: kernel index d pairs `in[q·stride - padding + dilation·d]` with output q, and
+its inverse convolution, like ours, reuses the pairs of the forward one. Its submanifold convolution is
+ours (whatever its padding, which it ignores). Its strided ("regular") convolution outputs every voxel a
+kernel index reaches, inside its output spatial shape, not `unique(floor(in / stride))`: our convolutions
+built with spconv's `padding` compute it (`cupysparse.geometry.padding`; `adapters.torch.from_spconv`
+converts a model), our unpadded ones only where both rules give the same voxels (size = stride, padding 0,
+no voxel cut off by the spatial shape).
 
 Dilation does not change any layout. Inputs are NumPy or CuPy arrays, or anything `np.asarray`
 takes (a CPU torch tensor: pass `tensor.detach()`; CUDA tensors go through the PyTorch adapter,

@@ -1,0 +1,314 @@
+"""The formats derived from a kernel map's pair table: per-offset CSR pair lists (and the split-K wgrad
+blocks' shares of them), the per-row offset bitmask, the mask-sorted row order, and the table seen
+from the input side.
+
+Each works on a NumPy (CPU reference) or CuPy (GPU) table; on the GPU they are the kernels of
+`raw_kernels/kernel_map_formats.cu`, which synchronise only where a size must reach the host (the
+pair count of the CSR lists). `kernel_map.KernelMap` derives them on demand and keeps them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cupysparse.cuda.backend import is_cupy_array
+from cupysparse.cuda.compile import KernelSource, launch_config
+
+# The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
+# threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
+_RADIX_BITS = 8
+_RADIX = 1 << _RADIX_BITS
+_RADIX_CHUNKS = 8
+# Where a radix pass reads its keys (ROWS_IN_ORDER, CARRIED_KEYS, GATHERED_KEYS in the kernels).
+_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
+# The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
+_PAIR_BLOCK, _PAIR_ITEMS = 256, 16
+_SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
+
+
+def _radix_count(source: int) -> str:
+    return f"radix_count<{source}, {_RADIX_CHUNKS}>"
+
+
+def _radix_scatter(source: int, write_keys: bool) -> str:
+    return f"radix_scatter<{source}, {'true' if write_keys else 'false'}, {_RADIX_CHUNKS}>"
+
+
+_SCAN_32 = f"scan_counts_by_row<unsigned int, {_SCAN_BLOCK}>"
+_SCAN_64 = f"scan_counts_by_row<unsigned long long, {_SCAN_BLOCK}>"
+_COUNT_PAIRS = f"count_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
+_FILL_PAIRS = f"fill_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
+_FORMAT_KERNELS = KernelSource(
+    "kernel_map_formats.cu",
+    (
+        "offset_mask",
+        "invert_pairs",
+        _SCAN_32,
+        _SCAN_64,
+        _COUNT_PAIRS,
+        _FILL_PAIRS,
+        *(_radix_count(source) for source in (_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS)),
+        _radix_scatter(_ROWS_IN_ORDER, False),
+        _radix_scatter(_ROWS_IN_ORDER, True),
+        _radix_scatter(_CARRIED_KEYS, False),
+        _radix_scatter(_CARRIED_KEYS, True),
+        _radix_scatter(_GATHERED_KEYS, False),
+        "wgrad_share_table",
+    ),
+)
+_SHARE_TABLE_BLOCK = 256  # threads of a block of `wgrad_share_table`
+
+
+@dataclass(frozen=True)
+class CsrPairs:
+    """Pairs grouped by offset: pairs `offsets[k]:offsets[k+1]` belong to offset k, by output row."""
+
+    in_idx: object
+    out_idx: object
+    offsets: object
+
+
+@dataclass(frozen=True)
+class WgradShares:
+    """How the split-K wgrad kernels cut the per-offset pair lists among `kernel_volume x rounds` blocks
+    (`wgrad_shares`): `table` `[blocks, 4]` int32 holds block z's (offset, share, the offset's shares,
+    workspace slot), offset -1 for a block without a share; offset k's partials are the workspace slots
+    `slot_starts[k]:slot_starts[k + 1]`."""
+
+    table: object
+    slot_starts: object
+
+
+@dataclass(frozen=True)
+class PairCounts:
+    """The counts behind a GPU pair table's CSR lists: per-offset `offsets` `[K + 1]` and the position
+    of each chunk's first pair on the device, and the pair count on its way to pinned host memory
+    (`total`, valid once the event `copied` has completed)."""
+
+    offsets: object
+    chunk_starts: object
+    num_chunks: int
+    total: np.ndarray
+    copied: object
+
+
+def count_pairs(pair_table) -> PairCounts:
+    """Count a GPU pair table's pairs per offset and chunk of rows, and start copying the total to the
+    host, without waiting for either."""
+    import cupy
+    import cupyx
+
+    kernel_volume, num_out = pair_table.shape
+    num_chunks = -(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS))
+    num_blocks = kernel_volume * num_chunks  # block k * num_chunks + c: chunk c of offset k
+    # One allocation: the chunk counts (which the scan turns into the chunks' first pairs), the
+    # offsets' totals and the CSR offsets, written by the scan (as unsigned: never negative).
+    scratch = cupy.empty(num_blocks + 2 * kernel_volume + 1, dtype=np.uint64)
+    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks : num_blocks + kernel_volume]
+    offsets = scratch[num_blocks + kernel_volume :].view(np.int64)
+    total = cupyx.empty_pinned(1, dtype=np.int64)
+    stream = cupy.cuda.get_current_stream()
+    if num_blocks:
+        cupy.cuda.runtime.memsetAsync(offset_totals.data.ptr, 0, offset_totals.nbytes, stream.ptr)
+        _FORMAT_KERNELS.prepared(_COUNT_PAIRS, _PAIR_BLOCK, 5).launch(
+            stream.ptr, pair_table.data.ptr, num_out, num_chunks, chunk_counts.data.ptr, offset_totals.data.ptr,
+            grid=(num_blocks, 1, 1),
+        )
+        # Each block's count becomes the position of its first pair.
+        _FORMAT_KERNELS.prepared(_SCAN_64, _SCAN_BLOCK, 5).launch(
+            stream.ptr, chunk_counts.data.ptr, num_chunks, offset_totals.data.ptr, kernel_volume, offsets.data.ptr,
+            grid=(kernel_volume, 1, 1),
+        )
+        cupy.cuda.runtime.memcpyAsync(total.ctypes.data, offsets.data.ptr + 8 * kernel_volume, 8,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    else:
+        offsets.fill(0)
+        total[0] = 0
+    copied = cupy.cuda.Event(block=False, disable_timing=True)
+    copied.record(stream)
+    return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
+
+
+def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
+    """The per-offset pair lists of a pair table; see `KernelMap.csr`.
+
+    On the GPU: per-chunk pair counts and their scan (`count_pairs`, or `counts` made earlier by it),
+    then a fill kernel; the host waits for the pair count, which sizes the lists, and for nothing else.
+    """
+    kernel_volume, num_out = pair_table.shape
+    if not is_cupy_array(pair_table):
+        valid = pair_table >= 0
+        flat = np.flatnonzero(valid.ravel())  # k-major, then output row ascending
+        offsets = np.zeros(kernel_volume + 1, dtype=np.int64)
+        np.cumsum(valid.sum(axis=1, dtype=np.int64), out=offsets[1:])
+        return CsrPairs(
+            in_idx=pair_table.ravel()[flat],
+            out_idx=(flat % max(num_out, 1)).astype(np.int32),
+            offsets=offsets,
+        )
+    import cupy
+
+    counts = counts or count_pairs(pair_table)
+    counts.copied.synchronize()
+    num_pairs = int(counts.total[0])
+    lists = cupy.empty((2, num_pairs), dtype=np.int32)  # one allocation for both
+    in_idx, out_idx = lists
+    if num_pairs:
+        _FORMAT_KERNELS.prepared(_FILL_PAIRS, _PAIR_BLOCK, 6).launch(
+            cupy.cuda.get_current_stream().ptr, pair_table.data.ptr, num_out, counts.num_chunks,
+            counts.chunk_starts.data.ptr, in_idx.data.ptr, out_idx.data.ptr,
+            grid=(kernel_volume * counts.num_chunks, 1, 1),
+        )
+    return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
+
+
+def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
+    """The shares of the per-offset pair lists (CSR offsets `pair_offsets` `[K + 1]`) among the
+    `K x rounds` blocks of a split-K wgrad launch. Offset k gets `1 + P_k (K rounds - K) // P` shares (P_k
+    its pairs, P all of them; none without pairs), so that every share holds about as many pairs whatever
+    its offset; the last blocks may get none. Offset-major, block z is workspace slot z; round-major, round
+    t holds the shares s of every offset with `s rounds // shares_k = t` (the same stretch of each pair
+    list, which runs by output row), offsets in order within it. As `wgrad_share_table` in
+    raw_kernels/kernel_map_formats.cu computes on the GPU."""
+    kernel_volume = len(pair_offsets) - 1
+    slots = kernel_volume * rounds
+    if is_cupy_array(pair_offsets):
+        import cupy
+
+        table = cupy.empty((slots, 4), dtype=np.int32)
+        slot_starts = cupy.empty(kernel_volume + 1, dtype=np.int32)
+        threads = max(slots, kernel_volume + 1)
+        _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6).launch(
+            cupy.cuda.get_current_stream().ptr, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major),
+            table.data.ptr, slot_starts.data.ptr, grid=(-(-threads // _SHARE_TABLE_BLOCK), 1, 1))
+        return WgradShares(table, slot_starts)
+    pairs = np.diff(np.asarray(pair_offsets, dtype=np.int64))
+    shares = np.where(pairs > 0, 1 + pairs * (slots - kernel_volume) // max(int(pairs.sum()), 1), 0)
+    slot_starts = np.zeros(kernel_volume + 1, dtype=np.int32)
+    np.cumsum(shares, out=slot_starts[1:])
+    used = int(slot_starts[-1])
+    offset = np.repeat(np.arange(kernel_volume), shares)
+    share = np.arange(used) - slot_starts[offset]
+    entries = np.stack([offset, share, shares[offset], np.arange(used)], axis=1)
+    if round_major:
+        entries = entries[np.lexsort((share, offset, share * rounds // shares[offset]))]
+    table = np.zeros((slots, 4), dtype=np.int32)
+    table[:, 0] = -1
+    table[:used] = entries
+    return WgradShares(table, slot_starts)
+
+
+def offset_mask(pair_table):
+    """The offset bitmask of a pair table; see `KernelMap.offset_mask`."""
+    kernel_volume, num_out = pair_table.shape
+    num_words = -(-kernel_volume // 32)
+    if not is_cupy_array(pair_table):
+        present = np.zeros((num_words * 32, num_out), dtype=np.uint8)
+        present[:kernel_volume] = pair_table >= 0
+        packed = np.packbits(present.T.reshape(num_out, num_words, 32), axis=2, bitorder="little")
+        return np.ascontiguousarray(packed).view("<u4").reshape(num_out, num_words).astype(np.uint32)
+    import cupy
+
+    mask = cupy.empty((num_out, num_words), dtype=np.uint32)
+    if num_out:
+        grid, block = launch_config(num_out)
+        _FORMAT_KERNELS.get("offset_mask")(grid, block, (pair_table, np.int32(num_out), np.int32(kernel_volume), mask))
+    return mask
+
+
+def mask_sorted_order(mask, kernel_volume: int | None = None):
+    """Rows ordered by their offset bitmask (as a little-endian big integer), stable.
+
+    `kernel_volume` (K), when given, says that bits K and above are zero. The GPU sorts with a
+    stable LSD radix sort over the 8-bit digits below bit K (one pass for K <= 8, four for K = 27),
+    three kernels a pass and no synchronisation.
+    """
+    if not is_cupy_array(mask):
+        if mask.shape[1] == 1:
+            return np.argsort(mask[:, 0], kind="stable").astype(np.int32)
+        # The last key is the primary one: the highest word is the most significant.
+        return np.lexsort(mask.T).astype(np.int32)
+    import cupy
+
+    mask = cupy.ascontiguousarray(mask)
+    num_rows, num_words = mask.shape
+    key_bits = 32 * num_words if kernel_volume is None else min(kernel_volume, 32 * num_words)
+    num_passes = -(-key_bits // _RADIX_BITS)
+    if num_rows == 0 or num_passes == 0:  # no rows, or every mask empty: the rows stay in order
+        return cupy.arange(num_rows, dtype=np.int32)
+    num_tiles = -(-num_rows // (_RADIX_CHUNKS * _RADIX))
+    # Single-word keys move with their rows from pass to pass; a longer mask is read again by row.
+    carry_keys = num_words == 1 and num_passes > 1
+    num_key_buffers = min(num_passes - 1, 2) if carry_keys else 0
+    # One scratch allocation: the digit totals of every pass (zeroed once), the tile counts (reused
+    # by every pass), the digit starts (a by-product of the scan), rows and keys between passes.
+    # The launches are prepared and take device addresses: a sort is a dozen small kernels, each
+    # shorter than a CuPy launch's argument conversions.
+    sizes = (num_passes * _RADIX, _RADIX * num_tiles, _RADIX + 1, num_rows if num_passes > 1 else 0,
+             num_key_buffers * num_rows)
+    scratch = cupy.empty(sum(sizes), dtype=np.uint32)
+    digit_totals, tile_counts, digit_starts, rows_between, keys_between = (
+        scratch.data.ptr + 4 * start for start in itertools.accumulate(sizes[:-1], initial=0)
+    )
+    key_buffers = (keys_between, keys_between + 4 * num_rows)
+    order = cupy.empty(num_rows, dtype=np.int32)
+    stream = cupy.cuda.get_current_stream().ptr
+    cupy.cuda.runtime.memsetAsync(digit_totals, 0, 4 * sizes[0], stream)
+    grid = (num_tiles, 1, 1)
+    # Placeholders: the first pass takes the rows in order, keys from the mask.
+    rows_in, keys_in = order.data.ptr, mask.data.ptr
+    for step in range(num_passes):
+        word, shift = divmod(step * _RADIX_BITS, 32)
+        source = _ROWS_IN_ORDER if step == 0 else _CARRIED_KEYS if carry_keys else _GATHERED_KEYS
+        write_keys = carry_keys and step < num_passes - 1
+        # The last pass writes `order`.
+        rows_out = order.data.ptr if (num_passes - 1 - step) % 2 == 0 else rows_between
+        keys_out = key_buffers[step % 2] if write_keys else mask.data.ptr  # mask: a placeholder, not written
+        totals = digit_totals + 4 * step * _RADIX
+        reads = (mask.data.ptr, num_words, keys_in, rows_in, num_rows, word, shift)
+        _FORMAT_KERNELS.prepared(_radix_count(source), _RADIX, 10).launch(
+            stream, *reads, num_tiles, tile_counts, totals, grid=grid
+        )
+        # Tile counts become where each tile's rows of each digit go.
+        _FORMAT_KERNELS.prepared(_SCAN_32, _SCAN_BLOCK, 5).launch(
+            stream, tile_counts, num_tiles, totals, _RADIX, digit_starts, grid=(_RADIX, 1, 1)
+        )
+        _FORMAT_KERNELS.prepared(_radix_scatter(source, write_keys), _RADIX, 11).launch(
+            stream, *reads, tile_counts, num_tiles, keys_out, rows_out, grid=grid
+        )
+        rows_in, keys_in = rows_out, keys_out
+    return order
+
+
+def invert_pair_table(pair_table, num_in: int):
+    """The pair table seen from the input side: `[K, num_in]`, the output row each input feeds
+    through offset k, or -1.
+
+    Well defined because, for every kind of map, an input row and an offset determine at most one
+    output row. On the CPU, invalid entries all write -1 into one spare slot past the end, so no
+    compaction is needed; on the GPU one kernel scatters the pairs into a table filled with -1.
+    """
+    kernel_volume, num_out = pair_table.shape
+    if not is_cupy_array(pair_table):
+        valid = pair_table >= 0
+        spare = kernel_volume * num_in
+        target = np.where(valid, np.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
+        out_rows = np.broadcast_to(np.arange(num_out, dtype=np.int32), pair_table.shape)
+        inverse = np.full(spare + 1, -1, dtype=np.int32)
+        inverse[target.ravel()] = np.where(valid, out_rows, -1).ravel()
+        return inverse[:spare].reshape(kernel_volume, num_in)
+    import cupy
+
+    table = cupy.ascontiguousarray(pair_table)
+    inverse = cupy.empty((kernel_volume, num_in), dtype=np.int32)
+    # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
+    cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
+    if kernel_volume and num_out and num_in:
+        grid, block = launch_config(num_out)
+        _FORMAT_KERNELS.get("invert_pairs")(
+            grid, block, (table, np.int32(num_out), np.int32(kernel_volume), np.int32(num_in), inverse)
+        )
+    return inverse
