@@ -82,15 +82,19 @@ class MapSizes:
     dilation: tuple[int, ...]
     transposed: bool
     generative: bool
+    padding: tuple[int, ...] | None = None  # spconv's geometry (`geometry.padding`); None: unpadded
 
     def describe(self) -> str:
         offsets = int(np.prod(self.kernel_size))
         kind = ("generative transposed" if self.generative else "transposed" if self.transposed
+                else "padded" if self.padding is not None
                 else "strided" if any(s > 1 for s in self.stride) else "submanifold")
+        padding = "" if self.padding is None else f", padding {self.padding}"
         return (
             f"cupysparse ran out of memory building the kernel map of a {kind} convolution: "
             f"{self.num_coordinates:,} coordinates at tensor stride {self.tensor_stride}, kernel {self.kernel_size} "
-            f"({offsets} offsets), stride {self.stride}, dilation {self.dilation}; its pair table takes 4 bytes per "
+            f"({offsets} offsets), stride {self.stride}, dilation {self.dilation}{padding}; its pair table takes 4 "
+            f"bytes per "
             f"output row and offset ({_bytes(4 * offsets * self.num_coordinates)} for "
             f"{self.num_coordinates:,} output rows)"
         )

@@ -538,10 +538,8 @@ class KernelMapCache:
         """
         wanted = []
         for tensor_stride in tensor_strides:
-            tensor_stride = tuple(int(s) for s in tensor_stride)
-            if len(tensor_stride) != len(self._input_stride) or any(
-                s < 1 or s % b for s, b in zip(tensor_stride, self._input_stride)
-            ):
+            tensor_stride = as_tuple(tensor_stride, len(self._input_stride), "tensor_stride")
+            if any(s % b for s, b in zip(tensor_stride, self._input_stride)):
                 raise ValueError(f"cannot downsample coordinates at tensor stride {self._input_stride} to "
                                  f"{tensor_stride}: each axis needs a positive multiple of the input's")
             if tensor_stride not in self._coordinates and tensor_stride not in wanted:
@@ -597,7 +595,7 @@ class KernelMapCache:
         if kept is not None:  # a padded convolution whose output's tensors are all gone: its map is still good
             result = self._padded_output(kept.kernel_map, kept.out_coordinates, tensor_stride, key[1:4] + (padding,))
         else:
-            sizes = MapSizes(int(coords.shape[0]), *key[:6])
+            sizes = MapSizes(int(coords.shape[0]), *key)
             with naming_map_sizes(sizes):
                 if padding is None:
                     result = self._build(coords, tensor_stride, kernel_size, stride, dilation, transposed, generative)

@@ -19,6 +19,7 @@ from cupysparse.cuda.backend import all_true, array_module, is_cupy_array, to_de
 from cupysparse.geometry.coords import (
     MAX_SPATIAL_DIMS,
     as_tuple,
+    is_integer,
     check_coordinate_layout,
     key_layout,
     pack_keys,
@@ -390,8 +391,9 @@ def _voxel_sizes(voxel_size, dims: int) -> np.ndarray:
 
 
 def _int_tuple(value, dims: int, name: str) -> tuple[int, ...]:
+    """`dims` ints of any sign (`as_tuple` takes sizes, which are positive); a bool is no int here either."""
     values = tuple(value) if np.ndim(value) == 1 else ()
-    if len(values) != dims or not all(isinstance(v, (int, np.integer)) for v in values):
+    if len(values) != dims or not all(is_integer(v) for v in values):
         raise ValueError(f"{name} must be {dims} ints, got {value!r}")
     return tuple(int(v) for v in values)
 

@@ -153,11 +153,12 @@ def test_the_torch_adapter_raises_torch_out_of_memory_naming_the_sizes_in_both_p
     np.testing.assert_allclose(features.grad.numpy(), grid.read(dense, coordinates), rtol=1e-12, atol=1e-12)
 
 
-def expected_map_sizes(kind, num_coordinates, stride) -> str:
+def expected_map_sizes(kind, num_coordinates, stride, padding=None) -> str:
     """The message of a map build over `num_coordinates` with a 3^3 kernel, worked out here."""
+    padded = "" if padding is None else f", padding {padding}"
     return (f"cupysparse ran out of memory building the kernel map of a {kind} convolution: {num_coordinates:,} "
             f"coordinates at tensor stride (1, 1, 1), kernel (3, 3, 3) (27 offsets), stride {stride}, "
-            f"dilation (1, 1, 1); its pair table takes 4 bytes per output row and offset "
+            f"dilation (1, 1, 1){padded}; its pair table takes 4 bytes per output row and offset "
             f"({4 * 27 * num_coordinates / 1024:.3g} KiB for {num_coordinates:,} output rows)")
 
 
@@ -305,3 +306,15 @@ def test_on_the_gpu_torch_runs_out_of_its_memory_fraction_with_the_sizes_named_t
         assert dtype_name in message
         again = small(x).features.float().cpu()
     torch.testing.assert_close(again, expected, rtol=0, atol=0)
+
+
+def test_a_padded_map_that_runs_out_of_memory_names_its_padding(monkeypatch):
+    """spconv's geometry: the message says padded, with the padding, not strided."""
+    from cupysparse.geometry import kernel_map
+
+    coordinates, features, weight = fp32_layer(seed=5)
+    allocator_says = "Unable to allocate 8.00 GiB for an array with shape (300, 27)"
+    fail_once(monkeypatch, kernel_map, "padded_map", MemoryError(allocator_says))
+    with pytest.raises(MemoryError) as raised:
+        functional.spatially_sparse_conv(SparseTensor(coordinates, features), weight, 3, stride=2, padding=1)
+    assert str(raised.value) == f"{allocator_says} ({expected_map_sizes('padded', 300, '(2, 2, 2)', '(1, 1, 1)')})"

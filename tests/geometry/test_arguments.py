@@ -228,3 +228,19 @@ def test_kernel_offsets_keep_their_order():
     assert offsets.dtype == np.int32 and offsets.shape == (24, 3)
     expected = [(a, b, c) for a in (0, 1) for b in (-1, 0, 1) for c in (-1, 0, 1, 2)]
     assert [tuple(row) for row in offsets.tolist()] == expected
+
+
+@pytest.mark.parametrize("tensor_stride", [(4.0, 4, 4), (2.5, 2, 2), (True, 2, 2), "444"])
+def test_downsample_to_takes_ints_only(tensor_stride):
+    """A float or bool tensor stride was truncated (2.5 → 2) or read as 1; now refused, named."""
+    tensor = SparseTensor(np.zeros((1, 4), np.int32), np.zeros((1, 1), np.float32))
+    with pytest.raises(TypeError, match="tensor_stride must be an int or 3 ints"):
+        tensor.map_cache.downsample_to([tensor_stride])
+
+
+@pytest.mark.parametrize("origin", [(True, 0, 0), (0.0, 0, 0), (0, 0)])
+def test_to_dense_takes_an_origin_of_ints_only(origin):
+    """A bool origin was read as 1."""
+    tensor = SparseTensor(np.array([[0, 1, 1, 1]], np.int32), np.ones((1, 1), np.float32))
+    with pytest.raises(ValueError, match="origin must be 3 ints"):
+        tensor.to_dense(origin=origin)
