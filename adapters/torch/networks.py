@@ -105,7 +105,7 @@ def _fused(owner: nn.Module, conv_name: str, norm_name: str, relu_name: str | No
 
 
 def _run_step(owner: nn.Module, step, input: SparseTensor) -> SparseTensor:
-    """One step of `_register_layers`' but the skips'."""
+    """Run one of the steps `_register_layers` returns, other than a skip's save or concatenation."""
     if isinstance(step, _ConvThenNorm):
         fused = _fused(owner, step.conv, step.norm, step.relu, input)
         if fused is not None:
