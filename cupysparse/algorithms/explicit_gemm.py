@@ -59,33 +59,30 @@ class ExplicitGemm(Algorithm):
     def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
         """The accumulator and cast copies in the accumulation dtype, plus the busiest offset's gathered
         rows and product (GEMMs in the input dtype on the GPU, except bf16; in the accumulation dtype on
-        the CPU); dgrad also its transposed copy of the weight."""
+        the CPU)."""
         itemsize = problem.dtype.itemsize
         wide = accumulation_dtype(problem.dtype).itemsize
         gemm = itemsize if problem.device == "cuda" and problem.dtype != BFLOAT16 else wide
         cast = wide if gemm != itemsize else 0
         inputs = problem.num_in * problem.in_channels
         outputs = problem.num_out * problem.out_channels
-        weights = problem.kernel_volume * problem.in_channels * problem.out_channels
         gathered = max_offset_pairs * (problem.in_channels + problem.out_channels)
         total = 0
         if phase == "forward":
             total = max(total, outputs * wide + gathered * gemm + inputs * cast)
         if phase in ("dgrad", "backward"):
-            total = max(total, inputs * wide + gathered * gemm + outputs * cast + weights * (itemsize + cast))
+            total = max(total, inputs * wide + gathered * gemm + outputs * cast)
         if phase in ("wgrad", "backward"):  # its GEMMs run in the accumulation dtype everywhere
             inputs_cast = wide if itemsize != wide else 0
-            total = max(total, weights * wide + (inputs + outputs) * inputs_cast + gathered * wide)
+            total = max(total, problem.kernel_volume * problem.in_channels * problem.out_channels * wide
+                        + (inputs + outputs) * inputs_cast + gathered * wide)
         return total
 
     def forward(self, features, weight, kernel_map):
         return gather_gemm_scatter(features, weight, kernel_map, "output")
 
     def dgrad(self, grad_output, weight, kernel_map):
-        # One contiguous copy of the transposed weight (K · C_in · C_out elements) per call, so every
-        # offset's GEMM reads a row-major matrix rather than a strided view.
-        transposed = array_module(weight).ascontiguousarray(weight.transpose(0, 2, 1))
-        return gather_gemm_scatter(grad_output, transposed, kernel_map.reversed(), "input gradient")
+        return gather_gemm_scatter(grad_output, weight.transpose(0, 2, 1), kernel_map.reversed(), "input gradient")
 
     def wgrad(self, features, grad_output, kernel_map):
         xp = array_module(features)
