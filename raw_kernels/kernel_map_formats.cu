@@ -204,6 +204,42 @@ __global__ void __launch_bounds__(RADIX)
   }
 }
 
+// --- the mask sorts of several maps in one: each map's rows a segment, its index above the mask bits ---
+// Segment s holds rows segment_starts[s] .. segment_starts[s + 1] - 1 of the concatenation; sorting the
+// keys (s << key_shift) | mask orders the rows by segment, then by mask, so one radix sort serves every map.
+
+// The segment holding position i of the concatenation: the last s with segment_starts[s] <= i.
+__device__ __forceinline__ int segment_of(const long long* __restrict__ segment_starts, int num_segments,
+                                          long long i) {
+  int low = 0, high = num_segments - 1;
+  while (low < high) {
+    const int middle = (low + high + 1) / 2;
+    if (segment_starts[middle] <= i) low = middle; else high = middle - 1;
+  }
+  return low;
+}
+
+// One thread per row of the concatenation: keys[i] = (s << key_shift) | row i - start of its map's
+// single-word mask, read at the map's own address masks[s].
+__global__ void segment_keys(const unsigned long long* __restrict__ masks,
+                             const long long* __restrict__ segment_starts, int num_segments, int key_shift,
+                             unsigned int* __restrict__ keys) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= segment_starts[num_segments]) return;
+  const int s = segment_of(segment_starts, num_segments, i);
+  const unsigned int* mask = reinterpret_cast<const unsigned int*>(masks[s]);
+  keys[i] = ((unsigned int)s << key_shift) | mask[i - segment_starts[s]];
+}
+
+// One thread per position of the sorted concatenation, which holds each segment's rows in its own
+// positions: a row of the concatenation becomes the row of its map.
+__global__ void rows_within_segments(const long long* __restrict__ segment_starts, int num_segments,
+                                     int* __restrict__ order) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= segment_starts[num_segments]) return;
+  order[i] -= (int)segment_starts[segment_of(segment_starts, num_segments, i)];
+}
+
 // --- per-offset CSR lists ---------------------------------------------------------------------------
 // Block b handles rows [chunk * BLOCK * ITEMS, +BLOCK * ITEMS) of offset k, b = k * num_chunks + chunk:
 // the order in which the lists hold the pairs, so the scan of the per-block counts gives every

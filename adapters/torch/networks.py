@@ -213,7 +213,7 @@ class SparseNetwork(SparseSequential):
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
         self.description = description
-        self._levels = networks.downsampled_strides(description)
+        self._map_requests = networks.map_requests(description)
         self._algorithms = {"forward": fwd_algo, "backward": bwd_algo}
         self.prefetched = None
 
@@ -257,7 +257,10 @@ class SparseNetwork(SparseSequential):
         return self._forward(input)
 
     def _forward(self, input: SparseTensor) -> SparseTensor:
-        input.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level)) for level in self._levels])
+        # Every map of the network before its first layer; those of a backward pass too where one will run.
+        input.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(input.tensor_stride,
+                                                                                      request.tensor_stride)))
+                          for request in self._map_requests], with_reversed=self.training and torch.is_grad_enabled())
         return super().forward(input)
 
     def extra_repr(self) -> str:

@@ -71,11 +71,12 @@ class KernelSource:
         """The compiled kernel `name_expression` on the current CUDA device."""
         return get_kernel(self, name_expression)
 
-    def prepared(self, name_expression: str, block: int, num_arguments: int) -> PreparedLaunch:
-        """A `PreparedLaunch` of `name_expression` on the current device with every one of its
-        `num_arguments` arguments given per call: for small kernels launched many times a call, where
-        a CuPy `Function` call's conversions cost more than the kernel."""
-        return _prepared_launch(self, name_expression, cupy_module().cuda.Device().id, block, num_arguments)
+    def prepared(self, name_expression: str, block: int, num_arguments: int, fixed: tuple = ()) -> PreparedLaunch:
+        """A `PreparedLaunch` of `name_expression` on the current device with its `num_arguments` arguments
+        given per call, but for the `fixed` ones, (position, bytes) pairs (a struct's bytes, e.g. a query's
+        geometry): for small kernels launched many times a call, where a CuPy `Function` call's conversions
+        cost more than the kernel."""
+        return _prepared_launch(self, name_expression, cupy_module().cuda.Device().id, block, num_arguments, fixed)
 
 
 def registered_sources() -> tuple[KernelSource, ...]:
@@ -562,8 +563,11 @@ def get_kernel(source: KernelSource, name_expression: str):
 
 @functools.cache
 def _prepared_launch(source: KernelSource, name_expression: str, device: int, block: int,
-                     num_arguments: int) -> PreparedLaunch:
-    return PreparedLaunch(source.get(name_expression), (1,), (block,), (None,) * num_arguments)
+                     num_arguments: int, fixed: tuple) -> PreparedLaunch:
+    arguments = [None] * num_arguments
+    for position, data in fixed:
+        arguments[position] = data
+    return PreparedLaunch(source.get(name_expression), (1,), (block,), arguments)
 
 
 def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], tuple[int]]:
@@ -578,15 +582,16 @@ STATIC_SHARED_LIMIT = 48 * 1024
 _SHARED_OPT_INS: set[tuple[int, int]] = set()
 
 
-def _slot_value(argument) -> int:
-    """The 8-byte slot of one kernel argument as an integer: 0 for a per-call value, a device
-    address, or a scalar's little-endian bytes in the slot's first bytes."""
-    if argument is None:
-        return 0
+def _fixed_bytes(argument) -> bytes:
+    """A fixed kernel argument as the bytes its slot holds, a multiple of 8 long: a device address, a
+    scalar's little-endian bytes, or `bytes` as they are (a struct's, e.g. `np.void.tobytes()`)."""
     if is_cupy_array(argument):
-        return argument.data.ptr
-    scalar = argument if isinstance(argument, np.generic) else np.asarray(argument)
-    return int.from_bytes(scalar.tobytes(), "little")
+        data = argument.data.ptr.to_bytes(8, "little")
+    elif isinstance(argument, bytes):
+        data = argument
+    else:
+        data = (argument if isinstance(argument, np.generic) else np.asarray(argument)).tobytes()
+    return data + bytes(-len(data) % 8)
 
 
 class PreparedLaunch:
@@ -596,11 +601,12 @@ class PreparedLaunch:
     stream), `grid` an (x, y, z) in place of the prepared one. A CuPy `Function` call converts every
     argument again on every launch, about a microsecond each; this costs one driver call.
 
-    Every argument sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes, which
-    is all the kernel reads of it), the per-call ones first, so that one `struct` call writes them
-    all, with a second buffer holding the slots' addresses in argument order, which is what
-    cuLaunchKernel takes; it copies the values before it returns, so the buffers are refilled under
-    a lock and reused. Arrays among `arguments` (e.g. a pair table) are kept alive with the launch."""
+    Every per-call value sits in an 8-byte slot of one buffer (a 4-byte integer in its first bytes,
+    which is all the kernel reads of it), so that one `struct` call writes them all; the fixed ones
+    follow in slots of their own size (`bytes` among `arguments` are a struct's, passed as they are).
+    A second buffer holds the slots' addresses in argument order, which is what cuLaunchKernel takes;
+    it copies the values before it returns, so the buffers are refilled under a lock and reused.
+    Arrays among `arguments` (e.g. a pair table) are kept alive with the launch."""
 
     def __init__(self, kernel, grid, block, arguments, shared_bytes: int = 0):
         driver = cupy_module().cuda.driver
@@ -616,12 +622,18 @@ class PreparedLaunch:
         self._block_x, self._block_y, self._block_z = (tuple(block) + (1, 1))[:3]
         self.block_threads = self._block_x * self._block_y * self._block_z
         free = [i for i, argument in enumerate(arguments) if argument is None]
-        fixed = [i for i, argument in enumerate(arguments) if argument is not None]
+        fixed = [(i, _fixed_bytes(argument)) for i, argument in enumerate(arguments) if argument is not None]
         self._num_free = len(free)
         self._arrays = [argument for argument in arguments if is_cupy_array(argument)]
-        self._values = np.array([0] * len(free) + [_slot_value(arguments[i]) for i in fixed], dtype=np.uint64)
-        slot_of_argument = np.argsort(np.array(free + fixed, dtype=np.int64))
-        self._slots = (self._values.ctypes.data + 8 * slot_of_argument).astype(np.uint64)
+        self._values = np.frombuffer(bytes(8 * len(free)) + b"".join(data for _, data in fixed),
+                                     dtype=np.uint64).copy()
+        addresses = [0] * len(arguments)
+        for slot, i in enumerate(free):
+            addresses[i] = self._values.ctypes.data + 8 * slot
+        start = self._values.ctypes.data + 8 * len(free)
+        for i, data in fixed:
+            addresses[i], start = start, start + len(data)
+        self._slots = np.array(addresses, dtype=np.uint64)
         self._slots_address = self._slots.ctypes.data
         self._write_free = struct.Struct(f"<{len(free)}Q").pack_into
         self._lock = threading.Lock()

@@ -3,6 +3,7 @@
 from cupysparse.geometry.kernel_map import (
     KernelMap,
     KernelMapCache,
+    MapRequest,
     MapResult,
     generative_map,
     padded_generative_map,
@@ -16,6 +17,7 @@ from cupysparse.geometry.sparse_tensor import SparseTensor
 __all__ = [
     "KernelMap",
     "KernelMapCache",
+    "MapRequest",
     "MapResult",
     "SparseTensor",
     "generative_map",

@@ -8,6 +8,7 @@ implements the same packing on the GPU; the two must change together.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -133,6 +134,9 @@ def as_tuple(value, spatial_dims: int | None, name: str, minimum: int = 1) -> tu
     takes any number of ints (one for a single int): a module whose input settles D at each call checks
     the rest when it is built.
     """
+    if (type(value) is tuple and value and len(value) == spatial_dims and all(type(v) is int for v in value)
+            and minimum <= min(value) and max(value) <= MAX_GEOMETRY_VALUE):
+        return value  # already checked, as every map a layer asks for is: the hot path, no copy
     wanted = "an int or ints" if spatial_dims is None else f"an int or {spatial_dims} ints"
     if is_integer(value):
         values = (int(value),) * (1 if spatial_dims is None else spatial_dims)
@@ -164,7 +168,24 @@ def offset_range(size: int) -> range:
 
 
 def kernel_offsets(kernel_size: tuple[int, ...]) -> np.ndarray:
-    """Kernel offsets `[K, D]` int32 in lexicographic order of (d0, d1, …), d0 slowest."""
+    """Kernel offsets `[K, D]` int32 in lexicographic order of (d0, d1, …), d0 slowest (read-only)."""
+    if math.prod(kernel_size) <= _CACHED_OFFSETS_VOLUME:
+        return _small_kernel_offsets(tuple(kernel_size))
+    return _listed_offsets(kernel_size)
+
+
+# Kernels up to this volume keep their offsets listed (every layer's map asks for them); larger ones are rare.
+_CACHED_OFFSETS_VOLUME = 4096
+
+
+@functools.cache
+def _small_kernel_offsets(kernel_size: tuple[int, ...]) -> np.ndarray:
+    offsets = _listed_offsets(kernel_size)
+    offsets.flags.writeable = False
+    return offsets
+
+
+def _listed_offsets(kernel_size: tuple[int, ...]) -> np.ndarray:
     axes = [np.arange(axis.start, axis.stop, dtype=np.int32) for axis in map(offset_range, kernel_size)]
     return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(kernel_size))
 

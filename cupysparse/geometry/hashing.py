@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import KernelSource, launch_config
+from cupysparse.cuda.compile import KernelSource
 from cupysparse.geometry.coords import check_row_count, key_layout, kernel_offsets, pack_keys
 
 _KERNELS = KernelSource(
@@ -126,10 +126,8 @@ class GpuHashTable:
         self.spatial_dims = coords.shape[1] - 1
         self._slots, self._capacity_mask = _empty_slots(self.num_coords)
         if self.num_coords:
-            grid, block = launch_config(self.num_coords)
-            _KERNELS.get(f"insert_coordinates<{self.spatial_dims}>")(
-                grid, block, (coords, np.int32(self.num_coords), self._slots, self._capacity_mask)
-            )
+            _launch(f"insert_coordinates<{self.spatial_dims}>", self.num_coords,
+                    coords.data.ptr, self.num_coords, self._slots.data.ptr, self._capacity_mask)
 
     def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
         """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
@@ -147,23 +145,23 @@ class GpuHashTable:
         mask = storage[kernel_volume * num_out :].reshape(num_out, num_words)
         if num_out == 0:
             return table, mask
-        grid, block = launch_config(num_out)
-        _KERNELS.get(f"query_pair_table<{self.spatial_dims}>")(
-            grid,
-            block,
-            (
-                out_coords,
-                np.int32(num_out),
-                np.int32(kernel_volume),
-                query.as_struct(),
-                self._slots,
-                self._capacity_mask,
-                np.bool_(same_coordinates),
-                table,
-                mask,
-            ),
-        )
+        _launch(f"query_pair_table<{self.spatial_dims}>", num_out, out_coords.data.ptr, num_out, kernel_volume,
+                self._slots.data.ptr, self._capacity_mask, int(same_coordinates), table.data.ptr, mask.data.ptr,
+                fixed=((3, query.as_struct().tobytes()),))
         return table, mask
+
+
+_BLOCK = 256  # threads of a block of every kernel here: one thread per row
+
+
+def _launch(name_expression: str, num_rows: int, *values: int, fixed: tuple = ()) -> None:
+    """One thread per row of `name_expression` on the current stream, a prepared launch (a CuPy call's
+    argument conversions cost more than these kernels): `values` in argument order, past the `fixed`
+    (position, struct bytes) ones."""
+    import cupy
+
+    _KERNELS.prepared(name_expression, _BLOCK, len(values) + len(fixed), fixed).launch(
+        cupy.cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // _BLOCK)), 1, 1))
 
 
 def _empty_slots(num_keys: int):
@@ -208,28 +206,24 @@ def unique_coordinates_by(coords, divisors) -> list:
     num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
     if num_coords == 0 or not divisors:
         return [coords.copy() for _ in divisors]
-    grid, block = launch_config(num_coords)
     slots, capacity_mask = _empty_slots(num_coords)
     is_first = cupy.empty((len(divisors), num_coords), dtype=bool)
     positions = cupy.empty((len(divisors), num_coords), dtype=np.int32)  # inclusive running counts of is_first
-    structs = [_divisor_struct(divisor, spatial_dims) for divisor in divisors]
-    for level, by in enumerate(structs):
+    divided_by = [((2, _divisor_struct(divisor, spatial_dims).tobytes()),) for divisor in divisors]
+    for level, by in enumerate(divided_by):
         if level:
             _mark_empty(slots)  # one table serves every divisor in turn
-        _KERNELS.get(f"insert_smallest_row<{spatial_dims}>")(
-            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask)
-        )
-        _KERNELS.get(f"mark_first_occurrence<{spatial_dims}>")(
-            grid, block, (coords, np.int32(num_coords), by, slots, capacity_mask, is_first[level])
-        )
+        _launch(f"insert_smallest_row<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, slots.data.ptr,
+                capacity_mask, fixed=by)
+        _launch(f"mark_first_occurrence<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, slots.data.ptr,
+                capacity_mask, is_first[level].data.ptr, fixed=by)
         cupy.cumsum(is_first[level], dtype=np.int32, out=positions[level])
     counts = positions[:, -1].get()  # the one synchronisation
     uniques = []
-    for level, by in enumerate(structs):
+    for level, by in enumerate(divided_by):
         unique = cupy.empty((int(counts[level]), 1 + spatial_dims), dtype=np.int32)
-        _KERNELS.get(f"write_first_rows<{spatial_dims}>")(
-            grid, block, (coords, np.int32(num_coords), by, is_first[level], positions[level], unique)
-        )
+        _launch(f"write_first_rows<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, is_first[level].data.ptr,
+                positions[level].data.ptr, unique.data.ptr, fixed=by)
         uniques.append(unique)
     return uniques
 

@@ -25,6 +25,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +58,7 @@ from cupysparse.geometry.map_formats import (
     csr_pairs,
     invert_pair_table,
     mask_sorted_order,
+    mask_sorted_orders,
     offset_mask,
     wgrad_shares,
 )
@@ -257,6 +259,21 @@ class KernelMap:
         return self
 
 
+def derive_mask_orders(kernel_maps) -> None:
+    """Compute the mask-sorted order of each GPU map of `kernel_maps` that has none yet, sorting them together
+    (`map_formats.mask_sorted_orders`): what the forward launches over them read, for a whole network at
+    once. The CPU's algorithms read no order."""
+    pending = [kernel_map for kernel_map in dict.fromkeys(kernel_maps)
+               if is_cupy_array(kernel_map.pair_table) and "_mask_sorted_order" not in kernel_map.__dict__]
+    if not pending:
+        return
+    masks = [kernel_map.offset_mask() for kernel_map in pending]
+    with pending[0].derive_in():
+        orders = mask_sorted_orders(masks, [kernel_map.kernel_volume for kernel_map in pending])
+    for kernel_map, order in zip(pending, orders):
+        kernel_map._mask_sorted_order = order
+
+
 def downsample_coordinates(coords, stride):
     """unique(floor(coords / stride)) per batch, in order of first occurrence in `coords`."""
     return unique_coordinates(coords, as_tuple(stride, coords.shape[1] - 1, "stride"))
@@ -315,7 +332,9 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
         rows = xp.arange(in_coords.shape[0], dtype=np.int32)
         # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run; and
         # the one offset's pair list is every row with itself: nothing to count, so no synchronisation.
-        pairs = CsrPairs(in_idx=rows, out_idx=rows, offsets=xp.asarray([0, len(rows)], dtype=np.int64))
+        bounds = xp.full(2, len(rows), dtype=np.int64)  # [0, N], made on the device: no upload
+        bounds[0] = 0
+        pairs = CsrPairs(in_idx=rows, out_idx=rows, offsets=bounds)
         return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows,
                          csr=pairs)
     index = index or build_index(in_coords)
@@ -446,6 +465,18 @@ def _held(result: MapResult) -> MapResult | None:
     return None if cache is None else dataclasses.replace(result, output_cache=cache)
 
 
+class MapRequest(NamedTuple):
+    """The arguments of one `KernelMapCache.kernel_map` call, for `KernelMapCache.build_maps`."""
+
+    tensor_stride: tuple[int, ...]
+    kernel_size: int | tuple[int, ...]
+    stride: int | tuple[int, ...] = 1
+    dilation: int | tuple[int, ...] = 1
+    transposed: bool = False
+    generative: bool = False
+    padding: int | tuple[int, ...] | None = None
+
+
 @dataclass(frozen=True)
 class MapResult:
     """A kernel map with the coordinates, tensor stride and cache its output tensor gets.
@@ -548,6 +579,26 @@ class KernelMapCache:
         for tensor_stride, coords in zip(wanted, unique_coordinates_by(self._coordinates[self._input_stride],
                                                                        divisors)):
             self._coordinates[tensor_stride] = coords
+
+    def build_maps(self, requests, with_reversed: bool = False) -> list[MapResult]:
+        """`kernel_map(*request)` for each of `requests` (`MapRequest`s), built now, as a network's first layer
+        would have them built one by one: the coordinates of every level the strided convolutions reach in one
+        synchronisation (`downsample_to`), then each map, then the mask-sorted orders of all of them in one
+        sort (and, `with_reversed`, of their reversed maps, which a backward pass runs over). A network calls
+        this with all of its maps before its first layer, which then finds each one built."""
+        levels = []
+        for request in requests:
+            if not request.transposed and request.padding is None:
+                stride = as_tuple(request.stride, len(self._input_stride), "stride")
+                if any(s != 1 for s in stride):
+                    levels.append(tuple(t * s for t, s in zip(request.tensor_stride, stride)))
+        self.downsample_to(levels)
+        results = [self.kernel_map(*request) for request in requests]
+        kernel_maps = [result.kernel_map for result in results]
+        if with_reversed:
+            kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps]
+        derive_mask_orders(kernel_maps)
+        return results
 
     def _index(self, tensor_stride):
         if tensor_stride not in self._indices:

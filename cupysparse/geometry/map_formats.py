@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import KernelSource, launch_config
+from cupysparse.cuda.compile import KernelSource
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
 # threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
@@ -57,9 +57,12 @@ _FORMAT_KERNELS = KernelSource(
         _radix_scatter(_CARRIED_KEYS, True),
         _radix_scatter(_GATHERED_KEYS, False),
         "wgrad_share_table",
+        "segment_keys",
+        "rows_within_segments",
     ),
 )
 _SHARE_TABLE_BLOCK = 256  # threads of a block of `wgrad_share_table`
+_ROW_BLOCK = 256  # threads of a block of the one-thread-per-row kernels (`offset_mask`, `invert_pairs`, the segments')
 
 
 @dataclass(frozen=True)
@@ -214,8 +217,10 @@ def offset_mask(pair_table):
 
     mask = cupy.empty((num_out, num_words), dtype=np.uint32)
     if num_out:
-        grid, block = launch_config(num_out)
-        _FORMAT_KERNELS.get("offset_mask")(grid, block, (pair_table, np.int32(num_out), np.int32(kernel_volume), mask))
+        table = cupy.ascontiguousarray(pair_table)
+        _FORMAT_KERNELS.prepared("offset_mask", _ROW_BLOCK, 4).launch(
+            cupy.cuda.get_current_stream().ptr, table.data.ptr, num_out, kernel_volume, mask.data.ptr,
+            grid=(-(-num_out // _ROW_BLOCK), 1, 1))
     return mask
 
 
@@ -283,6 +288,58 @@ def mask_sorted_order(mask, kernel_volume: int | None = None):
     return order
 
 
+# Maps sorted together share a 32-bit key: the map's index above the widest mask's bits.
+_KEY_BITS = 32
+
+
+def mask_sorted_orders(masks, kernel_volumes) -> list:
+    """`mask_sorted_order(mask, K)` of each of several masks, the GPU's single-word masks sorted together.
+
+    One radix sort over the rows of all of them, each row's key its map's index above the widest mask's
+    bits, orders the rows by map, then by mask, stably: every map's order at the cost of one sort's launches,
+    where a network's maps sorted one by one cost a dozen launches each. As many maps share a sort as the key
+    has bits for; the others (multi-word masks, the CPU's, empty ones) are sorted on their own.
+    """
+    orders: list = [None] * len(masks)
+    together = [i for i, mask in enumerate(masks) if is_cupy_array(mask) and mask.shape[1] == 1 and mask.shape[0]]
+    key_shift = max((kernel_volumes[i] for i in together), default=_KEY_BITS)
+    per_sort = 1 << (_KEY_BITS - key_shift) if key_shift < _KEY_BITS else 1
+    for start in range(0, len(together) if per_sort > 1 else 0, per_sort):
+        group = together[start : start + per_sort]
+        if len(group) > 1:
+            for i, order in zip(group, _sorted_together([masks[i] for i in group], key_shift)):
+                orders[i] = order
+    for i, mask in enumerate(masks):
+        if orders[i] is None:
+            orders[i] = mask_sorted_order(mask, kernel_volumes[i])
+    return orders
+
+
+def _sorted_together(masks: list, key_shift: int) -> list:
+    """The mask-sorted orders of several non-empty single-word GPU masks whose bits lie below `key_shift`,
+    from one sort of their concatenated rows (`mask_sorted_orders`); each order is a view of one array."""
+    import cupy
+
+    starts = np.zeros(len(masks) + 1, dtype=np.int64)
+    np.cumsum([mask.shape[0] for mask in masks], out=starts[1:])
+    masks = [cupy.ascontiguousarray(mask) for mask in masks]
+    # One upload: the masks' addresses, then where each map's rows start in the concatenation.
+    segments = cupy.asarray(np.concatenate([np.array([mask.data.ptr for mask in masks], dtype=np.int64), starts]))
+    segment_starts = segments.data.ptr + 8 * len(masks)
+    total = int(starts[-1])
+    keys = cupy.empty((total, 1), dtype=np.uint32)
+    stream = cupy.cuda.get_current_stream().ptr
+    grid = (-(-total // _ROW_BLOCK), 1, 1)
+    _FORMAT_KERNELS.prepared("segment_keys", _ROW_BLOCK, 5).launch(
+        stream, segments.data.ptr, segment_starts, len(masks), key_shift, keys.data.ptr, grid=grid
+    )
+    order = mask_sorted_order(keys, key_shift + (len(masks) - 1).bit_length())
+    _FORMAT_KERNELS.prepared("rows_within_segments", _ROW_BLOCK, 3).launch(
+        stream, segment_starts, len(masks), order.data.ptr, grid=grid
+    )
+    return [order[start:end] for start, end in zip(starts[:-1].tolist(), starts[1:].tolist())]
+
+
 def invert_pair_table(pair_table, num_in: int):
     """The pair table seen from the input side: `[K, num_in]`, the output row each input feeds
     through offset k, or -1.
@@ -307,8 +364,7 @@ def invert_pair_table(pair_table, num_in: int):
     # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
     cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
     if kernel_volume and num_out and num_in:
-        grid, block = launch_config(num_out)
-        _FORMAT_KERNELS.get("invert_pairs")(
-            grid, block, (table, np.int32(num_out), np.int32(kernel_volume), np.int32(num_in), inverse)
-        )
+        _FORMAT_KERNELS.prepared("invert_pairs", _ROW_BLOCK, 5).launch(
+            cupy.cuda.get_current_stream().ptr, table.data.ptr, num_out, kernel_volume, num_in, inverse.data.ptr,
+            grid=(-(-num_out // _ROW_BLOCK), 1, 1))
     return inverse

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.geometry.coords import as_tuple
+from cupysparse.geometry.kernel_map import MapRequest
 
 SPATIAL_DIMS = 3
 BATCH_NORM_EPS = 1e-5
@@ -172,20 +173,21 @@ def convolutions(network: Network) -> list[tuple[str, Conv]]:
     return [(path, layer) for path, layer in walk(network.root) if isinstance(layer, Conv)]
 
 
-def downsampled_strides(network: Network) -> list[tuple[int, ...]]:
-    """The tensor strides, relative to the input's, that the strided convolutions of `network`
-    reach, each once, in running order (what `KernelMapCache.downsample_to` computes up front)."""
-    reached = []
+def map_requests(network: Network) -> list[MapRequest]:
+    """The kernel maps the convolutions of `network` run over, each once, in running order, with tensor
+    strides relative to the input's (what `KernelMapCache.build_maps` builds up front, the strides multiplied
+    by the input's)."""
+    requests = []
 
     def run(layer, stride: tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(layer, Conv):
-            step = as_tuple(layer.stride, SPATIAL_DIMS, "stride")
+            request = MapRequest(stride, as_tuple(layer.kernel_size, SPATIAL_DIMS, "kernel_size"),
+                                 as_tuple(layer.stride, SPATIAL_DIMS, "stride"), transposed=layer.transposed)
+            if request not in requests:
+                requests.append(request)
             if layer.transposed:
-                return tuple(s // t for s, t in zip(stride, step))
-            stride = tuple(s * t for s, t in zip(stride, step))
-            if layer.kind() == "strided" and stride not in reached:
-                reached.append(stride)
-            return stride
+                return tuple(s // t for s, t in zip(stride, request.stride))
+            return tuple(s * t for s, t in zip(stride, request.stride))
         if isinstance(layer, Residual):
             out = stride
             for child in layer.body:
@@ -198,7 +200,7 @@ def downsampled_strides(network: Network) -> list[tuple[int, ...]]:
         return stride
 
     run(network.root, (1,) * SPATIAL_DIMS)
-    return reached
+    return requests
 
 
 def _conv_norm_relu(prefix: str, in_channels: int, out_channels: int, **conv) -> tuple:

@@ -91,6 +91,7 @@ class InferenceNetwork:
         if device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
         self.network = network
+        self._map_requests = networks.map_requests(network)
         self.device = default_device() if device == "auto" else device
         self.dtype = as_feature_dtype(dtype if dtype is not None else "float16" if self.device == "cuda" else "float32")
         self.fwd_algo = fwd_algo
@@ -146,8 +147,8 @@ class InferenceNetwork:
         return self._forward(input, observer)
 
     def _forward(self, input: SparseTensor, observer: LayerObserver | None = None) -> SparseTensor:
-        input.map_cache.downsample_to([tuple(t * s for t, s in zip(input.tensor_stride, level))
-                                       for level in networks.downsampled_strides(self.network)])
+        input.map_cache.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(
+            input.tensor_stride, request.tensor_stride))) for request in self._map_requests])
         return self._run(self.network.root, "", input, {}, observer or LayerObserver())
 
     def _run(self, layer, path: str, tensor: SparseTensor, skips: dict, observer: LayerObserver) -> SparseTensor:

@@ -465,3 +465,24 @@ def test_a_prepared_launch_hands_the_driver_every_argument_in_order(monkeypatch)
     with pytest.raises(struct.error):  # no slot holds a negative value
         launch.launch(99, -1, 2, 3)
     assert len(launched) == 2
+
+
+def test_a_prepared_launch_hands_a_struct_over_as_its_bytes(monkeypatch):
+    """A fixed argument given as bytes (a struct's, e.g. a query's geometry) sits whole at its slot's address,
+    between per-call slots that stay 8 bytes apart from each other."""
+    launched = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        addresses = (ctypes.c_uint64 * 4).from_address(params)
+        launched.append([ctypes.c_uint64.from_address(addresses[0]).value,
+                         ctypes.string_at(addresses[1], 12),
+                         ctypes.c_uint64.from_address(addresses[2]).value,
+                         ctypes.c_int32.from_address(addresses[3]).value])
+
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(
+        driver=types.SimpleNamespace(launchKernel=launch_kernel))))
+    geometry = np.array([(3, 5, -7)], dtype=[("a", "<i4"), ("b", "<i4"), ("c", "<i4")])[0].tobytes()
+    launch = kernel_compile.PreparedLaunch(types.SimpleNamespace(ptr=1), (1,), (32,),
+                                           (None, geometry, None, np.int32(-2)))
+    launch.launch(0, 2**40, 9)
+    assert launched == [[2**40, geometry, 9, -2]]

@@ -19,7 +19,7 @@ from cupysparse.geometry import kernel_map as kernel_map_module
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.geometry.coords import MAX_ROWS, kernel_offsets, key_layout, offset_range
 from cupysparse.geometry.hashing import unique_coordinates, unique_coordinates_by
-from cupysparse.geometry.kernel_map import (KernelMap, KernelMapCache, generative_map, offset_mask, strided_map, submanifold_map,
+from cupysparse.geometry.kernel_map import (KernelMap, KernelMapCache, MapRequest, generative_map, offset_mask, strided_map, submanifold_map,
                                    transposed_map)
 
 # The offsets of one kernel axis, written out: odd sizes centred, even sizes lean positive.
@@ -610,6 +610,38 @@ def test_downsampling_every_level_up_front_gives_the_maps_of_level_by_level(devi
     assert as_tuples(coarsest) == first_occurrences(
         [(row[0], *(c // 8 for c in row[1:])) for row in as_tuples(host(coords))]
     )
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+@pytest.mark.parametrize("with_reversed", [False, True])
+def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_reversed):
+    """`build_maps` with a U-Net's requests gives the maps, coordinates and mask-sorted orders (on the GPU, from
+    one sort) that a cache building each map as its layer meets it gives."""
+    rng = np.random.default_rng(6)
+    coords = np.concatenate([rng.integers(0, 2, (5000, 1)), rng.integers(-25, 25, (5000, 3))], axis=1).astype(np.int32)
+    coords = np.unique(coords, axis=0)[rng.permutation(len(np.unique(coords, axis=0)))]
+    if device == "cuda":
+        coords = cupy_module().asarray(coords)
+    requests = [MapRequest((1, 1, 1), 3), MapRequest((1, 1, 1), 2, 2), MapRequest((2, 2, 2), (3, 3, 3)),
+                MapRequest((2, 2, 2), 3, 2), MapRequest((4, 4, 4), 1), MapRequest((4, 4, 4), 3, 2, transposed=True),
+                MapRequest((2, 2, 2), 2, 2, transposed=True), MapRequest((1, 1, 1), 5, dilation=2)]
+    lazy, up_front = KernelMapCache(coords, (1, 1, 1)), KernelMapCache(coords, (1, 1, 1))
+    built = up_front.build_maps(requests, with_reversed=with_reversed)
+    host = (lambda array: array) if device == "cpu" else (lambda array: array.get())
+    assert len(built) == len(requests)
+    for request, result in zip(requests, built):
+        expected = lazy.kernel_map(*request)
+        assert up_front.kernel_map(*request) is result
+        np.testing.assert_array_equal(host(result.out_coordinates), host(expected.out_coordinates))
+        assert result.out_tensor_stride == expected.out_tensor_stride
+        maps = [(result.kernel_map, expected.kernel_map)]
+        if with_reversed:
+            maps.append((result.kernel_map.reversed(), expected.kernel_map.reversed()))
+        for ahead, step in maps:
+            np.testing.assert_array_equal(host(ahead.pair_table), host(step.pair_table))
+            if device == "cuda":
+                assert "_mask_sorted_order" in ahead.__dict__  # computed by the one sort, not on demand
+            np.testing.assert_array_equal(host(ahead.mask_sorted_order()), host(step.mask_sorted_order()))
 
 
 def test_downsample_to_refuses_strides_that_are_not_multiples_of_the_input():

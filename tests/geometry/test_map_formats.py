@@ -9,6 +9,7 @@ import pytest
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.geometry import kernel_map as kernel_map_module
 from cupysparse.geometry.kernel_map import submanifold_map
+from cupysparse.geometry.map_formats import mask_sorted_orders
 
 ON_DEVICES = [
     "cpu",
@@ -71,6 +72,32 @@ def test_mask_sorted_order_of_random_masks(kernel_volume, num_rows, device):
     """Every bit below K random: every digit value occurs in every pass."""
     present = np.random.default_rng(kernel_volume).random((num_rows, kernel_volume)) < 0.5
     assert_mask_order(pack_masks(present), kernel_volume, device)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_mask_sorted_orders_of_many_maps_are_each_maps_own(device):
+    """Sorted together, each map's order is the one it gets alone: a network's worth of masks and more (40 of
+    27 offsets, two sorts' worth), of 8 offsets, of one, multi-word ones and empty ones sorted alone."""
+    rng = np.random.default_rng(3)
+    volumes = [27] * 40 + [8, 1, 125, 27, 8]
+    sizes = [int(rng.integers(1, 3000)) for _ in volumes]
+    sizes[-2:] = (0, 0)
+    masks = [pack_masks(rng.random((size, volume)) < rng.random()) if i % 3 else few_masks(size, volume, seed=i)
+             for i, (size, volume) in enumerate(zip(sizes, volumes))]
+    orders = mask_sorted_orders([on_device(mask, device) for mask in masks], volumes)
+    assert len(orders) == len(masks)
+    for mask, order in zip(masks, orders):
+        assert order.dtype == np.int32 and order.shape == (len(mask),)
+        np.testing.assert_array_equal(to_host(order), np.lexsort(mask.T))
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_map_sorted_beside_others_has_its_own_order(device):
+    """The segment kernels see maps of different sizes in any order, among them one of a single row."""
+    masks = [few_masks(num_rows, 27, seed=num_rows) for num_rows in (1, 4097, 256, 257, 2)]
+    orders = mask_sorted_orders([on_device(mask, device) for mask in masks], [27] * len(masks))
+    for mask, order in zip(masks, orders):
+        np.testing.assert_array_equal(to_host(order), np.lexsort(mask.T))
 
 
 def pair_table_with_every_density(kernel_volume, num_out, num_in, seed):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cupysparse import SparseTensor
+from cupysparse.geometry import MapRequest
 from cupysparse.networks import descriptions as networks
 from cupysparse.networks.inference import InferenceNetwork
 from cupysparse.data.scenes import make_scene
@@ -83,10 +84,41 @@ def test_minkunet_channel_progression_and_parameter_count():
     assert described == sum(parameter.numel() for parameter in model.parameters())
 
 
-def test_downsampled_strides_are_the_levels_the_strided_convolutions_reach():
-    assert networks.downsampled_strides(networks.minkunet(18)) == [(2, 2, 2), (4, 4, 4), (8, 8, 8), (16, 16, 16)]
-    assert networks.downsampled_strides(networks.centerpoint_backbone(4)) == [(2, 2, 2), (4, 4, 4), (8, 8, 8),
-                                                                              (8, 8, 16)]
+def test_map_requests_are_the_maps_the_convolutions_run_over():
+    """MinkUNet18 written out by hand: per level a 3^3 submanifold map and a 2^3 stride-2 one to the next,
+    1^3 maps where a block widens, and the 2^3 transposed maps back, in running order."""
+    cube = lambda size: (size,) * 3  # noqa: E731
+    subm, down, one = (cube(3), cube(1)), (cube(2), cube(2)), (cube(1), cube(1))
+    expected = [(1, *subm), (1, *down), (2, *subm), (2, *down), (4, *subm), (4, *one), (4, *down), (8, *subm),
+                (8, *one), (8, *down), (16, *subm), (16, *one)]
+    expected = [MapRequest(cube(level), kernel, stride) for level, kernel, stride in expected]
+    expected += [MapRequest(cube(level), *down, transposed=True) for level in (16, 8, 4)]
+    expected += [MapRequest(cube(2), *one), MapRequest(cube(2), *down, transposed=True), MapRequest(cube(1), *one)]
+    assert networks.map_requests(networks.minkunet(18)) == expected
+    centerpoint = networks.map_requests(networks.centerpoint_backbone(4))
+    assert [(request.tensor_stride, request.stride) for request in centerpoint] == [
+        (cube(1), cube(1)), (cube(1), cube(2)), (cube(2), cube(1)), (cube(2), cube(2)), (cube(4), cube(1)),
+        (cube(4), cube(2)), (cube(8), cube(1)), (cube(8), (1, 1, 2))]
+
+
+@pytest.mark.parametrize("description", [networks.minkunet(14, 4, 5), networks.centerpoint_backbone(4)],
+                         ids=["minkunet14", "centerpoint"])
+def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description):
+    """The network builds its `map_requests` before its first layer; its layers then build none of their own."""
+    tensor = _voxels("outdoor", 3000, 4)
+    network = InferenceNetwork(description, networks.random_weights(description), device="cpu", dtype="float32")
+    built = []
+    original = type(tensor.map_cache).build_maps
+
+    def recording(cache, requests, with_reversed=False):
+        results = original(cache, requests, with_reversed)
+        built.append(len(cache))
+        return results
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(tensor.map_cache), "build_maps", recording)
+        network(tensor)
+    assert built == [len(networks.map_requests(description))] == [len(tensor.map_cache)]
 
 
 def test_centerpoint_backbone_downsamples_eight_times_and_halves_the_height():
