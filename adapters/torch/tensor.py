@@ -276,6 +276,13 @@ class SparseTensor:
                 result = self._map_cache.kernel_map(*arguments)
         return result
 
+    def downsample_to(self, tensor_strides) -> None:
+        """`KernelMapCache.downsample_to` on torch's stream and allocator: the coordinates at each of
+        `tensor_strides`, computed now with one synchronisation, for the strided convolutions that
+        reach them later."""
+        with on_torch_stream(self.device):
+            self._map_cache.downsample_to(tensor_strides)
+
     def build_maps(self, requests, with_reversed: bool = False) -> list[MapResult]:
         """`KernelMapCache.build_maps` on torch's stream and allocator: the maps of `requests`, built now for a
         whole network at once, which its layers then find built."""
