@@ -148,11 +148,12 @@ def run_case(case, device: str) -> None:
     leaf, their_leaf, order_in = ours_in.features, theirs_in.features, None
     if kind.endswith("inverse"):  # the inverse's input: the strided convolution's coordinates, fresh leaves
         coarse = strided.to(device, dtype)(ours_in)
+        # No voxel reached: spconv's CUDA build raises ("points vanished"), its modules hand an empty input
+        # back as it is, where an inverse of ours still returns its strided convolution's input coordinates
+        # (with zero features).
+        assume(coarse.num_points > 0)
         their_coarse = their_strided.to(device, dtype)(theirs_in)
         order_in = matching(rows_of(coarse.coordinates), rows_of(their_coarse.indices))
-        # No voxel reached: spconv's modules hand an empty input back as it is, where an inverse of ours still
-        # returns its strided convolution's input coordinates (with zero features).
-        assume(coarse.num_points > 0)
         values = torch.tensor(rng.standard_normal((coarse.num_points, c_in)), dtype=dtype, device=device)
         leaf = values.clone().requires_grad_(True)
         their_values = torch.empty_like(values)
