@@ -1,7 +1,8 @@
 """End to end: a whole MinkUNet, inference and a training step, cupysparse against spconv 2.x and
 NVIDIA WarpConvNet, in one process.
 
-The network is MinkUNet18 (--depth 14 / 18 / 34, --width scales the channels) on a batch of
+The network is MinkUNet18 (--depth 14 / 18 / 34, --width scales the channels; --network centerpoint: the
+CenterPoint backbone with spconv's padded strided convolutions, on spconv's grid for every library) on a batch of
 --batch-size scenes (`cupysparse.data.scenes`, seeds 0, 1, ...): --scene indoor (rooms at 2 cm, about
 200K voxels each by default) or outdoor (LiDAR sweeps of a street at 5 cm, 173K voxels each: two
 accumulated sweeps). Each voxel's input is the xyz of its first point, normalised per scene to [0, 1];
@@ -14,8 +15,9 @@ Two phases, each on a fresh input tensor every run, so every library builds ever
 pairs of each layer) as for a new scene; the coordinates come from voxelisation, unique and sorted,
 and no library checks them (`validate=False` on our side; the peers never do):
 - inference: `model.eval()`, `torch.no_grad()`, one forward;
-- training step: `model.train()`, forward, cross-entropy on the per-voxel logits (in float32),
-  backward, `optimizer.step()` (SGD, lr 0.01, momentum 0.9), `zero_grad(set_to_none=True)`.
+- training step: `model.train()`, forward, cross-entropy on the per-voxel logits (in float32; the
+  backbone: the mean square of its output features), backward, `optimizer.step()` (SGD, lr 0.01,
+  momentum 0.9), `zero_grad(set_to_none=True)`.
 The libraries take turns run by run (--repeats rounds after --warmup runs each), so a drift of the
 machine's speed reaches all of them alike; each run is timed by CUDA events (on the CPU: the host
 clock) and the median is reported, with ratios of medians (< 1: cupysparse is faster). Then, per
@@ -55,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import gc
 import math
 import os
@@ -70,7 +73,7 @@ import torch
 from torch import nn
 
 from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
-from cupysparse.adapters.torch.networks import MinkUNet14, MinkUNet18, MinkUNet34
+from cupysparse.adapters.torch.networks import CenterPointBackbone, MinkUNet14, MinkUNet18, MinkUNet34
 from cupysparse.cuda import backend
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
 from cupysparse.geometry.sparse_tensor import SparseTensor
@@ -176,11 +179,13 @@ class Library:
         with torch.no_grad(), self.precision():
             return self.output_voxels(self.model(self.make_input()))[1]
 
-    def training_step(self, labels: torch.Tensor):
+    def training_step(self, labels: torch.Tensor | None):
         with self.precision():
-            logits = self.output_voxels(self.model(self.make_input()))[1]
-        # The loss in float32, as mixed-precision training computes it; the network stays in its dtype.
-        loss = nn.functional.cross_entropy(logits.float(), labels)
+            outputs = self.output_voxels(self.model(self.make_input()))[1]
+        # The loss in float32, as mixed-precision training computes it; the network stays in its dtype. A
+        # backbone's outputs are coarse voxels, with no labels: the mean square of its features.
+        outputs = outputs.float()
+        loss = outputs.square().mean() if labels is None else nn.functional.cross_entropy(outputs, labels)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -297,7 +302,7 @@ def check_agreement(ours: Library, theirs: Library) -> float:
     return difference
 
 
-def phase_steps(libraries: list[Library], phase: str, labels: torch.Tensor) -> dict[str, Callable[[], object]]:
+def phase_steps(libraries: list[Library], phase: str, labels: torch.Tensor | None) -> dict[str, Callable[[], object]]:
     """Each library's run of `phase`, its model put in the phase's mode."""
     steps = {}
     for library in libraries:
@@ -307,7 +312,7 @@ def phase_steps(libraries: list[Library], phase: str, labels: torch.Tensor) -> d
     return steps
 
 
-def measure_phase(libraries: list[Library], phase: str, labels: torch.Tensor, device: str, warmup: int,
+def measure_phase(libraries: list[Library], phase: str, labels: torch.Tensor | None, device: str, warmup: int,
                   repeats: int) -> dict[str, Measurement]:
     steps = phase_steps(libraries, phase, labels)
     measurements = {name: Measurement(wall_seconds(step, device)) for name, step in steps.items()}
@@ -346,6 +351,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog or PROGRAM, description=__doc__.split("\n\n")[0], epilog=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--network", default="minkunet", choices=("minkunet", "centerpoint"),
+                        help="MinkUNet (--depth) or the CenterPoint backbone with spconv's padded strided "
+                             "convolutions (WarpConvNet has none: it is skipped)")
     parser.add_argument("--depth", type=int, choices=sorted(MINKUNETS), default=18, help="MinkUNet14, 18 or 34")
     parser.add_argument("--width", type=positive_float, default=1.0, help="scales every channel count")
     parser.add_argument("--scene", default="indoor", choices=sorted(DEFAULT_NUM_VOXELS),
@@ -413,8 +421,12 @@ def peer_libraries(args, model: nn.Module, batch: Batch, features: torch.Tensor,
         library = PEERS[name].import_peer()
         if library is None:
             continue
-        peer_model, make_input, output_voxels = PEERS[name].peer_network(
-            library, model, batch.coordinates, features, len(batch.voxels_per_item))
+        try:
+            peer_model, make_input, output_voxels = PEERS[name].peer_network(
+                library, model, batch.coordinates, features, len(batch.voxels_per_item))
+        except ValueError as error:  # a layer the peer has no counterpart for
+            print(f"{name}: skipped ({error})")
+            continue
         libraries.append(Library(name, peer_model, make_input, output_voxels, autocast))
     return libraries
 
@@ -478,7 +490,8 @@ def table_lines(rows: list[dict], markdown: bool) -> list[str]:
 METHOD = (
     "Each phase runs on a fresh input tensor every time, so every library builds every kernel map, as for a "
     "new scene. Inference is `model.eval()` and one forward under `torch.no_grad()`; a training step is a "
-    "forward, cross-entropy on the per-voxel logits, the backward and an SGD step. All models hold the same "
+    "forward, cross-entropy on the per-voxel logits (a backbone: the mean square of its output features), the "
+    "backward and an SGD step. All models hold the same "
     "weights. The libraries take turns run by run; times are CUDA events, the median of the timed runs, and "
     "`/ name` is the ratio of medians to that library (< 1: faster). GPU ms is the sum of the GPU's kernels, "
     "copies and fills per run (`torch.profiler`), GPU ops their number: wall / GPU above 1 is time the GPU "
@@ -581,14 +594,24 @@ def main(argv=None, prog: str | None = None) -> int:
     model_dtype = torch.float32 if args.autocast else dtype
     batch = scene_batch(args.scene, args.num_voxels, args.batch_size)
     torch.manual_seed(0)
-    model = MINKUNETS[args.depth](in_channels=SPATIAL_DIMS, num_classes=batch.num_classes, width=args.width)
+    if args.network == "centerpoint":
+        model = CenterPointBackbone(in_channels=SPATIAL_DIMS, width=args.width, padded=True)
+    else:
+        model = MINKUNETS[args.depth](in_channels=SPATIAL_DIMS, num_classes=batch.num_classes, width=args.width)
     model = model.to(device=device, dtype=model_dtype)
+    spatial_shape = None
+    if peer_spconv.padded(model.description):
+        # Padded convolutions' outputs depend on the spatial shape: every library gets the same grid, spconv's.
+        shifted, spatial_shape = peer_spconv.spconv_grid(batch.coordinates, peer_spconv.coarsest_stride(
+            model.description))
+        batch = dataclasses.replace(batch, coordinates=shifted)
     coordinates = torch.from_numpy(batch.coordinates).to(device)
     features = torch.from_numpy(batch.features).to(device=device, dtype=model_dtype)
-    labels = torch.from_numpy(batch.labels).to(device)
+    # Per-voxel labels for a segmentation network; a backbone's training step has none (`training_step`).
+    labels = None if args.network == "centerpoint" else torch.from_numpy(batch.labels).to(device)
 
     def our_input():
-        return TorchSparseTensor(coordinates, features, validate=False)
+        return TorchSparseTensor(coordinates, features, validate=False, spatial_shape=spatial_shape)
 
     ours = Library(OURS, model, our_input, lambda output: (output.coordinates, output.features), autocast)
     peers = peer_libraries(args, model, batch, features, autocast)

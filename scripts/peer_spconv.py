@@ -3,7 +3,8 @@ compares against (`cupysparse.scripts.benchmark_network`).
 
 The network is built from `model.description`: SubMConv3d with one indice_key per (resolution level,
 kernel size), so layers reuse pairs as ours reuse maps; SparseConv3d (2^3, stride 2, padding 0) for the
-strided convolutions, each with its own key, which the SparseInverseConv3d inverting it reuses; torch
+strided convolutions, each with its own key, which the SparseInverseConv3d inverting it reuses, and
+SparseConv3d with their padding for the padded ones (spconv's rules are theirs); torch
 BatchNorm1d and ReLU on the features. It gets our weights, converted to its layout, and our batch-norm
 statistics. Its coordinates are shifted by a multiple of the coarsest level's stride (non-negative, and
 every level's coordinates floor(x / stride) stay ours).
@@ -116,6 +117,11 @@ class SpconvReLU(nn.Module):
 def spconv_convolution(layer: networks.Conv, spconv, keys: IndiceKeys) -> nn.Module:
     kernel_size = as_tuple(layer.kernel_size, SPATIAL_DIMS, "kernel_size")
     kind = layer.kind()
+    if layer.padding is not None:  # spconv's own padded convolution, which ours computes as it does
+        if layer.transposed:
+            raise ValueError(f"{layer.name}: a padded transposed convolution has no spconv counterpart here")
+        return spconv.SparseConv3d(layer.in_channels, layer.out_channels, layer.kernel_size, stride=layer.stride,
+                                   padding=layer.padding, bias=layer.bias, indice_key=keys.strided(kernel_size))
     if kind == "submanifold":
         return spconv.SubMConv3d(layer.in_channels, layer.out_channels, layer.kernel_size, bias=layer.bias,
                                  indice_key=keys.submanifold(kernel_size))
@@ -188,6 +194,11 @@ def coarsest_stride(description: networks.Network) -> np.ndarray:
     return np.prod(np.array(strides, dtype=np.int64).reshape(-1, SPATIAL_DIMS), axis=0)
 
 
+def padded(description: networks.Network) -> bool:
+    """Whether `description` has a padded convolution, whose output voxels depend on the spatial shape."""
+    return any(conv.padding is not None for _, conv in networks.convolutions(description))
+
+
 def spconv_grid(coordinates: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """Coordinates shifted to non-negative by a multiple of `stride` (so floor(x / s) at every level
     is ours, shifted), and a spatial shape, a multiple of `stride`, that holds them."""
@@ -214,6 +225,10 @@ def peer_network(spconv, model: nn.Module, coordinates: np.ndarray, features: to
                                                                       dtype=next(model.parameters()).dtype)
     copy_weights_to_spconv(model, spconv_model)
     shifted, spatial_shape = spconv_grid(coordinates, coarsest_stride(model.description))
+    if padded(model.description) and not np.array_equal(shifted, coordinates):
+        # The output rows are coarse voxels, which a shift of the input's would not map back to ours.
+        raise ValueError("a network with padded convolutions needs coordinates already on spconv's grid "
+                         "(`spconv_grid`), the same for every library")
     indices = torch.from_numpy(shifted).to(features.device)
     shift = torch.from_numpy(shifted[:1] - coordinates[:1]).to(features.device)
 

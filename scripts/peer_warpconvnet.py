@@ -182,6 +182,8 @@ def warpconvnet_convolution(layer: networks.Conv, warpconvnet, pairing: StridePa
     if any(size % 2 == 0 and size > 2 for size in kernel_size):
         raise ValueError(f"{layer.name}: WarpConvNet's offsets along an axis of even size {kernel_size} start at 0, "
                          "ours at -(size - 1) // 2; only sizes 1, 2 and odd ones match")
+    if layer.padding is not None:
+        raise ValueError(f"{layer.name}: WarpConvNet has no padded convolution (spconv's output rule)")
     kind = layer.kind()
     if kind == "strided":
         pairing.strided(layer)

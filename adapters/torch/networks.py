@@ -193,7 +193,7 @@ def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
     return networks.build_layer(layer, "torch", {
         networks.Conv: lambda conv: SpatiallySparseConv(
             conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, transposed=conv.transposed,
-            bias=conv.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo),
+            bias=conv.bias, fwd_algo=fwd_algo, bwd_algo=bwd_algo, padding=conv.padding),
         networks.BatchNorm: lambda norm: SparseBatchNorm(norm.channels, eps=norm.eps, momentum=norm.momentum),
         networks.ReLU: lambda relu: SparseReLU(),
         networks.Sequential: lambda sequential: SparseSequential(sequential, fwd_algo, bwd_algo),
@@ -279,8 +279,8 @@ def MinkUNet34(in_channels: int = 3, num_classes: int = 20, width: float = 1.0, 
     return SparseNetwork(networks.minkunet(34, in_channels, num_classes, width), **algorithms)
 
 
-def CenterPointBackbone(in_channels: int = 4, width: float = 1.0, **algorithms) -> SparseNetwork:
-    return SparseNetwork(networks.centerpoint_backbone(in_channels, width), **algorithms)
+def CenterPointBackbone(in_channels: int = 4, width: float = 1.0, padded: bool = False, **algorithms) -> SparseNetwork:
+    return SparseNetwork(networks.centerpoint_backbone(in_channels, width, padded), **algorithms)
 
 
 def observe_convolutions(model: SparseNetwork, observer) -> list:

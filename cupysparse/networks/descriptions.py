@@ -7,8 +7,8 @@ architecture and one set of parameter names. A parameter's name is the dotted pa
 names down to it, as in a PyTorch `state_dict`: `encoder1.block0.conv1.weight`.
 
 Layers:
-- `Conv`: a sparse convolution (submanifold, strided, or transposed back to finer coordinates),
-  weight `[K, C_in, C_out]`, optional bias;
+- `Conv`: a sparse convolution (submanifold, strided, or transposed back to finer coordinates; with
+  `padding`, spconv's padded convolution), weight `[K, C_in, C_out]`, optional bias;
 - `BatchNorm`: per-channel batch normalisation (`weight`, `bias`, `running_mean`, `running_var`);
 - `ReLU`;
 - `Sequential`: its layers in order;
@@ -50,6 +50,9 @@ class Conv:
     stride: int | tuple = 1
     transposed: bool = False
     bias: bool = False
+    # None: our output rules; an int or a tuple: spconv's padded convolution (`cupysparse.geometry.padding`),
+    # whose output starts a map cache of its own.
+    padding: int | tuple | None = None
 
     def kernel_volume(self) -> int:
         return math.prod(as_tuple(self.kernel_size, SPATIAL_DIMS, "kernel_size"))
@@ -176,15 +179,21 @@ def convolutions(network: Network) -> list[tuple[str, Conv]]:
 def map_requests(network: Network) -> list[MapRequest]:
     """The kernel maps the convolutions of `network` run over, each once, in running order, with tensor
     strides relative to the input's (what `KernelMapCache.build_maps` builds up front, the strides multiplied
-    by the input's)."""
+    by the input's). A padded convolution's output starts a map cache of its own: the maps past the first
+    one are not the input's to build, and are left out."""
     requests = []
+    padded = False
 
     def run(layer, stride: tuple[int, ...]) -> tuple[int, ...]:
+        nonlocal padded
         if isinstance(layer, Conv):
+            padding = None if layer.padding is None else as_tuple(layer.padding, SPATIAL_DIMS, "padding", minimum=0)
             request = MapRequest(stride, as_tuple(layer.kernel_size, SPATIAL_DIMS, "kernel_size"),
-                                 as_tuple(layer.stride, SPATIAL_DIMS, "stride"), transposed=layer.transposed)
-            if request not in requests:
+                                 as_tuple(layer.stride, SPATIAL_DIMS, "stride"), transposed=layer.transposed,
+                                 padding=padding)
+            if not padded and request not in requests:
                 requests.append(request)
+            padded = padded or padding is not None
             if layer.transposed:
                 return tuple(s // t for s, t in zip(stride, request.stride))
             return tuple(s * t for s, t in zip(stride, request.stride))
@@ -285,22 +294,29 @@ def minkunet(depth: int = 18, in_channels: int = 3, num_classes: int = 20, width
     return Network(f"MinkUNet{depth}", Sequential("", tuple(stages)), in_channels, num_classes)
 
 
-def centerpoint_backbone(in_channels: int = 4, width: float = 1.0) -> Network:
+def centerpoint_backbone(in_channels: int = 4, width: float = 1.0, padded: bool = False) -> Network:
     """A CenterPoint / SECOND-style sparse ResNet encoder: a 3^3 stem (16 channels) and two
     residual blocks, then three stages of a 3^3 stride-2 convolution and two residual blocks (32,
     64, 128 channels: 8x downsampling), and a (1, 1, 3) convolution of stride (1, 1, 2) that halves
-    the height axis (the last coordinate) once more, as the detectors do before the BEV head."""
+    the height axis (the last coordinate) once more, as the detectors do before the BEV head.
+
+    `padded`: the strided convolutions as spconv's detectors run them, padding 1 (the last one 0), each
+    voxel a kernel tap reaches an output (`cupysparse.geometry.padding`); otherwise our output rules."""
     _positive_int(in_channels, "in_channels")
     _check_width(width)
+    if not isinstance(padded, bool):
+        raise TypeError(f"padded must be a bool, got {padded!r}")
+    down_padding, height_padding = (1, 0) if padded else (None, None)
     channels = [_scaled(c, width) for c in CENTERPOINT_CHANNELS]
     out_channels = _scaled(CENTERPOINT_OUT_CHANNELS, width)
     stem = (*_conv_norm_relu("", in_channels, channels[0]), *_blocks(2, channels[0], channels[0]))
     stages = [Sequential("stem", stem)]
     for level in range(1, len(channels)):
         stages.append(Sequential(f"stage{level}", (
-            *_conv_norm_relu("down_", channels[level - 1], channels[level], kernel_size=3, stride=2),
+            *_conv_norm_relu("down_", channels[level - 1], channels[level], kernel_size=3, stride=2,
+                             padding=down_padding),
             *_blocks(2, channels[level], channels[level]),
         )))
     stages.append(Sequential("height", _conv_norm_relu("", channels[-1], out_channels, kernel_size=(1, 1, 3),
-                                                       stride=(1, 1, 2))))
+                                                       stride=(1, 1, 2), padding=height_padding)))
     return Network("CenterPointBackbone", Sequential("", tuple(stages)), in_channels, out_channels)

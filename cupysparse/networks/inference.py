@@ -156,7 +156,7 @@ class InferenceNetwork:
             weight, bias = self._convs[path]
             observer.before(path, layer, tensor)
             output = spatially_sparse_conv(tensor, weight, layer.kernel_size, layer.stride, 1, layer.transposed,
-                                           bias=bias, fwd_algo=self.fwd_algo)
+                                           bias=bias, fwd_algo=self.fwd_algo, padding=layer.padding)
             observer.after(path, layer, tensor, output, weight)
             return output
         if isinstance(layer, networks.BatchNorm):

@@ -101,8 +101,16 @@ def test_map_requests_are_the_maps_the_convolutions_run_over():
         (cube(4), cube(2)), (cube(8), cube(1)), (cube(8), (1, 1, 2))]
 
 
-@pytest.mark.parametrize("description", [networks.minkunet(14, 4, 5), networks.centerpoint_backbone(4)],
-                         ids=["minkunet14", "centerpoint"])
+def test_map_requests_of_a_padded_network_stop_at_its_first_padded_convolution():
+    """A padded convolution's output starts a map cache of its own: the maps past it are not the input's."""
+    requests = networks.map_requests(networks.centerpoint_backbone(4, padded=True))
+    assert [(request.tensor_stride, request.stride, request.padding) for request in requests] == [
+        ((1, 1, 1), (1, 1, 1), None), ((1, 1, 1), (2, 2, 2), (1, 1, 1))]
+
+
+@pytest.mark.parametrize("description", [networks.minkunet(14, 4, 5), networks.centerpoint_backbone(4),
+                                         networks.centerpoint_backbone(4, padded=True)],
+                         ids=["minkunet14", "centerpoint", "padded centerpoint"])
 def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description):
     """The network builds its `map_requests` before its first layer; its layers then build none of their own."""
     tensor = _voxels("outdoor", 3000, 4)

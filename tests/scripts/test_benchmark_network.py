@@ -54,6 +54,33 @@ def test_cpu_run_times_both_phases_of_cupysparse(tmp_path, capsys):
     assert table["inference"][3:7] == ["n/a"] * 4
 
 
+def test_the_centerpoint_backbone_trains_on_the_mean_square_of_its_features(tmp_path, monkeypatch):
+    """--network centerpoint: the padded backbone on spconv's grid (a spatial shape for our input too); its
+    training step has no labels and takes the mean square of the output features as its loss."""
+    losses = []
+    original_step = benchmark_network.Library.training_step
+
+    def training_step(library, labels):
+        losses.append(labels)
+        return original_step(library, labels)
+
+    monkeypatch.setattr(benchmark_network.Library, "training_step", training_step)
+    rows = run_benchmark(tmp_path, "--dtype", "float32", "--network", "centerpoint", "--scene", "outdoor")
+    assert [row["network"] for row in rows] == ["CenterPointBackbone"] * 2
+    assert losses and all(labels is None for labels in losses)
+    model = benchmark_network.CenterPointBackbone(in_channels=3, width=0.25, padded=True)
+    batch = benchmark_network.scene_batch("outdoor", NUM_VOXELS, BATCH_SIZE)
+    shifted, spatial_shape = benchmark_network.peer_spconv.spconv_grid(
+        batch.coordinates, benchmark_network.peer_spconv.coarsest_stride(model.description))
+    assert shifted.min() >= 0
+    features = torch.from_numpy(batch.features)
+    output = model(SparseTensor(torch.from_numpy(shifted), features, spatial_shape=spatial_shape)).features
+    step = benchmark_network.Library("cupysparse", model, lambda: SparseTensor(
+        torch.from_numpy(shifted), features, spatial_shape=spatial_shape), lambda out: (out.coordinates, out.features))
+    loss = original_step(step, None)
+    torch.testing.assert_close(loss, output.detach().float().square().mean())
+
+
 def test_results_page_and_chart_from_the_csv(tmp_path):
     pytest.importorskip("matplotlib")
     run_benchmark(tmp_path, "--dtype", "float32", "--scene", "outdoor", "--markdown", str(tmp_path / "page.md"),

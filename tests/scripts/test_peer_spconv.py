@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 from cupysparse.networks import descriptions as networks  # noqa: E402
 from cupysparse.adapters.torch import SparseTensor  # noqa: E402
 from cupysparse.adapters.torch.convolution import sparse_conv  # noqa: E402
-from cupysparse.adapters.torch.networks import MinkUNet14  # noqa: E402
+from cupysparse.adapters.torch.networks import CenterPointBackbone, MinkUNet14  # noqa: E402
 from cupysparse.geometry.coords import as_tuple  # noqa: E402
 from cupysparse.scripts import benchmark_network, peer_spconv  # noqa: E402
 
@@ -154,6 +154,46 @@ def test_one_by_one_weights_are_laid_out_for_spconvs_matrix_view():
 def test_strided_convolutions_other_than_two_cubed_are_refused():
     with pytest.raises(ValueError, match="other output voxels"):
         peer_spconv.build_spconv_network(networks.centerpoint_backbone(), STAND_IN_SPCONV)
+
+
+def test_padded_convolutions_are_spconvs_own_with_their_padding():
+    description = networks.centerpoint_backbone(padded=True)
+    spconv_model = peer_spconv.build_spconv_network(description, STAND_IN_SPCONV)
+    padded = {path: layer for path, layer in networks.convolutions(description) if layer.padding is not None}
+    assert sorted(padded) == ["height.conv", "stage1.down_conv", "stage2.down_conv", "stage3.down_conv"]
+    for path, layer in padded.items():
+        arguments = spconv_model.get_submodule(path).arguments
+        assert type(spconv_model.get_submodule(path)) is SparseConv3d, path
+        assert (arguments["kernel_size"], arguments["stride"], arguments["padding"]) == (
+            layer.kernel_size, layer.stride, layer.padding), path
+    assert peer_spconv.padded(description) and not peer_spconv.padded(networks.centerpoint_backbone())
+
+
+def test_padded_centerpoint_computes_spconvs_backbone():
+    """The benchmark's CenterPoint row: our padded backbone against spconv's own (its CPU build here, its CUDA
+    build on a GPU), the same weights and statistics, on spconv's grid for both; voxel by voxel."""
+    spconv = pytest.importorskip("spconv.pytorch")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = CenterPointBackbone(in_channels=3, width=0.5, padded=True)
+    with torch.no_grad():  # statistics away from the defaults, so that copying them matters
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    model = model.to(device).eval()
+    batch = benchmark_network.scene_batch("outdoor", NUM_VOXELS, BATCH_SIZE)
+    shifted, spatial_shape = peer_spconv.spconv_grid(batch.coordinates, peer_spconv.coarsest_stride(model.description))
+    features = torch.from_numpy(batch.features).to(device)
+    with pytest.raises(ValueError, match="spconv's grid"):
+        peer_spconv.peer_network(spconv, model, batch.coordinates - 5, features, BATCH_SIZE)
+    spconv_model, make_input, output_voxels = peer_spconv.peer_network(spconv, model, shifted, features, BATCH_SIZE)
+    coordinates = torch.from_numpy(shifted).to(device)
+    ours = benchmark_network.Library(
+        "cupysparse", model, lambda: SparseTensor(coordinates, features, spatial_shape=spatial_shape),
+        lambda output: (output.coordinates, output.features))
+    theirs = benchmark_network.Library("spconv", spconv_model.eval(), make_input, output_voxels)
+    assert benchmark_network.output_difference(ours, theirs) < 1e-4
 
 
 def test_a_transposed_convolution_needs_a_strided_one_to_invert():

@@ -100,6 +100,11 @@ def test_even_kernels_past_two_are_refused_for_their_offsets():
         peer_warpconvnet.build_warpconvnet_network(networks.Network("even", root, 8, 4), STAND_IN_WARPCONVNET)
 
 
+def test_padded_convolutions_are_refused():
+    with pytest.raises(ValueError, match="no padded convolution"):
+        peer_warpconvnet.build_warpconvnet_network(networks.centerpoint_backbone(padded=True), STAND_IN_WARPCONVNET)
+
+
 def test_batch_offsets_refuse_rows_out_of_batch_order():
     coordinates = torch.tensor([[1, 0, 0, 0], [0, 1, 1, 1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="grouped by batch index"):
