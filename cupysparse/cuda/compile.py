@@ -50,6 +50,8 @@ _PROJECT_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _MMA_INCLUDE = re.compile(r"^\s*#\s*include\s+<mma\.h>", re.MULTILINE)
 
 _REGISTRY: list[KernelSource] = []
+# Threads of a block of a one-thread-per-item kernel (`launch_config`, `KernelSource.launch_per_row`).
+ROW_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ class KernelSource:
         geometry): for small kernels launched many times a call, where a CuPy `Function` call's conversions
         cost more than the kernel."""
         return _prepared_launch(self, name_expression, cupy_module().cuda.Device().id, block, num_arguments, fixed)
+
+    def launch_per_row(self, name_expression: str, num_rows: int, *values: int, fixed: tuple = ()) -> None:
+        """`name_expression` with one thread per row (blocks of `ROW_BLOCK`, at least one) on the current
+        stream, prepared (`prepared`): `values` in argument order, past the `fixed` (position, bytes) ones."""
+        self.prepared(name_expression, ROW_BLOCK, len(values) + len(fixed), fixed).launch(
+            cupy_module().cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // ROW_BLOCK)), 1, 1))
 
 
 def registered_sources() -> tuple[KernelSource, ...]:
@@ -570,7 +578,7 @@ def _prepared_launch(source: KernelSource, name_expression: str, device: int, bl
     return PreparedLaunch(source.get(name_expression), (1,), (block,), arguments)
 
 
-def launch_config(num_threads: int, block_size: int = 256) -> tuple[tuple[int], tuple[int]]:
+def launch_config(num_threads: int, block_size: int = ROW_BLOCK) -> tuple[tuple[int], tuple[int]]:
     """Grid and block for a one-thread-per-item kernel (at least one block)."""
     return (max(1, -(-num_threads // block_size)),), (block_size,)
 

@@ -126,8 +126,8 @@ class GpuHashTable:
         self.spatial_dims = coords.shape[1] - 1
         self._slots, self._capacity_mask = _empty_slots(self.num_coords)
         if self.num_coords:
-            _launch(f"insert_coordinates<{self.spatial_dims}>", self.num_coords,
-                    coords.data.ptr, self.num_coords, self._slots.data.ptr, self._capacity_mask)
+            _KERNELS.launch_per_row(f"insert_coordinates<{self.spatial_dims}>", self.num_coords, coords.data.ptr,
+                                    self.num_coords, self._slots.data.ptr, self._capacity_mask)
 
     def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
         """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
@@ -145,23 +145,10 @@ class GpuHashTable:
         mask = storage[kernel_volume * num_out :].reshape(num_out, num_words)
         if num_out == 0:
             return table, mask
-        _launch(f"query_pair_table<{self.spatial_dims}>", num_out, out_coords.data.ptr, num_out, kernel_volume,
-                self._slots.data.ptr, self._capacity_mask, int(same_coordinates), table.data.ptr, mask.data.ptr,
-                fixed=((3, query.as_struct().tobytes()),))
+        _KERNELS.launch_per_row(f"query_pair_table<{self.spatial_dims}>", num_out, out_coords.data.ptr, num_out,
+                                kernel_volume, self._slots.data.ptr, self._capacity_mask, int(same_coordinates),
+                                table.data.ptr, mask.data.ptr, fixed=((3, query.as_struct().tobytes()),))
         return table, mask
-
-
-_BLOCK = 256  # threads of a block of every kernel here: one thread per row
-
-
-def _launch(name_expression: str, num_rows: int, *values: int, fixed: tuple = ()) -> None:
-    """One thread per row of `name_expression` on the current stream, a prepared launch (a CuPy call's
-    argument conversions cost more than these kernels): `values` in argument order, past the `fixed`
-    (position, struct bytes) ones."""
-    import cupy
-
-    _KERNELS.prepared(name_expression, _BLOCK, len(values) + len(fixed), fixed).launch(
-        cupy.cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // _BLOCK)), 1, 1))
 
 
 def _empty_slots(num_keys: int):
@@ -213,17 +200,17 @@ def unique_coordinates_by(coords, divisors) -> list:
     for level, by in enumerate(divided_by):
         if level:
             _mark_empty(slots)  # one table serves every divisor in turn
-        _launch(f"insert_smallest_row<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, slots.data.ptr,
-                capacity_mask, fixed=by)
-        _launch(f"mark_first_occurrence<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, slots.data.ptr,
-                capacity_mask, is_first[level].data.ptr, fixed=by)
+        _KERNELS.launch_per_row(f"insert_smallest_row<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
+                                slots.data.ptr, capacity_mask, fixed=by)
+        _KERNELS.launch_per_row(f"mark_first_occurrence<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
+                                slots.data.ptr, capacity_mask, is_first[level].data.ptr, fixed=by)
         cupy.cumsum(is_first[level], dtype=np.int32, out=positions[level])
     counts = positions[:, -1].get()  # the one synchronisation
     uniques = []
     for level, by in enumerate(divided_by):
         unique = cupy.empty((int(counts[level]), 1 + spatial_dims), dtype=np.int32)
-        _launch(f"write_first_rows<{spatial_dims}>", num_coords, coords.data.ptr, num_coords, is_first[level].data.ptr,
-                positions[level].data.ptr, unique.data.ptr, fixed=by)
+        _KERNELS.launch_per_row(f"write_first_rows<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
+                                is_first[level].data.ptr, positions[level].data.ptr, unique.data.ptr, fixed=by)
         uniques.append(unique)
     return uniques
 

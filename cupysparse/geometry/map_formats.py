@@ -62,7 +62,6 @@ _FORMAT_KERNELS = KernelSource(
     ),
 )
 _SHARE_TABLE_BLOCK = 256  # threads of a block of `wgrad_share_table`
-_ROW_BLOCK = 256  # threads of a block of the one-thread-per-row kernels (`offset_mask`, `invert_pairs`, the segments')
 
 
 @dataclass(frozen=True)
@@ -218,9 +217,7 @@ def offset_mask(pair_table):
     mask = cupy.empty((num_out, num_words), dtype=np.uint32)
     if num_out:
         table = cupy.ascontiguousarray(pair_table)
-        _FORMAT_KERNELS.prepared("offset_mask", _ROW_BLOCK, 4).launch(
-            cupy.cuda.get_current_stream().ptr, table.data.ptr, num_out, kernel_volume, mask.data.ptr,
-            grid=(-(-num_out // _ROW_BLOCK), 1, 1))
+        _FORMAT_KERNELS.launch_per_row("offset_mask", num_out, table.data.ptr, num_out, kernel_volume, mask.data.ptr)
     return mask
 
 
@@ -328,15 +325,10 @@ def _sorted_together(masks: list, key_shift: int) -> list:
     segment_starts = segments.data.ptr + 8 * len(masks)
     total = int(starts[-1])
     keys = cupy.empty((total, 1), dtype=np.uint32)
-    stream = cupy.cuda.get_current_stream().ptr
-    grid = (-(-total // _ROW_BLOCK), 1, 1)
-    _FORMAT_KERNELS.prepared("segment_keys", _ROW_BLOCK, 5).launch(
-        stream, segments.data.ptr, segment_starts, len(masks), key_shift, keys.data.ptr, grid=grid
-    )
+    _FORMAT_KERNELS.launch_per_row("segment_keys", total, segments.data.ptr, segment_starts, len(masks), key_shift,
+                                   keys.data.ptr)
     order = mask_sorted_order(keys, key_shift + (len(masks) - 1).bit_length())
-    _FORMAT_KERNELS.prepared("rows_within_segments", _ROW_BLOCK, 3).launch(
-        stream, segment_starts, len(masks), order.data.ptr, grid=grid
-    )
+    _FORMAT_KERNELS.launch_per_row("rows_within_segments", total, segment_starts, len(masks), order.data.ptr)
     return [order[start:end] for start, end in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
 
@@ -364,7 +356,6 @@ def invert_pair_table(pair_table, num_in: int):
     # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
     cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
     if kernel_volume and num_out and num_in:
-        _FORMAT_KERNELS.prepared("invert_pairs", _ROW_BLOCK, 5).launch(
-            cupy.cuda.get_current_stream().ptr, table.data.ptr, num_out, kernel_volume, num_in, inverse.data.ptr,
-            grid=(-(-num_out // _ROW_BLOCK), 1, 1))
+        _FORMAT_KERNELS.launch_per_row("invert_pairs", num_out, table.data.ptr, num_out, kernel_volume, num_in,
+                                       inverse.data.ptr)
     return inverse

@@ -486,3 +486,30 @@ def test_a_prepared_launch_hands_a_struct_over_as_its_bytes(monkeypatch):
                                            (None, geometry, None, np.int32(-2)))
     launch.launch(0, 2**40, 9)
     assert launched == [[2**40, geometry, 9, -2]]
+
+
+def test_a_launch_per_row_covers_every_row_with_blocks_of_its_size(monkeypatch):
+    """One thread per row, in blocks of `ROW_BLOCK`, at least one block, on the current stream; the values
+    fill the per-call slots around a fixed struct."""
+    from cupysparse.geometry.map_formats import _FORMAT_KERNELS
+
+    launched = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        addresses = (ctypes.c_uint64 * 3).from_address(params)
+        launched.append(((gx, gy, gz, bx, by, bz), stream, ctypes.c_uint64.from_address(addresses[0]).value,
+                         ctypes.string_at(addresses[1], 8), ctypes.c_uint64.from_address(addresses[2]).value))
+
+    cuda = types.SimpleNamespace(driver=types.SimpleNamespace(launchKernel=launch_kernel),
+                                 Device=lambda: types.SimpleNamespace(id=0),
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=77))
+    monkeypatch.setattr(kernel_compile, "cupy_module", lambda: types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: types.SimpleNamespace(ptr=5))
+    kernel_compile._prepared_launch.cache_clear()
+    try:
+        for num_rows in (0, 1, kernel_compile.ROW_BLOCK, kernel_compile.ROW_BLOCK + 1):
+            _FORMAT_KERNELS.launch_per_row("offset_mask", num_rows, 11, 12, fixed=((1, b"geometry"),))
+    finally:
+        kernel_compile._prepared_launch.cache_clear()
+    block = kernel_compile.ROW_BLOCK
+    assert launched == [((blocks, 1, 1, block, 1, 1), 77, 11, b"geometry", 12) for blocks in (1, 1, 1, 2)]
