@@ -1,6 +1,6 @@
 // The GPU coordinate index: a hash table of coordinates, one query kernel that writes the pair
-// table [K, N_out] (input row or -1) for all kernel offsets at once, and the first-occurrence
-// marking behind `unique_coordinates`.
+// table [K, N_out] (input row or -1) for all kernel offsets at once, the first-occurrence
+// marking behind `unique_coordinates`, and the outputs a padded convolution reaches.
 #include "coordinate_key.cuh"
 
 // Per-axis geometry of a query, passed by value (D <= 4).
@@ -9,6 +9,7 @@ struct QueryGeometry {
   int out_scale[4];  // input candidate = (out * out_scale + sign * dilation * offset) / divisor
   int dilation[4];
   int divisor[4];
+  int shift[4];  // added to out * out_scale: where a padded map's taps start
   int sign;
 };
 
@@ -97,7 +98,7 @@ __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out
   int index[D];  // per-axis position inside the kernel; the last axis runs fastest
 #pragma unroll
   for (int axis = 0; axis < D; ++axis) {
-    base[axis] = (long long)c[1 + axis] * geometry.out_scale[axis];
+    base[axis] = (long long)c[1 + axis] * geometry.out_scale[axis] + geometry.shift[axis];
     index[axis] = 0;
   }
   const int num_words = (kernel_volume + 31) / 32;
@@ -140,4 +141,98 @@ __global__ void query_pair_table(const int* __restrict__ out_coords, int num_out
       index[axis] = 0;
     }
   }
+}
+
+// A padded convolution's reach (`cupysparse.geometry.padding`): input x and tap j (per axis, 0..K-1)
+// reach o = (x + padding - dilation * j) / stride where the division is exact, or, transposed,
+// o = x * stride - padding + dilation * j; only o in [0, out_shape) is kept where out_shape > 0.
+struct ReachGeometry {
+  int kernel_size[4];
+  int stride[4];
+  int dilation[4];
+  int padding[4];
+  int out_shape[4];  // 0: no spatial shape, every output reached is kept
+  int transposed;
+};
+
+// Candidate `candidate` = input row * kernel_volume + tap (the last axis' tap fastest): whether it reaches
+// an output, that output's row (batch, o) and key. An output past the key range reaches nothing and
+// sets *out_of_range.
+template <int D>
+__device__ __forceinline__ bool reached_output(const int* __restrict__ coords, long long candidate, int kernel_volume,
+                                               const ReachGeometry& geometry, int* reached, key_t64* key,
+                                               unsigned int* __restrict__ out_of_range) {
+  const long long row = candidate / kernel_volume;
+  int tap = (int)(candidate - row * kernel_volume);
+  const int* c = coords + row * (D + 1);
+  long long output[D];
+#pragma unroll
+  for (int axis = D - 1; axis >= 0; --axis) {
+    const int size = geometry.kernel_size[axis];
+    const long long j = tap % size;
+    tap /= size;
+    const long long x = c[1 + axis];
+    const long long stride = geometry.stride[axis], reach = geometry.dilation[axis] * j - geometry.padding[axis];
+    long long o;
+    if (geometry.transposed) {
+      o = x * stride + reach;
+    } else {
+      const long long shifted = x - reach;
+      o = shifted >= 0 ? shifted / stride : -((-shifted + stride - 1) / stride);  // floor division
+      if (o * stride != shifted) return false;
+    }
+    const int bound = geometry.out_shape[axis];
+    if (bound > 0 && (o < 0 || o >= bound)) return false;
+    output[axis] = o;
+  }
+  if (!pack_key<D>(c[0], output, key)) {
+    atomicOr(out_of_range, 1u);
+    return false;
+  }
+  reached[0] = c[0];
+#pragma unroll
+  for (int axis = 0; axis < D; ++axis) reached[1 + axis] = (int)output[axis];  // inside the key range
+  return true;
+}
+
+// Each output reached keeps its smallest candidate: the order of first occurrence, deterministic.
+template <int D>
+__global__ void insert_reached(const int* __restrict__ coords, long long num_candidates, int kernel_volume,
+                               ReachGeometry geometry, ulonglong2* __restrict__ slots, key_t64 capacity_mask,
+                               unsigned int* __restrict__ out_of_range) {
+  const long long candidate = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (candidate >= num_candidates) return;
+  int reached[D + 1];
+  key_t64 key;
+  if (reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range))
+    atomicMin(&claim_slot(slots, capacity_mask, key)->y, (key_t64)candidate);
+}
+
+template <int D>
+__global__ void mark_first_reached(const int* __restrict__ coords, long long num_candidates, int kernel_volume,
+                                   ReachGeometry geometry, const ulonglong2* __restrict__ slots,
+                                   key_t64 capacity_mask, unsigned int* __restrict__ out_of_range,
+                                   bool* __restrict__ is_first) {
+  const long long candidate = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (candidate >= num_candidates) return;
+  int reached[D + 1];
+  key_t64 key;
+  is_first[candidate] = reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range) &&
+                        find_key(slots, capacity_mask, key) == candidate;
+}
+
+// Compaction, as write_first_rows: `positions` is the inclusive running count of `is_first`.
+template <int D>
+__global__ void write_first_reached(const int* __restrict__ coords, long long num_candidates, int kernel_volume,
+                                    ReachGeometry geometry, unsigned int* __restrict__ out_of_range,
+                                    const bool* __restrict__ is_first, const int* __restrict__ positions,
+                                    int* __restrict__ out) {
+  const long long candidate = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (candidate >= num_candidates || !is_first[candidate]) return;
+  int reached[D + 1];
+  key_t64 key;
+  reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range);
+  const long long i = positions[candidate] - 1;
+#pragma unroll
+  for (int column = 0; column <= D; ++column) out[i * (D + 1) + column] = reached[column];
 }

@@ -257,11 +257,15 @@ class SparseNetwork(SparseSequential):
         return self._forward(input)
 
     def _forward(self, input: SparseTensor) -> SparseTensor:
-        # Every map of the network before its first layer; those of a backward pass too where one will run.
-        input.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(input.tensor_stride,
-                                                                                      request.tensor_stride)))
-                          for request in self._map_requests], with_reversed=self.training and torch.is_grad_enabled())
-        return super().forward(input)
+        # Every map of the network before its first layer; those of a backward pass too where one will run. The
+        # results hold the caches that padded convolutions' outputs start until the layers that run in them.
+        built = input.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(input.tensor_stride,
+                                                                                              request.tensor_stride)))
+                                  for request in self._map_requests],
+                                 with_reversed=self.training and torch.is_grad_enabled())
+        output = super().forward(input)
+        del built
+        return output
 
     def extra_repr(self) -> str:
         return f"{self.description.name}: {self.description.in_channels} → {self.description.out_channels} channels"

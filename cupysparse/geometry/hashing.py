@@ -2,10 +2,11 @@
 
 `build_index(coords)` returns an index over the rows of `coords`; `index.pair_table(...)` answers,
 for every output row and every kernel offset at once, which input row sits at
-`(out * out_scale + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`,
+`(out * out_scale + shift + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`,
 together with the offset bitmask when it comes for free (the GPU query writes it; else None).
-Submanifold and strided maps use divisor 1 and sign +1; generative transposed maps ask with
-sign -1 and the stride as divisor.
+Submanifold and strided maps use divisor 1, shift 0 and sign +1; generative transposed maps ask with
+sign -1 and the stride as divisor; padded maps shift to where their taps start.
+`unique_reached` lists the outputs a padded convolution reaches, from one hash table on the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ _KERNELS = KernelSource(
             "mark_first_occurrence",
             "write_first_rows",
             "query_pair_table",
+            "insert_reached",
+            "mark_first_reached",
+            "write_first_reached",
         )
         for d in (2, 3, 4)
     ),
@@ -44,6 +48,7 @@ _GEOMETRY_DTYPE = np.dtype(
         ("out_scale", np.int32, (4,)),
         ("dilation", np.int32, (4,)),
         ("divisor", np.int32, (4,)),
+        ("shift", np.int32, (4,)),
         ("sign", np.int32),
     ]
 )
@@ -58,6 +63,10 @@ class Query:
     out_scale: tuple[int, ...]
     divisor: tuple[int, ...]
     sign: int = 1
+    shift: tuple[int, ...] | None = None  # None: zeros
+
+    def shifts(self) -> tuple[int, ...]:
+        return self.shift or (0,) * len(self.kernel_size)
 
     @functools.cache  # one record per geometry: building it costs more than the query's launch
     def as_struct(self) -> np.void:
@@ -67,6 +76,7 @@ class Query:
         record["out_scale"] = self.out_scale + pad
         record["dilation"] = self.dilation + pad
         record["divisor"] = self.divisor + pad
+        record["shift"] = self.shifts() + (0,) * len(pad)
         record["sign"] = self.sign
         return record[()]
 
@@ -96,11 +106,12 @@ class SortedKeyIndex:
         table = np.full((offsets.shape[0], out_coords.shape[0]), -1, dtype=np.int32)
         shift = query.sign * offsets * np.asarray(query.dilation, dtype=np.int64)  # [K, D]
         scale = np.asarray(query.out_scale, dtype=np.int64)
+        base_shift = np.asarray(query.shifts(), dtype=np.int64)
         divisor = np.asarray(query.divisor, dtype=np.int64)
         layout = key_layout(self.spatial_dims)
         for start in range(0, out_coords.shape[0], self._ROWS_PER_BLOCK):
             block = out_coords[start : start + self._ROWS_PER_BLOCK].astype(np.int64)
-            shifted = block[None, :, 1:] * scale + shift[:, None, :]  # [K, rows, D]
+            shifted = block[None, :, 1:] * scale + base_shift + shift[:, None, :]  # [K, rows, D]
             candidate = np.floor_divide(shifted, divisor)
             valid = np.all(candidate * divisor == shifted, axis=2)
             valid &= np.all((candidate >= layout.coord_min) & (candidate <= layout.coord_max), axis=2)
@@ -230,3 +241,67 @@ def _unique_on_cpu(coords: np.ndarray, divisor: tuple[int, ...]) -> np.ndarray:
     starts = np.ones(len(keys), dtype=bool)
     starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
     return divided[np.sort(order[starts])]
+
+
+# Mirrors `struct ReachGeometry` in raw_kernels/coordinate_hash.cu.
+_REACH_DTYPE = np.dtype(
+    [
+        ("kernel_size", np.int32, (4,)),
+        ("stride", np.int32, (4,)),
+        ("dilation", np.int32, (4,)),
+        ("padding", np.int32, (4,)),
+        ("out_shape", np.int32, (4,)),
+        ("transposed", np.int32),
+    ]
+)
+
+
+@functools.cache
+def _reach_struct(kernel_size, stride, dilation, padding, out_shape, transposed: bool) -> bytes:
+    pad = 4 - len(kernel_size)
+    record = np.zeros((), dtype=_REACH_DTYPE)
+    record["kernel_size"] = kernel_size + (1,) * pad
+    record["stride"] = stride + (1,) * pad
+    record["dilation"] = dilation + (1,) * pad
+    record["padding"] = padding + (0,) * pad
+    record["out_shape"] = (out_shape or (0,) * len(kernel_size)) + (0,) * pad
+    record["transposed"] = transposed
+    return record.tobytes()
+
+
+def unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, transposed: bool):
+    """(outputs, out_of_range) on the GPU: the distinct outputs int32 `[M, 1 + D]` that the candidates (input
+    rows x taps, taps inner) of a padded convolution reach (`cupysparse.geometry.padding` has the rules), in
+    order of first occurrence, and whether some candidate left the key range (those reach nothing).
+
+    A hash table keeps each output's smallest candidate, sized for the most outputs an input reaches (per
+    axis the multiples of the stride among its taps); one synchronisation, for the count and the flag."""
+    import cupy
+
+    coords = cupy.ascontiguousarray(coords)
+    kernel_volume = int(np.prod(kernel_size))
+    num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
+    num_candidates = num_coords * kernel_volume
+    reached_per_input = kernel_volume if transposed else int(np.prod(
+        [min(k, -(-((k - 1) * d + 1) // s)) for k, s, d in zip(kernel_size, stride, dilation)]))
+    if num_candidates == 0:
+        return cupy.empty((0, 1 + spatial_dims), dtype=np.int32), False
+    slots, capacity_mask = _empty_slots(num_coords * reached_per_input)
+    flags = cupy.zeros(2, dtype=np.int32)  # the count, then the out-of-range flag
+    is_first = cupy.empty(num_candidates, dtype=bool)
+    positions = cupy.empty(num_candidates, dtype=np.int32)
+    geometry = ((3, _reach_struct(tuple(kernel_size), tuple(stride), tuple(dilation), tuple(padding),
+                                  None if out_shape is None else tuple(out_shape), transposed)),)
+    flag = flags.data.ptr + 4
+    common = (coords.data.ptr, num_candidates, kernel_volume)
+    _KERNELS.launch_per_row(f"insert_reached<{spatial_dims}>", num_candidates, *common, slots.data.ptr,
+                            capacity_mask, flag, fixed=geometry)
+    _KERNELS.launch_per_row(f"mark_first_reached<{spatial_dims}>", num_candidates, *common, slots.data.ptr,
+                            capacity_mask, flag, is_first.data.ptr, fixed=geometry)
+    cupy.cumsum(is_first, dtype=np.int32, out=positions)
+    flags[:1] = positions[-1:]
+    count, out_of_range = (int(value) for value in flags.get())  # the one synchronisation
+    outputs = cupy.empty((count, 1 + spatial_dims), dtype=np.int32)
+    _KERNELS.launch_per_row(f"write_first_reached<{spatial_dims}>", num_candidates, *common, flag,
+                            is_first.data.ptr, positions.data.ptr, outputs.data.ptr, fixed=geometry)
+    return outputs, bool(out_of_range)

@@ -32,10 +32,9 @@ import numpy as np
 from cupysparse.cuda.backend import array_module, is_cupy_array
 from cupysparse.geometry.hashing import Query, SortedKeyIndex, build_index, unique_coordinates, unique_coordinates_by
 from cupysparse.geometry.padding import (
-    anchor_shift,
-    anchors,
     as_padding,
     conv_output_shape,
+    query_shift,
     reached_coordinates,
     transposed_output_shape,
 )
@@ -392,9 +391,9 @@ def padded_map(in_coords, kernel_size, stride, dilation=1, padding=0, spatial_sh
     out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape)
     index = index or build_index(in_coords)
     _check_query_memory(kernel_size, out_coords)
-    ones = (1,) * len(stride)
-    starts = anchors(out_coords, stride, anchor_shift(kernel_size, dilation, padding))
-    table, mask = index.pair_table(starts, Query(kernel_size, dilation, out_scale=ones, divisor=ones))
+    shift = query_shift(kernel_size, dilation, padding)
+    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=(1,) * len(stride),
+                                                     shift=shift))
     kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask, padding=padding)
     return out_coords, out_shape, kernel_map
 
@@ -410,9 +409,9 @@ def padded_generative_map(in_coords, kernel_size, stride, dilation=1, padding=0,
     out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape, transposed=True)
     index = index or build_index(in_coords)
     _check_query_memory(kernel_size, out_coords)
-    ones = (1,) * len(stride)
-    starts = anchors(out_coords, ones, -anchor_shift(kernel_size, dilation, padding))
-    table, mask = index.pair_table(starts, Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1))
+    shift = query_shift(kernel_size, dilation, padding, transposed=True)
+    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=(1,) * len(stride),
+                                                     divisor=stride, sign=-1, shift=shift))
     kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True,
                            offset_mask=mask, padding=padding)
     return out_coords, out_shape, kernel_map
@@ -466,7 +465,9 @@ def _held(result: MapResult) -> MapResult | None:
 
 
 class MapRequest(NamedTuple):
-    """The arguments of one `KernelMapCache.kernel_map` call, for `KernelMapCache.build_maps`."""
+    """The arguments of one `KernelMapCache.kernel_map` call, for `KernelMapCache.build_maps`, and `cache`, the
+    map cache it runs in: 0 the one building, k the k-th new cache an earlier request's output started (a padded
+    or generative convolution's), in the order of the requests."""
 
     tensor_stride: tuple[int, ...]
     kernel_size: int | tuple[int, ...]
@@ -475,6 +476,11 @@ class MapRequest(NamedTuple):
     transposed: bool = False
     generative: bool = False
     padding: int | tuple[int, ...] | None = None
+    cache: int = 0
+
+    def arguments(self) -> tuple:
+        """The arguments of `KernelMapCache.kernel_map`."""
+        return self[:-1]
 
 
 @dataclass(frozen=True)
@@ -581,19 +587,32 @@ class KernelMapCache:
             self._coordinates[tensor_stride] = coords
 
     def build_maps(self, requests, with_reversed: bool = False) -> list[MapResult]:
-        """`kernel_map(*request)` for each of `requests` (`MapRequest`s), built now, as a network's first layer
-        would have them built one by one: the coordinates of every level the strided convolutions reach in one
-        synchronisation (`downsample_to`), then each map, then the mask-sorted orders of all of them in one
-        sort (and, `with_reversed`, of their reversed maps, which a backward pass runs over). A network calls
-        this with all of its maps before its first layer, which then finds each one built."""
-        levels = []
+        """`kernel_map(*request.arguments())` of the cache each of `requests` (`MapRequest`s) names, built now,
+        as a network's first layer would have them built one by one: in each cache, the coordinates of every
+        level its strided convolutions reach in one synchronisation (`downsample_to`), then each map, then the
+        mask-sorted orders of all of them in one sort (and, `with_reversed`, of their reversed maps, which a
+        backward pass runs over). A network calls this with all of its maps before its first layer, which then
+        finds each one built."""
+        levels: dict[int, list] = {}
         for request in requests:
             if not request.transposed and request.padding is None:
                 stride = as_tuple(request.stride, len(self._input_stride), "stride")
                 if any(s != 1 for s in stride):
-                    levels.append(tuple(t * s for t, s in zip(request.tensor_stride, stride)))
-        self.downsample_to(levels)
-        results = [self.kernel_map(*request) for request in requests]
+                    levels.setdefault(request.cache, []).append(
+                        tuple(t * s for t, s in zip(request.tensor_stride, stride)))
+        caches, results = [self], []
+        for request in requests:
+            if request.cache >= len(caches):
+                raise ValueError(f"{request} runs in map cache {request.cache}, but the requests before it made "
+                                 f"{len(caches) - 1} new ones")
+            cache = caches[request.cache]
+            if request.cache in levels:
+                cache.downsample_to(levels.pop(request.cache))
+            result = cache.kernel_map(*request.arguments())
+            output_cache = result.out_map_cache
+            if all(output_cache is not known for known in caches):
+                caches.append(output_cache)
+            results.append(result)
         kernel_maps = [result.kernel_map for result in results]
         if with_reversed:
             kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps]

@@ -13,7 +13,8 @@ formulas; its transposed one leaves the dilation out). Without one, every output
 
 With c = d·((K - 1) // 2) - p, tap j of offset o_k is `x = o·s + c + d·o_k`: the pairs of output o are those
 of a submanifold query at its anchor `o·s + c`; transposed, `x = (o - c - d·o_k) / s`, the generative query
-at the anchor `o - c`. So the maps come from the query every other map uses (`hashing.Query`).
+at the anchor `o - c`. So the maps come from the query every other map uses (`hashing.Query`), shifted by c.
+On the GPU the outputs reached come from one hash table of the candidates (`hashing.unique_reached`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 
 import numpy as np
 
-from cupysparse.cuda.backend import array_module, is_cupy_array
+from cupysparse.cuda.backend import is_cupy_array
 from cupysparse.geometry.coords import (
     as_tuple,
     check_candidate_memory,
@@ -31,7 +32,7 @@ from cupysparse.geometry.coords import (
     key_layout,
     offset_range,
 )
-from cupysparse.geometry.hashing import unique_coordinates
+from cupysparse.geometry.hashing import unique_coordinates, unique_reached
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -70,18 +71,14 @@ def anchor_shift(kernel_size, dilation, padding) -> np.ndarray:
     return -np.asarray(dilation, dtype=np.int64) * first - np.asarray(padding, dtype=np.int64)
 
 
-def anchors(out_coords, scale, shift: np.ndarray):
-    """int32 rows `[N, 1 + D]`: the batch index, then `out·scale + shift`, where the query of a padded map
-    starts; ValueError when one leaves int32 (a dilation or padding near 2^31)."""
-    xp = array_module(out_coords)
-    spatial = out_coords[:, 1:].astype(np.int64) * xp.asarray(scale, dtype=np.int64) + xp.asarray(shift)
-    if spatial.size and (int(spatial.min()) < _INT32_MIN or int(spatial.max()) > _INT32_MAX):
-        raise ValueError(f"a padded convolution's kernel reaches past int32 coordinates (scale {tuple(scale)}, "
-                         f"shift {tuple(int(c) for c in shift)})")
-    rows = xp.empty(out_coords.shape, dtype=np.int32)
-    rows[:, 0] = out_coords[:, 0]
-    rows[:, 1:] = spatial
-    return rows
+def query_shift(kernel_size, dilation, padding, transposed: bool = False) -> tuple[int, ...]:
+    """Where a padded map's query starts from its outputs (`hashing.Query.shift`): c per axis, -c transposed
+    (see the module); ValueError when one leaves int32 (a dilation or padding near 2^31)."""
+    shift = tuple(int(c) for c in (-1 if transposed else 1) * anchor_shift(kernel_size, dilation, padding))
+    if any(not _INT32_MIN <= c <= _INT32_MAX for c in shift):
+        raise ValueError(f"a padded convolution's kernel reaches past int32 coordinates (kernel {tuple(kernel_size)}, "
+                         f"dilation {tuple(dilation)}, padding {tuple(padding)})")
+    return shift
 
 
 def reached_coordinates(coords, kernel_size, stride, dilation, padding, out_shape=None, transposed=False):
@@ -96,31 +93,35 @@ def reached_coordinates(coords, kernel_size, stride, dilation, padding, out_shap
     kind = "padded transposed convolution" if transposed else "padded convolution"
     described = f"the candidates of a {kind} ({coords.shape[0]} input rows x {kernel_volume} taps)"
     check_row_count(coords.shape[0] * kernel_volume, described)
-    if not is_cupy_array(coords):
-        check_candidate_memory(coords.shape[0] * kernel_volume, spatial_dims, described)
-    xp = array_module(coords)
-    reach = xp.asarray(kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64))  # d·o_k, [K, D]
-    shift = xp.asarray(anchor_shift(kernel_size, dilation, padding))
-    step = xp.asarray(stride, dtype=np.int64)
+    layout = key_layout(spatial_dims)
+    out_of_range = ValueError(
+        f"a {kind} (kernel {kernel_size}, stride {stride}, dilation {dilation}, padding {padding}) would create "
+        f"coordinates outside [{layout.coord_min}, {layout.coord_max}], the range of D = {spatial_dims}"
+    )
+    if is_cupy_array(coords):
+        outputs, left_the_range = unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, transposed)
+        if left_the_range:
+            raise out_of_range
+        return outputs
+    check_candidate_memory(coords.shape[0] * kernel_volume, spatial_dims, described)
+    reach = kernel_offsets(kernel_size) * np.asarray(dilation, dtype=np.int64)  # d·o_k, [K, D]
+    shift = anchor_shift(kernel_size, dilation, padding)
+    step = np.asarray(stride, dtype=np.int64)
     spatial = coords[:, None, 1:].astype(np.int64)
     if transposed:
         spatial = spatial * step + (reach + shift)[None]
-        valid = xp.ones(spatial.shape[:2], dtype=bool)
+        valid = np.ones(spatial.shape[:2], dtype=bool)
     else:
         spatial = spatial - (reach + shift)[None]
-        valid = xp.all(spatial % step == 0, axis=2)
+        valid = np.all(spatial % step == 0, axis=2)
         spatial //= step
     if out_shape is not None:
-        valid &= xp.all((spatial >= 0) & (spatial < xp.asarray(out_shape, dtype=np.int64)), axis=2)
-    rows, taps = xp.nonzero(valid)
+        valid &= np.all((spatial >= 0) & (spatial < np.asarray(out_shape, dtype=np.int64)), axis=2)
+    rows, taps = np.nonzero(valid)
     spatial = spatial[rows, taps]
-    layout = key_layout(spatial_dims)
     if spatial.size and (int(spatial.min()) < layout.coord_min or int(spatial.max()) > layout.coord_max):
-        raise ValueError(
-            f"a {kind} (kernel {kernel_size}, stride {stride}, dilation {dilation}, padding {padding}) would create "
-            f"coordinates outside [{layout.coord_min}, {layout.coord_max}], the range of D = {spatial_dims}"
-        )
-    candidates = xp.empty((rows.shape[0], 1 + spatial_dims), dtype=np.int32)
+        raise out_of_range
+    candidates = np.empty((rows.shape[0], 1 + spatial_dims), dtype=np.int32)
     candidates[:, 0] = coords[rows, 0]
     candidates[:, 1:] = spatial
     return unique_coordinates(candidates)

@@ -179,36 +179,42 @@ def convolutions(network: Network) -> list[tuple[str, Conv]]:
 def map_requests(network: Network) -> list[MapRequest]:
     """The kernel maps the convolutions of `network` run over, each once, in running order, with tensor
     strides relative to the input's (what `KernelMapCache.build_maps` builds up front, the strides multiplied
-    by the input's). A padded convolution's output starts a map cache of its own: the maps past the first
-    one are not the input's to build, and are left out."""
+    by the input's). A padded convolution's output starts a map cache of its own, whose maps name it
+    (`MapRequest.cache`); its inverse returns to the cache of its input."""
     requests = []
-    padded = False
+    made: dict[MapRequest, int] = {}  # the cache each padded convolution's output starts
+    made_from: dict[int, int] = {}  # each such cache's input's cache
 
-    def run(layer, stride: tuple[int, ...]) -> tuple[int, ...]:
-        nonlocal padded
+    def run(layer, stride: tuple[int, ...], cache: int) -> tuple[tuple[int, ...], int]:
         if isinstance(layer, Conv):
             padding = None if layer.padding is None else as_tuple(layer.padding, SPATIAL_DIMS, "padding", minimum=0)
             request = MapRequest(stride, as_tuple(layer.kernel_size, SPATIAL_DIMS, "kernel_size"),
                                  as_tuple(layer.stride, SPATIAL_DIMS, "stride"), transposed=layer.transposed,
-                                 padding=padding)
-            if not padded and request not in requests:
+                                 padding=padding, cache=cache)
+            if request not in requests:
                 requests.append(request)
-            padded = padded or padding is not None
+            if padding is not None and not layer.transposed:
+                if request not in made:
+                    made[request] = len(made) + 1
+                    made_from[made[request]] = cache
+                cache = made[request]
+            elif padding is not None:
+                cache = made_from.get(cache, cache)
             if layer.transposed:
-                return tuple(s // t for s, t in zip(stride, request.stride))
-            return tuple(s * t for s, t in zip(stride, request.stride))
+                return tuple(s // t for s, t in zip(stride, request.stride)), cache
+            return tuple(s * t for s, t in zip(stride, request.stride)), cache
         if isinstance(layer, Residual):
-            out = stride
+            out = stride, cache
             for child in layer.body:
-                out = run(child, out)
+                out = run(child, *out)
             if layer.shortcut is not None:
-                run(layer.shortcut, stride)  # from the block's input, beside the body
+                run(layer.shortcut, stride, cache)  # from the block's input, beside the body
             return out
         for child in children(layer):
-            stride = run(child, stride)
-        return stride
+            stride, cache = run(child, stride, cache)
+        return stride, cache
 
-    run(network.root, (1,) * SPATIAL_DIMS)
+    run(network.root, (1,) * SPATIAL_DIMS, 0)
     return requests
 
 

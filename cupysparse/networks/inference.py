@@ -147,9 +147,12 @@ class InferenceNetwork:
         return self._forward(input, observer)
 
     def _forward(self, input: SparseTensor, observer: LayerObserver | None = None) -> SparseTensor:
-        input.map_cache.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(
+        # The results hold the caches that padded convolutions' outputs start until the layers that run in them.
+        built = input.map_cache.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(
             input.tensor_stride, request.tensor_stride))) for request in self._map_requests])
-        return self._run(self.network.root, "", input, {}, observer or LayerObserver())
+        output = self._run(self.network.root, "", input, {}, observer or LayerObserver())
+        del built
+        return output
 
     def _run(self, layer, path: str, tensor: SparseTensor, skips: dict, observer: LayerObserver) -> SparseTensor:
         if isinstance(layer, networks.Conv):

@@ -630,8 +630,8 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
     host = (lambda array: array) if device == "cpu" else (lambda array: array.get())
     assert len(built) == len(requests)
     for request, result in zip(requests, built):
-        expected = lazy.kernel_map(*request)
-        assert up_front.kernel_map(*request) is result
+        expected = lazy.kernel_map(*request.arguments())
+        assert up_front.kernel_map(*request.arguments()) is result
         np.testing.assert_array_equal(host(result.out_coordinates), host(expected.out_coordinates))
         assert result.out_tensor_stride == expected.out_tensor_stride
         maps = [(result.kernel_map, expected.kernel_map)]
@@ -642,6 +642,36 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
             if device == "cuda":
                 assert "_mask_sorted_order" in ahead.__dict__  # computed by the one sort, not on demand
             np.testing.assert_array_equal(host(ahead.mask_sorted_order()), host(step.mask_sorted_order()))
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_maps_of_the_caches_padded_convolutions_start_are_built_up_front_too(device):
+    """Requests past a padded convolution run in the cache its output starts (`MapRequest.cache`), and its
+    inverse's in the cache of its input: `build_maps` gives the maps a layer-by-layer walk through those caches
+    gives, each in its own cache."""
+    rng = np.random.default_rng(8)
+    coords = np.unique(np.concatenate([rng.integers(0, 2, (4000, 1)), rng.integers(0, 30, (4000, 3))], axis=1)
+                       .astype(np.int32), axis=0)
+    coords = on_device(coords[rng.permutation(len(coords))], device)
+    one, two, four = (1, 1, 1), (2, 2, 2), (4, 4, 4)
+    requests = [MapRequest(one, 3), MapRequest(one, 3, 2, padding=1), MapRequest(two, 3, cache=1),
+                MapRequest(two, 3, 2, padding=1, cache=1), MapRequest(four, 3, cache=2), MapRequest(four, 1, cache=2),
+                MapRequest(four, 3, 2, transposed=True, padding=1, cache=2), MapRequest(two, (1, 1, 3), cache=1)]
+    shape = (30, 30, 30)
+    lazy, up_front = (KernelMapCache(coords, one, spatial_shape=shape) for _ in range(2))
+    built = up_front.build_maps(requests, with_reversed=True)
+    caches = [lazy]
+    for request, result in zip(requests, built):
+        expected = caches[request.cache].kernel_map(*request.arguments())
+        if request.padding is not None and not request.transposed:
+            caches.append(expected.out_map_cache)
+        np.testing.assert_array_equal(to_host(result.out_coordinates), to_host(expected.out_coordinates))
+        np.testing.assert_array_equal(to_host(result.kernel_map.pair_table), to_host(expected.kernel_map.pair_table))
+        assert result.out_tensor_stride == expected.out_tensor_stride
+    assert built[6].out_map_cache is built[1].out_map_cache  # the inverse returns to its input's cache
+    assert [len(cache) for cache in (up_front, built[1].out_map_cache, built[3].out_map_cache)] == [2, 3, 3]
+    with pytest.raises(ValueError, match="runs in map cache 2, but the requests before it made 0 new ones"):
+        KernelMapCache(coords, one).build_maps([MapRequest(one, 3, cache=2)])
 
 
 def test_downsample_to_refuses_strides_that_are_not_multiples_of_the_input():

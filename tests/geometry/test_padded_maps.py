@@ -138,6 +138,36 @@ def test_padded_maps_are_the_enumeration(case, transposed, device):
     assert kernel_map.identity_offset is None  # no row is its own neighbour: rows of other coordinates
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "transposed"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[6], CASES[8], CASES[9]], ids=str)
+def test_many_voxels_reach_the_same_outputs_and_pairs_on_the_gpu_as_on_the_cpu(case, transposed):
+    """Tens of thousands of voxels: the GPU's hash table of candidates (probing chains, atomics) against
+    the CPU's sort, output by output in the same order, and the same pair tables."""
+    shape = (70, 60, 50, 40)[: len(case.kernel_size)]
+    coords = random_coords(shape, seed=3, rows_per_batch=30_000)
+    build = padded_generative_map if transposed else padded_map
+    geometry = (case.kernel_size, case.stride, case.dilation, case.padding, shape)
+    cpu_outputs, cpu_shape, cpu_map = build(coords, *geometry)
+    gpu_outputs, gpu_shape, gpu_map = build(on_device(coords, "cuda"), *geometry)
+    assert len(cpu_outputs) > len(coords) // 4
+    np.testing.assert_array_equal(to_host(gpu_outputs), cpu_outputs)
+    assert gpu_shape == cpu_shape
+    np.testing.assert_array_equal(to_host(gpu_map.pair_table), cpu_map.pair_table)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "transposed"])
+def test_outputs_past_the_key_range_are_refused(transposed, device):
+    """A voxel at the edge of the key range whose taps reach past it, with no spatial shape to clip them."""
+    layout = coords_module.key_layout(3)
+    edge = layout.coord_max if transposed else layout.coord_min
+    coords = np.array([[0, 0, 0, 0], [0, edge, 0, 0]], np.int32)
+    build = padded_generative_map if transposed else padded_map
+    with pytest.raises(ValueError, match=r"would create coordinates outside \[-\d+, \d+\], the range of D = 3"):
+        build(on_device(coords, device), 3, 2 if transposed else 1, 1, 0)
+
+
 def dense_sums(pairs: set, outputs: list, features: np.ndarray, weight: np.ndarray, num_inputs: int | None = None):
     """out[o] = Σ over the pairs (k, x, o) of weight[k]^T features[x]; with `num_inputs`, the inverse:
     out[x] = Σ weight[k]^T features[o], features by output."""

@@ -101,11 +101,15 @@ def test_map_requests_are_the_maps_the_convolutions_run_over():
         (cube(4), cube(2)), (cube(8), cube(1)), (cube(8), (1, 1, 2))]
 
 
-def test_map_requests_of_a_padded_network_stop_at_its_first_padded_convolution():
-    """A padded convolution's output starts a map cache of its own: the maps past it are not the input's."""
+def test_map_requests_of_a_padded_network_name_the_caches_its_padded_convolutions_start():
+    """A padded convolution's output starts a map cache of its own: the maps past it run there."""
     requests = networks.map_requests(networks.centerpoint_backbone(4, padded=True))
-    assert [(request.tensor_stride, request.stride, request.padding) for request in requests] == [
-        ((1, 1, 1), (1, 1, 1), None), ((1, 1, 1), (2, 2, 2), (1, 1, 1))]
+    cube = lambda size: (size,) * 3  # noqa: E731
+    assert [(request.cache, request.tensor_stride, request.stride, request.padding) for request in requests] == [
+        (0, cube(1), cube(1), None), (0, cube(1), cube(2), cube(1)),
+        (1, cube(2), cube(1), None), (1, cube(2), cube(2), cube(1)),
+        (2, cube(4), cube(1), None), (2, cube(4), cube(2), cube(1)),
+        (3, cube(8), cube(1), None), (3, cube(8), (1, 1, 2), cube(0))]
 
 
 @pytest.mark.parametrize("description", [networks.minkunet(14, 4, 5), networks.centerpoint_backbone(4),
@@ -115,18 +119,19 @@ def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description):
     """The network builds its `map_requests` before its first layer; its layers then build none of their own."""
     tensor = _voxels("outdoor", 3000, 4)
     network = InferenceNetwork(description, networks.random_weights(description), device="cpu", dtype="float32")
-    built = []
+    built, caches = [], []
     original = type(tensor.map_cache).build_maps
 
     def recording(cache, requests, with_reversed=False):
         results = original(cache, requests, with_reversed)
-        built.append(len(cache))
+        caches.extend({id(c): c for c in [cache, *(result.out_map_cache for result in results)]}.values())
+        built.append(sum(len(c) for c in caches))
         return results
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(tensor.map_cache), "build_maps", recording)
         network(tensor)
-    assert built == [len(networks.map_requests(description))] == [len(tensor.map_cache)]
+    assert built == [len(networks.map_requests(description))] == [sum(len(cache) for cache in caches)]
 
 
 def test_centerpoint_backbone_downsamples_eight_times_and_halves_the_height():
