@@ -52,7 +52,7 @@ NETWORKS = {
     "minkunet18": ("indoor", lambda classes: networks.minkunet(18, 3, classes)),
     "centerpoint": ("outdoor", lambda classes: networks.centerpoint_backbone()),
 }
-DEFAULT_NETWORKS = ("minkunet18",)
+DEFAULT_NETWORKS = ("minkunet18", "centerpoint")
 # The demo's scene (200K voxels on a GPU) and its neighbouring size buckets.
 DEFAULT_NUM_VOXELS = (100_000, 200_000, 400_000)
 DTYPE_CHOICES = ("float16", "bfloat16", "float32", "tf32")

@@ -149,7 +149,9 @@ def test_the_split_families_declare_every_instantiation_once():
     sums = [common_module.sum_source(dtype) for dtype in (FLOAT16, BFLOAT16, FLOAT32)]
     assert [(source.filename, source.name_expressions) for source in sums] == [
         ("wgrad_sum.cu", (f"wgrad_sum<{type_name}>",)) for type_name in ("__half", "__nv_bfloat16", "float")]
-    assert len(mma_module._SOURCES[FLOAT16].sources) == 6 * 3 + 6 + 9  # forward: 6 tiles x 3 depths; dgrad; wgrad
+    # forward: 9 tiles x 2 stage widths (16, 32 channels) x 3 depths; dgrad: 9 x 2; wgrad: 9. TF32 has one width.
+    assert len(mma_module._SOURCES[FLOAT16].sources) == 9 * 2 * 3 + 9 * 2 + 9
+    assert len(mma_module._SOURCES[FLOAT32].sources) == 9 * 3 + 9 + 9
 
 
 def test_declared_modules_lie_within_the_algorithms_kernel_files_and_cpu_problems_have_none():

@@ -51,8 +51,9 @@ def test_a_second_run_replaces_the_output(tmp_path):
 def test_dry_run_lists_network_size_and_dtype_runs(capsys):
     assert populate.main(["--dry-run", "--num-voxels", "100K", "200K", "--dtypes", "float16", "tf32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "4 runs"
+    assert lines[-1] == "8 runs"  # MinkUNet18 and CenterPoint's backbone, two sizes, two dtypes
     assert "100,000 voxels  float16" in lines[0] and "200,000 voxels  tf32" in lines[3]
+    assert lines[0].endswith("minkunet18") and lines[4].endswith("centerpoint")
 
 
 def test_cpu_results_need_an_explicit_output_and_the_default_is_the_shipped_file(capsys):

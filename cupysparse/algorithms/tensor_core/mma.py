@@ -17,6 +17,7 @@ from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from cupysparse.algorithms.base import ConvProblem, gpu_only_reason, register
 from cupysparse.algorithms.tensor_core.common import (
+    CHANNEL_MULTIPLE,
     WARP_SIZE,
     WGRAD_WARPS_PER_SM,
     DynamicSharedWgradPlan,
@@ -25,15 +26,20 @@ from cupysparse.algorithms.tensor_core.common import (
     WgradPlan,
     forward_arguments,
     fp32_as_tf32_unsupported_reason,
+    padded_channels,
     padded_weight_and_partials_bytes,
 )
 
-STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32
+STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32 (at most)
 LDMATRIX_ROW_PAD_BYTES = 16  # shared-memory rows read by ldmatrix untransposed are padded by this
 K_MAJOR_ROW_PAD = 8  # elements k-major rows are padded by (raw_kernels/mma_implicit_gemm.cu)
 MAX_OFFSET_BATCH, ROW_TABLE_LIMIT = 32, 16 * 1024  # as in gather_tiles.cuh
-# (rows, channels, warps along rows, warps along channels) of a block's output tile.
-TILES = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (256, 128, 4, 2), (128, 32, 4, 1))
+# (rows, channels, warps along rows, warps along channels) of a block's output tile. The narrow ones (fewer
+# than 128 x 32 outputs) serve narrow layers only (`auto_tiles`): at 16 and 32 channels on sparse LiDAR sweeps
+# a small block skips more offsets that none of its rows has, as spconv's 32 x 16 tiles do.
+TILES = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (128, 128, 2, 4), (256, 128, 4, 2), (128, 32, 4, 1),
+         (64, 32, 2, 1), (64, 16, 4, 1), (32, 16, 2, 1))
+NARROW_TILE_OUTPUTS = 128 * 32
 # Pipeline depths: the default first. Two stages hold less shared memory, so more blocks share an SM: at
 # 32 channels and 500K-1M voxels that hides the gathers' latency better than depth (H100, 1M x 32
 # forward: 0.346 ms against 0.373 at three stages, fp16 and bf16 alike).
@@ -52,8 +58,16 @@ def _mma_k(itemsize: int) -> int:
     return 16 if itemsize == 2 else 8
 
 
-def _block_k(itemsize: int) -> int:
-    return STAGE_ROW_BYTES // itemsize
+def _block_k(itemsize: int, in_padded: int) -> int:
+    """Input channels per pipeline stage: `STAGE_ROW_BYTES` of them, or one mma's k where that does not divide
+    the padded channels (16 or 48 fp16 channels: no stage half zeros)."""
+    widest = STAGE_ROW_BYTES // itemsize
+    return widest if in_padded % widest == 0 else _mma_k(itemsize)
+
+
+def _block_ks(itemsize: int) -> tuple[int, ...]:
+    """Every `_block_k` of some padded channel count (multiples of `CHANNEL_MULTIPLE`)."""
+    return tuple(sorted({_block_k(itemsize, CHANNEL_MULTIPLE * n) for n in (1, 2)}))
 
 
 def _wgrad_pairs(itemsize: int) -> int:
@@ -72,10 +86,9 @@ def _wgrad_warps(side: int) -> int:
     return side // 32 if side <= 64 else side // 64
 
 
-def _kernel_name(dtype, tile, stages: int, weight_transposed: bool) -> str:
+def _kernel_name(dtype, tile, block_k: int, stages: int, weight_transposed: bool) -> str:
     rows, cols, warps_m, warps_n = tile
     flag = "true" if weight_transposed else "false"
-    block_k = _block_k(dtype.itemsize)
     return (f"mma_conv_forward<{cuda_type_name(dtype)}, {rows}, {cols}, {block_k}, {warps_m}, {warps_n}, "
             f"{stages}, {flag}>")
 
@@ -86,8 +99,10 @@ def _wgrad_kernel_name(dtype, tile) -> str:
 
 
 def _kernel_family(dtype) -> KernelFamily:
-    forward = tuple(_kernel_name(dtype, tile, stages, False) for tile in TILES for stages in STAGES)
-    dgrad = tuple(_kernel_name(dtype, tile, DGRAD_STAGES, True) for tile in TILES)
+    block_ks = _block_ks(dtype.itemsize)
+    forward = tuple(_kernel_name(dtype, tile, block_k, stages, False)
+                    for tile in TILES for block_k in block_ks for stages in STAGES)
+    dgrad = tuple(_kernel_name(dtype, tile, block_k, DGRAD_STAGES, True) for tile in TILES for block_k in block_ks)
     wgrad = tuple(_wgrad_kernel_name(dtype, _wgrad_tile(rows, cols)) for rows in WGRAD_SIDES for cols in WGRAD_SIDES)
     # One module per kernel: a process compiles only the ones it launches, a layer's candidates side by side.
     return KernelFamily("mma_implicit_gemm.cu", ((name,) for name in (*forward, *dgrad, *wgrad)))
@@ -96,10 +111,12 @@ def _kernel_family(dtype) -> KernelFamily:
 _SOURCES = {dtype: _kernel_family(dtype) for dtype in FEATURE_DTYPES}
 
 
-def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2) -> int:
-    """Dynamic shared memory of one block: `ForwardSharedLayout::BYTES` in the kernel source."""
+def shared_bytes(tile, stages: int, weight_transposed: bool, itemsize: int = 2, block_k: int | None = None) -> int:
+    """Dynamic shared memory of one block: `ForwardSharedLayout::BYTES` in the kernel source (`block_k`: the
+    widest by default)."""
     rows, cols, warps_m, warps_n = tile
-    block_k, ldmatrix_pad = _block_k(itemsize), LDMATRIX_ROW_PAD_BYTES // itemsize
+    block_k = block_k or STAGE_ROW_BYTES // itemsize
+    ldmatrix_pad = LDMATRIX_ROW_PAD_BYTES // itemsize
     a_bytes = rows * (block_k + ldmatrix_pad) * itemsize
     b_elements = cols * (block_k + ldmatrix_pad) if weight_transposed else block_k * (cols + K_MAJOR_ROW_PAD)
     offset_batch = min(MAX_OFFSET_BATCH, ROW_TABLE_LIMIT // (rows * 4))
@@ -139,10 +156,11 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
           sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
     """The plan of `mma_conv_forward` for this signature on `device`, made on first use."""
     rows, cols, warps_m, warps_n = tile
-    kernel = PreparedLaunch(_SOURCES[dtype].get(_kernel_name(dtype, tile, stages, weight_transposed)), (1,),
+    block_k = _block_k(dtype.itemsize, padded_channels(in_channels))
+    kernel = PreparedLaunch(_SOURCES[dtype].get(_kernel_name(dtype, tile, block_k, stages, weight_transposed)), (1,),
                             (warps_m * warps_n * WARP_SIZE,),
                             forward_arguments(kernel_volume, in_channels, out_channels),
-                            shared_bytes(tile, stages, weight_transposed, dtype.itemsize))
+                            shared_bytes(tile, stages, weight_transposed, dtype.itemsize, block_k))
     return ForwardGemmPlan(dtype, in_channels, out_channels, rows, cols, sort_rows, kernel)
 
 
@@ -161,8 +179,9 @@ class MmaImplicitGemm(TensorCoreImplicitGemm):
     feature_dtypes: ClassVar[tuple] = FEATURE_DTYPES
 
     def auto_tiles(self, channels: int) -> list[tuple]:
-        """None wider than the padded output channels need."""
-        return [tile for tile in TILES if tile[1] <= max(32, channels)]
+        """None wider than the padded output channels need; the narrow ones only where they cover them."""
+        return [tile for tile in TILES
+                if tile[1] <= max(32, channels) and (tile[0] * tile[1] >= NARROW_TILE_OUTPUTS or channels <= tile[1])]
 
     def unsupported_reason(self, problem: ConvProblem) -> str | None:
         reason = gpu_only_reason(problem) or fp32_as_tf32_unsupported_reason(self, problem)
@@ -175,7 +194,8 @@ class MmaImplicitGemm(TensorCoreImplicitGemm):
 
     def forward_sources(self, dtype, in_channels: int, tile, stages: int,
                         weight_transposed: bool) -> tuple[KernelSource, ...]:
-        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, stages, weight_transposed)),)  # any rows
+        block_k = _block_k(dtype.itemsize, padded_channels(in_channels))
+        return (_SOURCES[dtype].source_of(_kernel_name(dtype, tile, block_k, stages, weight_transposed)),)  # any rows
 
     def gemm_plan(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, tile, stages: int,
                   sort_rows: bool, weight_transposed: bool) -> ForwardGemmPlan:
