@@ -522,7 +522,8 @@ def results_page(paths: list[str], page_path: str, plot_path: str | None = None)
     rows = read_csv_files(paths)
     metadata = [read_metadata(path) for path in paths]
     page_folder = os.path.dirname(os.path.abspath(page_path))
-    lines = ["# End to end: MinkUNet, cupysparse against its peers", "",
+    names = " and ".join(dict.fromkeys(row["network"] for row in rows))
+    lines = [f"# End to end: {names}, cupysparse against its peers", "",
              f"Measured on **{rows[0]['device']}**, one process per table. Data: "
              + ", ".join(f"[{os.path.basename(path)}]({relative(path, page_folder)})" for path in paths) + ".", ""]
     if plot_path:
