@@ -22,6 +22,17 @@ __global__ void offset_mask(const int* __restrict__ pair_table, int num_out, int
   }
 }
 
+// The identity map of N rows (a 1 x 1 convolution's): row i its own only pair, so its pair table, mask-sorted
+// order and CSR lists are all `rows` = 0..N-1, and its CSR bounds {0, N}. One launch in place of three.
+__global__ void identity_pairs(int num_rows, int* __restrict__ rows, long long* __restrict__ bounds) {
+  const int row = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row == 0) {
+    bounds[0] = 0;
+    bounds[1] = num_rows;
+  }
+  if (row < num_rows) rows[row] = row;
+}
+
 // One thread per output row of the pair table: inverse[k, table[k, row]] = row for every pair
 // (the caller fills `inverse` [K, num_in] with -1). An input row and an offset determine at most
 // one output row, so no two threads write the same entry.

@@ -12,13 +12,15 @@ sign -1 and the stride as divisor; padded maps shift to where their taps start.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
 from cupysparse.cuda.compile import KernelSource
-from cupysparse.geometry.coords import check_row_count, key_layout, kernel_offsets, pack_keys
+from cupysparse.geometry.coords import MAX_ROWS, check_row_count, key_layout, kernel_offsets, pack_keys
 
 _KERNELS = KernelSource(
     "coordinate_hash.cu",
@@ -83,8 +85,24 @@ class Query:
 
 def build_index(coords):
     """An index over the rows of int32 coordinates `[N, 1 + D]` (validated by the caller)."""
-    check_row_count(coords.shape[0], "the indexed coordinates")
-    return GpuHashTable(coords) if is_cupy_array(coords) else SortedKeyIndex(coords)
+    return build_indices([coords])[0]
+
+
+def build_indices(coordinate_sets) -> list:
+    """`build_index` of each of `coordinate_sets` (all NumPy or all CuPy): on the GPU their hash tables share
+    one allocation and one memset, which a network's levels would otherwise issue one by one."""
+    for coords in coordinate_sets:
+        check_row_count(coords.shape[0], "the indexed coordinates")
+    if not coordinate_sets or not is_cupy_array(coordinate_sets[0]):
+        return [SortedKeyIndex(coords) for coords in coordinate_sets]
+    import cupy
+
+    capacities = [_capacity(coords.shape[0]) for coords in coordinate_sets]
+    slots = cupy.empty((sum(capacities), 2), dtype=np.uint64)
+    _mark_empty(slots)
+    starts = itertools.accumulate(capacities, initial=0)
+    return [GpuHashTable(coords, slots[start : start + capacity])
+            for coords, start, capacity in zip(coordinate_sets, starts, capacities)]
 
 
 class SortedKeyIndex:
@@ -127,15 +145,18 @@ class SortedKeyIndex:
 
 
 class GpuHashTable:
-    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N."""
+    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N (`_capacity`):
+    `slots`, that many empty ones (`build_indices`), else its own."""
 
-    def __init__(self, coords):
+    def __init__(self, coords, slots=None):
         import cupy
 
         coords = cupy.ascontiguousarray(coords)  # the kernels read rows of 1 + D packed ints
         self.num_coords = coords.shape[0]
         self.spatial_dims = coords.shape[1] - 1
-        self._slots, self._capacity_mask = _empty_slots(self.num_coords)
+        if slots is None:
+            slots = _empty_slots(self.num_coords)
+        self._slots, self._capacity_mask = slots, np.uint64(slots.shape[0] - 1)
         if self.num_coords:
             _KERNELS.launch_per_row(f"insert_coordinates<{self.spatial_dims}>", self.num_coords, coords.data.ptr,
                                     self.num_coords, self._slots.data.ptr, self._capacity_mask)
@@ -147,7 +168,7 @@ class GpuHashTable:
 
         check_row_count(out_coords.shape[0], "the output coordinates")
         out_coords = cupy.ascontiguousarray(out_coords)
-        kernel_volume = int(np.prod(query.kernel_size))
+        kernel_volume = math.prod(query.kernel_size)
         num_out = out_coords.shape[0]
         # One allocation for both: the map keeps them together.
         num_words = -(-kernel_volume // 32)
@@ -162,13 +183,17 @@ class GpuHashTable:
         return table, mask
 
 
+def _capacity(num_keys: int) -> int:
+    """Slots of a table for `num_keys` keys: a power of two, at least twice as many."""
+    return 1 << max(4, (2 * num_keys - 1).bit_length())
+
+
 def _empty_slots(num_keys: int):
     import cupy
 
-    capacity = 1 << max(4, (2 * num_keys - 1).bit_length())
-    slots = cupy.empty((capacity, 2), dtype=np.uint64)
+    slots = cupy.empty((_capacity(num_keys), 2), dtype=np.uint64)
     _mark_empty(slots)
-    return slots, np.uint64(capacity - 1)
+    return slots
 
 
 def _mark_empty(slots) -> None:
@@ -193,7 +218,10 @@ def unique_coordinates(coords, divisor=None):
 
 def unique_coordinates_by(coords, divisors) -> list:
     """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
-    all of their counts."""
+    all of their counts.
+
+    On the GPU one table serves every divisor in turn, and one running count goes over every divisor's
+    marks in turn, so that it places each divisor's rows after the ones before it in one allocation."""
     divisors = [tuple(divisor) for divisor in divisors]
     check_row_count(coords.shape[0], "the coordinates to deduplicate")
     if not is_cupy_array(coords):
@@ -204,26 +232,33 @@ def unique_coordinates_by(coords, divisors) -> list:
     num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
     if num_coords == 0 or not divisors:
         return [coords.copy() for _ in divisors]
-    slots, capacity_mask = _empty_slots(num_coords)
-    is_first = cupy.empty((len(divisors), num_coords), dtype=bool)
-    positions = cupy.empty((len(divisors), num_coords), dtype=np.int32)  # inclusive running counts of is_first
+    num_levels = len(divisors)
+    if num_levels * num_coords > MAX_ROWS:  # the running count is int32
+        split = max(1, MAX_ROWS // num_coords)
+        return unique_coordinates_by(coords, divisors[:split]) + unique_coordinates_by(coords, divisors[split:])
+    capacity = _capacity(num_coords)
+    # One scratch allocation: the table's slots, then the running counts and the marks of every divisor.
+    scratch = cupy.empty(16 * capacity + 5 * num_levels * num_coords, dtype=np.uint8)
+    slots = scratch[: 16 * capacity].view(np.uint64).reshape(capacity, 2)
+    capacity_mask = np.uint64(capacity - 1)
+    positions = scratch[16 * capacity : 16 * capacity + 4 * num_levels * num_coords].view(np.int32)
+    is_first = scratch[16 * capacity + 4 * num_levels * num_coords :].view(bool)
     divided_by = [((2, _divisor_struct(divisor, spatial_dims).tobytes()),) for divisor in divisors]
     for level, by in enumerate(divided_by):
-        if level:
-            _mark_empty(slots)  # one table serves every divisor in turn
+        _mark_empty(slots)
         _KERNELS.launch_per_row(f"insert_smallest_row<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
                                 slots.data.ptr, capacity_mask, fixed=by)
         _KERNELS.launch_per_row(f"mark_first_occurrence<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
-                                slots.data.ptr, capacity_mask, is_first[level].data.ptr, fixed=by)
-        cupy.cumsum(is_first[level], dtype=np.int32, out=positions[level])
-    counts = positions[:, -1].get()  # the one synchronisation
-    uniques = []
+                                slots.data.ptr, capacity_mask, is_first[level * num_coords :].data.ptr, fixed=by)
+    cupy.cumsum(is_first, dtype=np.int32, out=positions)  # inclusive, over every divisor's marks in turn
+    ends = positions.reshape(num_levels, num_coords)[:, -1].get().tolist()  # the one synchronisation
+    starts = [0] + ends[:-1]
+    uniques = cupy.empty((ends[-1], 1 + spatial_dims), dtype=np.int32)
     for level, by in enumerate(divided_by):
-        unique = cupy.empty((int(counts[level]), 1 + spatial_dims), dtype=np.int32)
         _KERNELS.launch_per_row(f"write_first_rows<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
-                                is_first[level].data.ptr, positions[level].data.ptr, unique.data.ptr, fixed=by)
-        uniques.append(unique)
-    return uniques
+                                is_first[level * num_coords :].data.ptr, positions[level * num_coords :].data.ptr,
+                                uniques.data.ptr, fixed=by)
+    return [uniques[start:end] for start, end in zip(starts, ends)]
 
 
 def _divisor_struct(divisor: tuple[int, ...], spatial_dims: int) -> np.void:
@@ -286,7 +321,8 @@ def unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, tr
         [min(k, -(-((k - 1) * d + 1) // s)) for k, s, d in zip(kernel_size, stride, dilation)]))
     if num_candidates == 0:
         return cupy.empty((0, 1 + spatial_dims), dtype=np.int32), False
-    slots, capacity_mask = _empty_slots(num_coords * reached_per_input)
+    slots = _empty_slots(num_coords * reached_per_input)
+    capacity_mask = np.uint64(slots.shape[0] - 1)
     flags = cupy.zeros(2, dtype=np.int32)  # the count, then the out-of-range flag
     is_first = cupy.empty(num_candidates, dtype=bool)
     positions = cupy.empty(num_candidates, dtype=np.int32)

@@ -30,7 +30,14 @@ from typing import NamedTuple
 import numpy as np
 
 from cupysparse.cuda.backend import array_module, is_cupy_array
-from cupysparse.geometry.hashing import Query, SortedKeyIndex, build_index, unique_coordinates, unique_coordinates_by
+from cupysparse.geometry.hashing import (
+    Query,
+    SortedKeyIndex,
+    build_index,
+    build_indices,
+    unique_coordinates,
+    unique_coordinates_by,
+)
 from cupysparse.geometry.padding import (
     as_padding,
     conv_output_shape,
@@ -55,6 +62,7 @@ from cupysparse.geometry.map_formats import (
     WgradShares,
     count_pairs,
     csr_pairs,
+    identity_pairs,
     invert_pair_table,
     mask_sorted_order,
     mask_sorted_orders,
@@ -327,15 +335,11 @@ def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap
     """Output = input coordinates. `index` reuses a `hashing.build_index(in_coords)`."""
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
     if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
-        xp = array_module(in_coords)
-        rows = xp.arange(in_coords.shape[0], dtype=np.int32)
         # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run; and
         # the one offset's pair list is every row with itself: nothing to count, so no synchronisation.
-        bounds = xp.full(2, len(rows), dtype=np.int64)  # [0, N], made on the device: no upload
-        bounds[0] = 0
-        pairs = CsrPairs(in_idx=rows, out_idx=rows, offsets=bounds)
-        return KernelMap(rows[None, :], in_coords.shape[0], kernel_size, stride, dilation, mask_sorted_order=rows,
-                         csr=pairs)
+        pairs = identity_pairs(in_coords.shape[0], in_coords)
+        return KernelMap(pairs.in_idx[None, :], in_coords.shape[0], kernel_size, stride, dilation,
+                         mask_sorted_order=pairs.in_idx, csr=pairs)
     index = index or build_index(in_coords)
     _check_query_memory(kernel_size, in_coords)
     query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
@@ -589,25 +593,21 @@ class KernelMapCache:
     def build_maps(self, requests, with_reversed: bool = False) -> list[MapResult]:
         """`kernel_map(*request.arguments())` of the cache each of `requests` (`MapRequest`s) names, built now,
         as a network's first layer would have them built one by one: in each cache, the coordinates of every
-        level its strided convolutions reach in one synchronisation (`downsample_to`), then each map, then the
-        mask-sorted orders of all of them in one sort (and, `with_reversed`, of their reversed maps, which a
-        backward pass runs over). A network calls this with all of its maps before its first layer, which then
-        finds each one built."""
-        levels: dict[int, list] = {}
+        level its strided convolutions reach in one synchronisation and the indices its maps look up, together
+        (`_prepare_levels`), then each map, then the mask-sorted orders of all of them in one sort (and,
+        `with_reversed`, of their reversed maps, which a backward pass runs over). A network calls this with all
+        of its maps before its first layer, which then finds each one built."""
+        by_cache: dict[int, list] = {}
         for request in requests:
-            if not request.transposed and request.padding is None:
-                stride = as_tuple(request.stride, len(self._input_stride), "stride")
-                if any(s != 1 for s in stride):
-                    levels.setdefault(request.cache, []).append(
-                        tuple(t * s for t, s in zip(request.tensor_stride, stride)))
+            by_cache.setdefault(request.cache, []).append(request)
         caches, results = [self], []
         for request in requests:
             if request.cache >= len(caches):
                 raise ValueError(f"{request} runs in map cache {request.cache}, but the requests before it made "
                                  f"{len(caches) - 1} new ones")
             cache = caches[request.cache]
-            if request.cache in levels:
-                cache.downsample_to(levels.pop(request.cache))
+            if request.cache in by_cache:
+                cache._prepare_levels(by_cache.pop(request.cache))
             result = cache.kernel_map(*request.arguments())
             output_cache = result.out_map_cache
             if all(output_cache is not known for known in caches):
@@ -618,6 +618,30 @@ class KernelMapCache:
             kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps]
         derive_mask_orders(kernel_maps)
         return results
+
+    def _prepare_levels(self, requests) -> None:
+        """Before this cache's `requests` are built: the coordinates of every level their strided convolutions
+        reach (`downsample_to`), then the indices of every level their maps look up, which share one allocation
+        (`hashing.build_indices`)."""
+        spatial_dims = len(self._input_stride)
+        reached, looked_up = [], []
+        for request in requests:
+            tensor_stride = tuple(request.tensor_stride)
+            stride = as_tuple(request.stride, spatial_dims, "stride")
+            if request.transposed and not request.generative:
+                if request.padding is None:  # the strided map it inverts looks up the finer level
+                    looked_up.append(_fine_stride(tensor_stride, stride))
+                continue  # a padded one inverts the map that made its coordinates
+            plain = request.padding is None and not request.generative
+            if plain and any(s != 1 for s in stride):
+                reached.append(tuple(t * s for t, s in zip(tensor_stride, stride)))
+            one_by_one = all(k == 1 for k in as_tuple(request.kernel_size, spatial_dims, "kernel_size"))
+            if not (plain and one_by_one and all(s == 1 for s in stride)):  # the identity map looks nothing up
+                looked_up.append(tensor_stride)
+        self.downsample_to(reached)
+        missing = [stride for stride in dict.fromkeys(looked_up) if stride not in self._indices]
+        for tensor_stride, index in zip(missing, build_indices([self.coordinates(stride) for stride in missing])):
+            self._indices[tensor_stride] = index
 
     def _index(self, tensor_stride):
         if tensor_stride not in self._indices:

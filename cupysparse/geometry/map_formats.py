@@ -45,6 +45,7 @@ _FORMAT_KERNELS = KernelSource(
     "kernel_map_formats.cu",
     (
         "offset_mask",
+        "identity_pairs",
         "invert_pairs",
         _SCAN_32,
         _SCAN_64,
@@ -132,6 +133,21 @@ def count_pairs(pair_table) -> PairCounts:
     copied = cupy.cuda.Event(block=False, disable_timing=True)
     copied.record(stream)
     return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
+
+
+def identity_pairs(num_rows: int, like) -> CsrPairs:
+    """The CSR lists of the identity map of `num_rows` rows (a 1 x 1 convolution's), on `like`'s backend: its one
+    offset pairs every row with itself, so `in_idx` and `out_idx` are both the rows 0..N-1, which are also its
+    pair table's one row and its mask-sorted order. On the GPU one allocation and one launch."""
+    if not is_cupy_array(like):
+        rows = np.arange(num_rows, dtype=np.int32)
+        return CsrPairs(in_idx=rows, out_idx=rows, offsets=np.array([0, num_rows], dtype=np.int64))
+    import cupy
+
+    storage = cupy.empty(2 + -(-num_rows // 2), dtype=np.int64)  # the bounds, then the rows as int32
+    bounds, rows = storage[:2], storage[2:].view(np.int32)[:num_rows]
+    _FORMAT_KERNELS.launch_per_row("identity_pairs", num_rows, num_rows, rows.data.ptr, bounds.data.ptr)
+    return CsrPairs(in_idx=rows, out_idx=rows, offsets=bounds)
 
 
 def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:

@@ -18,6 +18,7 @@ import pytest
 from cupysparse.geometry import kernel_map as kernel_map_module
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.geometry.coords import MAX_ROWS, kernel_offsets, key_layout, offset_range
+from cupysparse.geometry import hashing
 from cupysparse.geometry.hashing import unique_coordinates, unique_coordinates_by
 from cupysparse.geometry.kernel_map import (KernelMap, KernelMapCache, MapRequest, generative_map, offset_mask, strided_map, submanifold_map,
                                    transposed_map)
@@ -580,9 +581,13 @@ DIVISORS = [(2, 2, 2), (4, 4, 4), (1, 1, 3), (8, 4, 2)]
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(device):
+@pytest.mark.parametrize("counted_together", [4, 2], ids=["one count", "two counts"])
+def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(device, counted_together, monkeypatch):
+    """Every divisor's rows in order of first occurrence; on the GPU from one running count over all of their
+    marks, or from several where that count would leave int32 (here made to, past two divisors' rows)."""
     rng = np.random.default_rng(11)
     coords = np.concatenate([rng.integers(0, 3, (6000, 1)), rng.integers(-20, 20, (6000, 3))], axis=1).astype(np.int32)
+    monkeypatch.setattr(hashing, "MAX_ROWS", counted_together * len(coords))
     uniques = unique_coordinates_by(coords if device == "cpu" else cupy_module().asarray(coords), DIVISORS)
     assert len(uniques) == len(DIVISORS)
     for divisor, unique in zip(DIVISORS, uniques):
