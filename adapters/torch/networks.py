@@ -259,9 +259,7 @@ class SparseNetwork(SparseSequential):
     def _forward(self, input: SparseTensor) -> SparseTensor:
         # Every map of the network before its first layer; those of a backward pass too where one will run. The
         # results hold the caches that padded convolutions' outputs start until the layers that run in them.
-        built = input.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(input.tensor_stride,
-                                                                                              request.tensor_stride)))
-                                  for request in self._map_requests],
+        built = input.build_maps(networks.requests_at(self._map_requests, input.tensor_stride),
                                  with_reversed=self.training and torch.is_grad_enabled())
         output = super().forward(input)
         del built

@@ -57,6 +57,13 @@ class Conv:
     def kernel_volume(self) -> int:
         return math.prod(as_tuple(self.kernel_size, SPATIAL_DIMS, "kernel_size"))
 
+    def geometry(self) -> tuple:
+        """(kernel size, stride, dilation, padding or None), each a D-tuple: the sizes of its `MapRequest`, which
+        its calls pass as they are, so that they find their maps memoised (`KernelMapCache.kernel_map`)."""
+        padding = None if self.padding is None else as_tuple(self.padding, SPATIAL_DIMS, "padding", minimum=0)
+        return (as_tuple(self.kernel_size, SPATIAL_DIMS, "kernel_size"), as_tuple(self.stride, SPATIAL_DIMS, "stride"),
+                (1,) * SPATIAL_DIMS, padding)
+
     def kind(self) -> str:
         """'submanifold', 'strided' or 'transposed'."""
         if self.transposed:
@@ -187,9 +194,8 @@ def map_requests(network: Network) -> list[MapRequest]:
 
     def run(layer, stride: tuple[int, ...], cache: int) -> tuple[tuple[int, ...], int]:
         if isinstance(layer, Conv):
-            padding = None if layer.padding is None else as_tuple(layer.padding, SPATIAL_DIMS, "padding", minimum=0)
-            request = MapRequest(stride, as_tuple(layer.kernel_size, SPATIAL_DIMS, "kernel_size"),
-                                 as_tuple(layer.stride, SPATIAL_DIMS, "stride"), transposed=layer.transposed,
+            kernel_size, conv_stride, dilation, padding = layer.geometry()
+            request = MapRequest(stride, kernel_size, conv_stride, dilation, transposed=layer.transposed,
                                  padding=padding, cache=cache)
             if request not in requests:
                 requests.append(request)
@@ -216,6 +222,14 @@ def map_requests(network: Network) -> list[MapRequest]:
 
     run(network.root, (1,) * SPATIAL_DIMS, 0)
     return requests
+
+
+def requests_at(requests: list[MapRequest], tensor_stride: tuple[int, ...]) -> list[MapRequest]:
+    """`requests` (`map_requests`', relative to the input's tensor stride) for an input at `tensor_stride`."""
+    if all(t == 1 for t in tensor_stride):
+        return requests
+    return [request._replace(tensor_stride=tuple(t * s for t, s in zip(tensor_stride, request.tensor_stride)))
+            for request in requests]
 
 
 def _conv_norm_relu(prefix: str, in_channels: int, out_channels: int, **conv) -> tuple:

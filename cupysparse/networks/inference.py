@@ -96,7 +96,7 @@ class InferenceNetwork:
         self.dtype = as_feature_dtype(dtype if dtype is not None else "float16" if self.device == "cuda" else "float32")
         self.fwd_algo = fwd_algo
         _check_weights(network, weights)
-        self._convs: dict[str, tuple] = {}  # path → (weight, bias or None) on the device
+        self._convs: dict[str, tuple] = {}  # path → (weight, bias or None) on the device, `Conv.geometry()`
         self._norms: dict[str, tuple] = {}  # path → (scale, shift) on the device, for batch norms not folded
         self._prepare(weights, fold_batch_norm)
         self.prefetched = None
@@ -116,7 +116,7 @@ class InferenceNetwork:
         compute = accumulation_dtype(self.dtype)
         for path, layer in networks.walk(self.network.root):
             if isinstance(layer, networks.Conv):
-                self._convs[path] = self._conv_arrays(weights, path, layer, folded.get(path))
+                self._convs[path] = (*self._conv_arrays(weights, path, layer, folded.get(path)), layer.geometry())
             elif isinstance(layer, networks.BatchNorm) and path not in folded_norms:
                 affine = _batch_norm_affine(weights, path, layer)
                 self._norms[path] = tuple(to_device(value.astype(compute), self.device) for value in affine)
@@ -148,18 +148,17 @@ class InferenceNetwork:
 
     def _forward(self, input: SparseTensor, observer: LayerObserver | None = None) -> SparseTensor:
         # The results hold the caches that padded convolutions' outputs start until the layers that run in them.
-        built = input.map_cache.build_maps([request._replace(tensor_stride=tuple(t * s for t, s in zip(
-            input.tensor_stride, request.tensor_stride))) for request in self._map_requests])
+        built = input.map_cache.build_maps(networks.requests_at(self._map_requests, input.tensor_stride))
         output = self._run(self.network.root, "", input, {}, observer or LayerObserver())
         del built
         return output
 
     def _run(self, layer, path: str, tensor: SparseTensor, skips: dict, observer: LayerObserver) -> SparseTensor:
         if isinstance(layer, networks.Conv):
-            weight, bias = self._convs[path]
+            weight, bias, (kernel_size, stride, dilation, padding) = self._convs[path]
             observer.before(path, layer, tensor)
-            output = spatially_sparse_conv(tensor, weight, layer.kernel_size, layer.stride, 1, layer.transposed,
-                                           bias=bias, fwd_algo=self.fwd_algo, padding=layer.padding)
+            output = spatially_sparse_conv(tensor, weight, kernel_size, stride, dilation, layer.transposed,
+                                           bias=bias, fwd_algo=self.fwd_algo, padding=padding)
             observer.after(path, layer, tensor, output, weight)
             return output
         if isinstance(layer, networks.BatchNorm):

@@ -91,9 +91,10 @@ def test_map_requests_are_the_maps_the_convolutions_run_over():
     subm, down, one = (cube(3), cube(1)), (cube(2), cube(2)), (cube(1), cube(1))
     expected = [(1, *subm), (1, *down), (2, *subm), (2, *down), (4, *subm), (4, *one), (4, *down), (8, *subm),
                 (8, *one), (8, *down), (16, *subm), (16, *one)]
-    expected = [MapRequest(cube(level), kernel, stride) for level, kernel, stride in expected]
-    expected += [MapRequest(cube(level), *down, transposed=True) for level in (16, 8, 4)]
-    expected += [MapRequest(cube(2), *one), MapRequest(cube(2), *down, transposed=True), MapRequest(cube(1), *one)]
+    expected = [MapRequest(cube(level), kernel, stride, cube(1)) for level, kernel, stride in expected]
+    expected += [MapRequest(cube(level), *down, cube(1), transposed=True) for level in (16, 8, 4)]
+    expected += [MapRequest(cube(2), *one, cube(1)), MapRequest(cube(2), *down, cube(1), transposed=True),
+                 MapRequest(cube(1), *one, cube(1))]
     assert networks.map_requests(networks.minkunet(18)) == expected
     centerpoint = networks.map_requests(networks.centerpoint_backbone(4))
     assert [(request.tensor_stride, request.stride) for request in centerpoint] == [
@@ -115,10 +116,17 @@ def test_map_requests_of_a_padded_network_name_the_caches_its_padded_convolution
 @pytest.mark.parametrize("description", [networks.minkunet(14, 4, 5), networks.centerpoint_backbone(4),
                                          networks.centerpoint_backbone(4, padded=True)],
                          ids=["minkunet14", "centerpoint", "padded centerpoint"])
-def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description):
-    """The network builds its `map_requests` before its first layer; its layers then build none of their own."""
+@pytest.mark.parametrize("runner", ["core", "torch"])
+def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description, runner):
+    """The network builds its `map_requests` before its first layer; its layers then build none of their own,
+    and ask for each with the very arguments of its request (found at once, nothing normalised again)."""
     tensor = _voxels("outdoor", 3000, 4)
-    network = InferenceNetwork(description, networks.random_weights(description), device="cpu", dtype="float32")
+    if runner == "core":
+        network = InferenceNetwork(description, networks.random_weights(description), device="cpu", dtype="float32")
+    else:
+        model = torch_networks.SparseNetwork(description).eval()
+        network = lambda core: model(cst.SparseTensor(torch.from_numpy(core.coordinates),  # noqa: E731
+                                                      torch.from_numpy(core.features)))
     built, caches = [], []
     original = type(tensor.map_cache).build_maps
 
@@ -132,6 +140,7 @@ def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description):
         patch.setattr(type(tensor.map_cache), "build_maps", recording)
         network(tensor)
     assert built == [len(networks.map_requests(description))] == [sum(len(cache) for cache in caches)]
+    assert sum(len(cache._by_arguments) for cache in caches) == len(networks.map_requests(description))
 
 
 def test_centerpoint_backbone_downsamples_eight_times_and_halves_the_height():
