@@ -41,7 +41,7 @@ from cupysparse.geometry.hashing import (
 from cupysparse.geometry.padding import (
     as_padding,
     conv_output_shape,
-    query_shift,
+    padded_query,
     reached_coordinates,
     transposed_output_shape,
 )
@@ -388,36 +388,29 @@ def padded_map(in_coords, kernel_size, stride, dilation=1, padding=0, spatial_sh
     """(out_coords, their spatial shape or None, map) of a padded convolution (spconv's regular one, at any
     stride): every voxel a tap reaches, kept inside the output's spatial shape when `spatial_shape` (the
     input's) is given. See `padding` for the rules."""
-    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
-    padding = as_padding(padding, len(kernel_size))
-    out_shape = None if spatial_shape is None else conv_output_shape(spatial_shape, kernel_size, stride, dilation,
-                                                                     padding)
-    out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape)
-    index = index or build_index(in_coords)
-    _check_query_memory(kernel_size, out_coords)
-    shift = query_shift(kernel_size, dilation, padding)
-    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=(1,) * len(stride),
-                                                     shift=shift))
-    kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask, padding=padding)
-    return out_coords, out_shape, kernel_map
+    return _padded_map(in_coords, kernel_size, stride, dilation, padding, spatial_shape, index, transposed=False)
 
 
 def padded_generative_map(in_coords, kernel_size, stride, dilation=1, padding=0, spatial_shape=None, index=None):
     """(out_coords, their spatial shape or None, map) of a padded transposed convolution (spconv's
     SparseConvTranspose): every `in·stride - padding + dilation·tap`, kept inside the output's spatial shape
     when `spatial_shape` (the input's) is given. See `padding` for the rules."""
+    return _padded_map(in_coords, kernel_size, stride, dilation, padding, spatial_shape, index, transposed=True)
+
+
+def _padded_map(in_coords, kernel_size, stride, dilation, padding, spatial_shape, index, transposed: bool):
     kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
     padding = as_padding(padding, len(kernel_size))
-    out_shape = None if spatial_shape is None else transposed_output_shape(spatial_shape, kernel_size, stride,
-                                                                           dilation, padding)
-    out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape, transposed=True)
+    out_shape = None
+    if spatial_shape is not None:
+        output_shape = transposed_output_shape if transposed else conv_output_shape
+        out_shape = output_shape(spatial_shape, kernel_size, stride, dilation, padding)
+    out_coords = reached_coordinates(in_coords, kernel_size, stride, dilation, padding, out_shape, transposed)
     index = index or build_index(in_coords)
     _check_query_memory(kernel_size, out_coords)
-    shift = query_shift(kernel_size, dilation, padding, transposed=True)
-    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=(1,) * len(stride),
-                                                     divisor=stride, sign=-1, shift=shift))
-    kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=True, generative=True,
-                           offset_mask=mask, padding=padding)
+    table, mask = index.pair_table(out_coords, padded_query(kernel_size, stride, dilation, padding, transposed))
+    kernel_map = KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, transposed=transposed,
+                           generative=transposed, offset_mask=mask, padding=padding)
     return out_coords, out_shape, kernel_map
 
 

@@ -32,7 +32,7 @@ from cupysparse.geometry.coords import (
     key_layout,
     offset_range,
 )
-from cupysparse.geometry.hashing import unique_coordinates, unique_reached
+from cupysparse.geometry.hashing import Query, unique_coordinates, unique_reached
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -71,14 +71,18 @@ def anchor_shift(kernel_size, dilation, padding) -> np.ndarray:
     return -np.asarray(dilation, dtype=np.int64) * first - np.asarray(padding, dtype=np.int64)
 
 
-def query_shift(kernel_size, dilation, padding, transposed: bool = False) -> tuple[int, ...]:
-    """Where a padded map's query starts from its outputs (`hashing.Query.shift`): c per axis, -c transposed
-    (see the module); ValueError when one leaves int32 (a dilation or padding near 2^31)."""
+def padded_query(kernel_size, stride, dilation, padding, transposed: bool = False) -> Query:
+    """The pair-table query of a padded map from its outputs (see the module): the submanifold query at the
+    anchors `o·s + c`, transposed the generative one at `o - c`; ValueError when c leaves int32 (a dilation or
+    padding near 2^31)."""
     shift = tuple(int(c) for c in (-1 if transposed else 1) * anchor_shift(kernel_size, dilation, padding))
     if any(not _INT32_MIN <= c <= _INT32_MAX for c in shift):
         raise ValueError(f"a padded convolution's kernel reaches past int32 coordinates (kernel {tuple(kernel_size)}, "
                          f"dilation {tuple(dilation)}, padding {tuple(padding)})")
-    return shift
+    ones = (1,) * len(kernel_size)
+    if transposed:
+        return Query(kernel_size, dilation, out_scale=ones, divisor=stride, sign=-1, shift=shift)
+    return Query(kernel_size, dilation, out_scale=stride, divisor=ones, shift=shift)
 
 
 def reached_coordinates(coords, kernel_size, stride, dilation, padding, out_shape=None, transposed=False):
