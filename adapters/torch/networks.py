@@ -77,12 +77,15 @@ def _register_layers(owner: nn.Module, layers, fwd_algo, bwd_algo) -> list:
 
 
 def _norm_then_relu(owner: nn.Module, norm_name: str, relu_name: str, input: SparseTensor) -> SparseTensor:
-    """One inference epilogue where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`),
+    """One inference epilogue where the norm allows it (`SparseBatchNorm.runs_inference_epilogue`), in
+    training one fused norm and ReLU (`SparseBatchNorm.runs_training_norm`) unless a hook would be skipped,
     the two modules otherwise."""
-    norm = getattr(owner, norm_name)
+    norm, relu = getattr(owner, norm_name), getattr(owner, relu_name)
     if norm.runs_inference_epilogue(input.features):
         return norm.inference_epilogue(input, relu=True)
-    return getattr(owner, relu_name)(norm(input))
+    if norm.runs_training_norm(input.features) and not _hooked(norm, relu):
+        return norm.training_norm(input, relu=True)
+    return relu(norm(input))
 
 
 def _hooked(*modules: nn.Module) -> bool:
@@ -184,6 +187,8 @@ class ResidualBlock(nn.Module):
             norm = getattr(self, self._final_norm)
             if norm.runs_inference_epilogue(output.features, identity.features):
                 return norm.inference_epilogue(output, identity.features, relu=True)
+            if norm.runs_training_norm(output.features, identity.features) and not _hooked(norm):
+                return norm.training_norm(output, identity.features, relu=True)
             output = norm(output)
         return output.replace_feature(torch.relu(output.features + identity.features))
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cupysparse.functional import epilogue
+from cupysparse.functional import epilogue, training_norm
 from cupysparse.tuning.tuner import rehearsing
 
+from cupysparse.adapters.torch.bridge import core_dtype
 from cupysparse.adapters.torch.convolution import TORCH_ARRAYS
 from cupysparse.adapters.torch.tensor import SparseTensor
 
@@ -20,6 +21,54 @@ def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, runn
     current CUDA device one launch of the core's kernel on torch's stream into an output torch
     allocates; anything else the core's function on zero-copy views (`cupysparse.functional.epilogue`)."""
     return epilogue.run(TORCH_ARRAYS, features, running_mean, running_var, weight, bias, eps, residual, relu)
+
+
+class _TrainingNorm(torch.autograd.Function):
+    """`relu?(batch_norm(features) (+ residual))` over the batch's statistics, the running ones moved, in the
+    core's two passes forward and two backward (`cupysparse.functional.training_norm`), on torch's stream
+    into tensors torch allocates. Its caller has checked `training_norm_runs`."""
+
+    @staticmethod
+    def forward(ctx, features, weight, bias, residual, running_mean, running_var, momentum, eps, relu):
+        num_rows, channels = features.shape
+        out = torch.empty_like(features)
+        sums = torch.zeros((2, channels), dtype=torch.float32, device=features.device)
+        saved = torch.empty((2, channels), dtype=torch.float32, device=features.device)
+        address = TORCH_ARRAYS.address
+        training_norm.launch_forward(
+            TORCH_ARRAYS.stream(features), num_rows, channels, core_dtype(features.dtype),
+            core_dtype(running_mean.dtype), address(features), 0 if residual is None else address(residual),
+            0 if weight is None else address(weight), 0 if bias is None else address(bias), address(running_mean),
+            address(running_var), momentum, eps, relu, address(sums), address(saved[0]), address(saved[1]),
+            address(out))
+        ctx.save_for_backward(features, out if relu else None, saved, weight)  # the ReLU's mask only
+        ctx.relu, ctx.with_residual, ctx.has_bias = relu, residual is not None, bias is not None
+        ctx.parameter_dtype = running_mean.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        features, out, saved, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        num_rows, channels = features.shape
+        grad_features = torch.empty_like(features)
+        # g, the residual's gradient: in grad_features, which the second pass overwrites, where no residual needs it.
+        g = grad_out if not ctx.relu else torch.empty_like(features) if ctx.with_residual else grad_features
+        wants_parameters = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        grads = torch.empty((2, channels), dtype=ctx.parameter_dtype, device=features.device) \
+            if wants_parameters else None
+        sums = torch.zeros((2, channels), dtype=torch.float32, device=features.device)
+        address = TORCH_ARRAYS.address
+        training_norm.launch_backward(
+            TORCH_ARRAYS.stream(features), num_rows, channels, core_dtype(features.dtype),
+            core_dtype(ctx.parameter_dtype), address(grad_out), address(features), 0 if out is None else address(out),
+            0 if weight is None else address(weight), address(saved[0]), address(saved[1]), ctx.relu, address(sums),
+            address(g), address(grad_features), 0 if grads is None else address(grads[0]),
+            0 if grads is None or not ctx.has_bias else address(grads[1]))
+        grad_weight = None if grads is None else grads[0]
+        grad_bias = None if grads is None or not ctx.has_bias else grads[1]
+        grad_residual = g if ctx.with_residual and ctx.needs_input_grad[3] else None
+        return grad_features, grad_weight, grad_bias, grad_residual, None, None, None, None, None
 
 
 class PerVoxel(nn.Module):
@@ -57,6 +106,8 @@ class SparseBatchNorm(nn.BatchNorm1d):
         if self.running_mean is None or torch.compiler.is_compiling():
             return input.replace_feature(super().forward(features))
         if self.training:
+            if self.runs_training_norm(features):
+                return self.training_norm(input)
             # The module's path for a cumulative average (momentum None) and for the error it raises
             # on one value per channel.
             if self.momentum is None or features.shape[0] < 2:
@@ -82,6 +133,36 @@ class SparseBatchNorm(nn.BatchNorm1d):
             return True
         return not (features.requires_grad or (residual is not None and residual.requires_grad)
                     or any(parameter.requires_grad for parameter in self.parameters()))
+
+    def runs_training_norm(self, features: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        """Whether `training_norm` may stand in for this module in training (and a residual sum or ReLU after
+        it): running statistics with a momentum, outside `torch.compile`, at least two rows, on the current
+        GPU, contiguous features (and a residual like them) of a dtype the kernels take, with parameters
+        and statistics of one dtype they take with it (`training_norm.kernel_runs`)."""
+        if (not self.training or rehearsing() or self.running_mean is None or self.momentum is None
+                or torch.compiler.is_compiling() or not features.is_cuda or features.dim() != 2
+                or features.shape[0] < 2 or not features.is_contiguous()
+                or features.device.index != torch.cuda.current_device()):
+            return False
+        if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype
+                                     or not residual.is_contiguous() or residual.device != features.device):
+            return False
+        parameter_dtype = self.running_mean.dtype
+        if any(tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != features.device)
+               for tensor in (self.running_var, self.weight, self.bias)):
+            return False
+        dtype, core_parameter_dtype = core_dtype(features.dtype), core_dtype(parameter_dtype)
+        return (dtype is not None and core_parameter_dtype is not None
+                and training_norm.kernel_runs(dtype, core_parameter_dtype, features.shape[1]))
+
+    def training_norm(self, input: SparseTensor, residual: torch.Tensor | None = None,
+                      relu: bool = False) -> SparseTensor:
+        """`relu?(self(input).features (+ residual))` in training, for where `runs_training_norm`: the
+        batch's statistics, the running ones moved, differentiable (`_TrainingNorm`)."""
+        self.num_batches_tracked.add_(1)
+        return input.replace_feature(_TrainingNorm.apply(
+            input.features, self.weight, self.bias, residual, self.running_mean, self.running_var, self.momentum,
+            self.eps, relu))
 
     def folds_into_convolution(self) -> bool:
         """Whether a convolution before this module may apply it in its epilogue (`folded`): evaluation

@@ -77,7 +77,7 @@ def kernel_runs(dtype, parameter_dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _float_bits(value: float) -> int:
+def float_bits(value: float) -> int:
     """The bits of `value` as a float32: how a float argument travels in a launch's integer slot."""
     return int(np.float32(value).view(np.uint32))
 
@@ -102,7 +102,7 @@ def launch(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, fe
     source, name = _kernel(dtype, parameter_dtype, vector)
     threads = -(-num_rows // ROWS_PER_THREAD) * (channels // vector)
     source.prepared(name, BLOCK, KERNEL_ARGUMENTS).launch(
-        stream, features, residual, weight, bias, running_mean, running_var, _float_bits(eps), int(relu), num_rows,
+        stream, features, residual, weight, bias, running_mean, running_var, float_bits(eps), int(relu), num_rows,
         channels, out, grid=(-(-threads // BLOCK), 1, 1))
 
 

@@ -292,3 +292,80 @@ def test_a_forward_hook_keeps_its_layer_out_of_the_fusion(monkeypatch):
     with torch.no_grad():
         model(x)
     assert len(seen) == 1 and any(fusions)
+
+
+def training_reference(norm, features, residual, relu: bool, grad_out):
+    """torch's batch norm in training, then the sum and ReLU, differentiated by autograd in float64 from
+    the same rounded values: (out, grads of features, weight, bias and residual, running mean and var)."""
+    reference = torch.nn.BatchNorm1d(norm.num_features, eps=norm.eps, momentum=norm.momentum).double()
+    reference = reference.to(features.device).train()
+    reference.load_state_dict({name: value.double() for name, value in norm.state_dict().items()})
+    wide = features.detach().double().requires_grad_()
+    added = None if residual is None else residual.detach().double().requires_grad_()
+    value = reference(wide)
+    if added is not None:
+        value = value + added
+    if relu:
+        value = torch.relu(value)
+    value.backward(grad_out.double())
+    return (value.detach(), wide.grad, reference.weight.grad, reference.bias.grad,
+            None if added is None else added.grad, reference.running_mean, reference.running_var)
+
+
+@gpu_test
+@pytest.mark.parametrize("relu, residual", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype, parameter_dtype", [("float32", "float32"), ("float16", "float32"),
+                                                    ("bfloat16", "bfloat16")])
+def test_training_on_cuda_equals_torch_batch_norm_relu_and_sum(dtype, parameter_dtype, relu, residual):
+    """In training the core's two passes (forward and backward) stand in for torch's batch norm, sum and
+    ReLU: the output, every gradient and the running statistics within the dtype's rounding of torch's
+    in float64."""
+    norm, x, added = norm_case(DTYPES[dtype], DTYPES[parameter_dtype], "cuda")
+    norm.train()
+    added = added.requires_grad_() if residual else None
+    features = x.features.clone().requires_grad_()
+    assert norm.runs_training_norm(features, added)
+    grad_out = torch.randn(features.shape, generator=torch.Generator().manual_seed(4)).to("cuda", features.dtype)
+    expected = training_reference(norm, features, added, relu, grad_out)
+    out = norm.training_norm(x.replace_feature(features), added, relu=relu).features
+    out.backward(grad_out)
+    got = (out, features.grad, norm.weight.grad, norm.bias.grad, None if added is None else added.grad,
+           norm.running_mean, norm.running_var)
+    eps = EPSILON[dtype]
+    for name, value, wanted in zip(("out", "grad_features", "grad_weight", "grad_bias", "grad_residual",
+                                    "running_mean", "running_var"), got, expected):
+        if wanted is None:
+            continue
+        tolerance = EPSILON[parameter_dtype] if name.startswith(("running", "grad_weight", "grad_bias")) else eps
+        scale = wanted.abs().max().item()
+        torch.testing.assert_close(value.double(), wanted, rtol=8 * tolerance, atol=8 * tolerance * scale,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+    assert norm.num_batches_tracked.item() == 1
+
+
+@gpu_test
+def test_a_minkunet_in_training_on_cuda_fuses_its_norms_and_equals_torchs_modules(monkeypatch):
+    """Every norm of a MinkUNet in training on CUDA runs the core's training norm (with its ReLU or its
+    block's residual sum and ReLU); outputs and gradients equal the same model through torch's modules."""
+    coords = coordinates(num_per_item=600)
+    features = torch.randn(len(coords), 3, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
+    fused, unfused = (minkunet18(torch.float32, "cuda").train() for _ in range(2))
+    calls = []
+    apply = torch_pointwise._TrainingNorm.apply
+    monkeypatch.setattr(torch_pointwise._TrainingNorm, "apply", lambda *args: calls.append(1) or apply(*args))
+    results = []
+    for model, allowed in ((fused, True), (unfused, False)):
+        with pytest.MonkeyPatch.context() as patch:
+            if not allowed:
+                patch.setattr(cst.SparseBatchNorm, "runs_training_norm", lambda *args: False)
+            out = model(cst.SparseTensor(coords.cuda(), features.cuda())).features
+            out.square().sum().backward()
+        results.append((out.detach(), {name: parameter.grad for name, parameter in model.named_parameters()}))
+    norms = [module for module in fused.modules() if isinstance(module, cst.SparseBatchNorm)]
+    assert len(calls) == len(norms)
+    (out, grads), (expected_out, expected_grads) = results
+    torch.testing.assert_close(out, expected_out, rtol=1e-3, atol=1e-3 * expected_out.abs().max().item())
+    for name, grad in grads.items():
+        expected = expected_grads[name]
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item(),
+                                   msg=lambda message, name=name: f"{name}: {message}")

@@ -1,0 +1,191 @@
+"""Batch norm in training, with the ReLU and the residual sum a network applies after it, forward and
+backward over the features `[N, C]` in two passes each (raw_kernels/batch_norm_training.cu):
+
+    forward:   out = relu?(xhat · weight + bias (+ residual)),  xhat = (x − mean) · invstd,
+               mean and biased variance over the N rows, invstd = 1 / sqrt(var + eps); the running
+               statistics move by `momentum` towards the mean and the unbiased variance (torch's rule);
+    backward:  g = grad_out where out > 0 (grad_out itself without the ReLU), the residual's gradient;
+               grad_x = weight · invstd · (g − mean(g) − xhat · mean(g · xhat)),
+               grad_weight = Σ g · xhat, grad_bias = Σ g.
+
+A torch network in training runs a batch norm, a ReLU and a residual sum as four kernels forward and
+three backward, each a pass over the features; here the statistics are one pass and the normalisation
+with the ReLU and the sum another, and the backward's sums one pass and the gradients another. Sums are
+fp32 (the forward's over x − x[0], against cancellation).
+
+On the GPU, fp32, fp16 and bf16 features with parameters and statistics of the features' dtype or fp32
+(`kernel_runs`); `launch_forward` and `launch_backward` take device addresses (for adapters, whose
+framework allocates), `forward` and `backward` CuPy arrays, or NumPy arrays computed in the accumulation
+dtype (the reference the GPU is tested against).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupysparse.cuda.backend import array_module, cupy_module, current_device, is_cupy_array
+from cupysparse.cuda.compile import KernelSource
+from cupysparse.cuda.device import multiprocessors
+from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, accumulation_dtype, cuda_type_name
+from cupysparse.functional.epilogue import VECTOR_BYTES, float_bits
+
+BLOCK = 256  # threads of a block, as in the kernel source: at most this many channel groups
+BLOCKS_PER_MULTIPROCESSOR = 8  # the passes' grid: enough to fill the GPU, few atomic adds per channel
+KERNEL_DTYPES = tuple(dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16) if dtype is not None)
+
+
+def _widths(dtype) -> tuple[int, int]:
+    """Channels per thread: a 16-byte vector, or one where the channels or addresses do not allow it."""
+    return VECTOR_BYTES // np.dtype(dtype).itemsize, 1
+
+
+def _instantiations(dtype) -> tuple[str, ...]:
+    names = []
+    for vector in _widths(dtype):
+        names += [f"batch_norm_statistics<{cuda_type_name(dtype)}, {vector}>",
+                  f"batch_norm_gradient_sums<{cuda_type_name(dtype)}, {vector}>"]
+        for parameter_dtype in dict.fromkeys((dtype, FLOAT32)):
+            types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
+            names += [f"batch_norm_normalise<{types}>", f"batch_norm_input_gradient<{types}>"]
+    return tuple(names)
+
+
+# One module per feature dtype: a process compiles those it trains in.
+_KERNELS = {dtype: KernelSource("batch_norm_training.cu", _instantiations(dtype)) for dtype in KERNEL_DTYPES}
+
+
+def _vector(dtype, channels: int, addresses) -> int:
+    vector = _widths(dtype)[0]
+    return vector if channels % vector == 0 and not any(address % VECTOR_BYTES for address in addresses) else 1
+
+
+def kernel_runs(dtype, parameter_dtype, channels: int) -> bool:
+    """Whether the kernels take `[N, channels]` features of `dtype` with parameters and statistics of
+    `parameter_dtype`: a block holds at least one row of channel groups."""
+    if dtype not in KERNEL_DTYPES or parameter_dtype not in (dtype, FLOAT32) or channels < 1:
+        return False
+    vector = _widths(dtype)[0]
+    return (channels // vector if channels % vector == 0 else channels) <= BLOCK
+
+
+def _launch_shape(num_rows: int, channels: int, vector: int) -> tuple[int, int, int]:
+    rows_per_block = BLOCK // (channels // vector)
+    blocks = multiprocessors(current_device()) * BLOCKS_PER_MULTIPROCESSOR
+    return max(1, min(-(-num_rows // rows_per_block), blocks)), 1, 1
+
+
+def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int, residual: int,
+                   weight: int, bias: int, running_mean: int, running_var: int, momentum: float, eps: float,
+                   relu: bool, sums: int, saved_mean: int, saved_invstd: int, out: int) -> None:
+    """The forward on the current device over device addresses: row-major `[num_rows, channels]` features,
+    residual (0: none) and out of `dtype`; `[channels]` weight, bias (0: none of either) and running statistics
+    of `parameter_dtype` (see `kernel_runs`; the statistics are updated in place); fp32 `sums` `[2, channels]`
+    zeroed, and `saved_mean`, `saved_invstd` `[channels]` written for the backward. Nothing is checked."""
+    vector = _vector(dtype, channels, (features, residual, out))
+    grid = _launch_shape(num_rows, channels, vector)
+    kernels = _KERNELS[dtype]
+    kernels.prepared(f"batch_norm_statistics<{cuda_type_name(dtype)}, {vector}>", BLOCK, 4).launch(
+        stream, features, num_rows, channels, sums, grid=grid)
+    types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
+    kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 15).launch(
+        stream, features, residual, weight, bias, sums, running_mean, running_var, float_bits(momentum),
+        float_bits(eps), int(relu), num_rows, channels, saved_mean, saved_invstd, out, grid=grid)
+
+
+def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, grad_out: int, features: int,
+                    out: int, weight: int, saved_mean: int, saved_invstd: int, relu: bool, sums: int, g: int,
+                    grad_features: int, grad_weight: int, grad_bias: int) -> None:
+    """The backward over device addresses (see `launch_forward`): `out` the forward's output (read only with
+    the ReLU), fp32 `sums` `[2, channels]` zeroed, `g` where g is written with the ReLU (the residual's
+    gradient; without it, g is `grad_out` and this is not read); `grad_weight`, `grad_bias`: 0 where not
+    wanted. Nothing is checked."""
+    vector = _vector(dtype, channels, (grad_out, features, out if relu else 0, g if relu else 0, grad_features))
+    grid = _launch_shape(num_rows, channels, vector)
+    kernels = _KERNELS[dtype]
+    kernels.prepared(f"batch_norm_gradient_sums<{cuda_type_name(dtype)}, {vector}>", BLOCK, 9).launch(
+        stream, grad_out, features, out, saved_mean, int(relu), num_rows, channels, sums, g, grid=grid)
+    types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
+    kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11).launch(
+        stream, g if relu else grad_out, features, weight, saved_mean, saved_invstd, sums, num_rows, channels,
+        grad_features, grad_weight, grad_bias, grid=grid)
+
+
+def forward(features, weight, bias, running_mean, running_var, momentum: float, eps: float, residual=None,
+            relu: bool = False):
+    """`(out, mean, invstd)` of the forward (module docstring) on `[N, C]` CuPy or NumPy features, N >= 2;
+    `weight`, `bias` `[C]` or None; the running statistics `[C]` are updated in place. `mean` and `invstd`
+    are fp32 on the GPU, the accumulation dtype on the CPU."""
+    if not is_cupy_array(features):
+        return _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu)
+    cupy = cupy_module()
+    num_rows, channels = features.shape
+    out = cupy.empty_like(features)
+    sums = cupy.zeros((2, channels), np.float32)
+    saved = cupy.empty((2, channels), np.float32)
+    launch_forward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype),
+                   np.dtype(running_mean.dtype), features.data.ptr, _address(residual), _address(weight),
+                   _address(bias), running_mean.data.ptr, running_var.data.ptr, momentum, eps, relu, sums.data.ptr,
+                   saved[0].data.ptr, saved[1].data.ptr, out.data.ptr)
+    return out, saved[0], saved[1]
+
+
+def backward(grad_out, features, out, mean, invstd, weight, relu: bool = False, with_residual: bool = False):
+    """`(grad_features, grad_weight, grad_bias, grad_residual)` of the forward that gave `out`, `mean` and
+    `invstd` (None for the residual's where `with_residual` is false; the parameters' in `mean`'s dtype on
+    the CPU, the running statistics' on the GPU: here `weight`'s, fp32 without one)."""
+    if not is_cupy_array(features):
+        return _backward_reference(grad_out, features, out, mean, invstd, weight, relu, with_residual)
+    cupy = cupy_module()
+    num_rows, channels = features.shape
+    parameter_dtype = np.dtype(np.float32 if weight is None else weight.dtype)
+    grad_features = cupy.empty_like(features)
+    # g: grad_out itself without the ReLU; with it, a buffer of its own only where it is also the residual's
+    # gradient, else grad_features, which the second pass overwrites element by element.
+    g = grad_out if not relu else cupy.empty_like(features) if with_residual else grad_features
+    grads = cupy.empty((2, channels), parameter_dtype)
+    sums = cupy.zeros((2, channels), np.float32)
+    launch_backward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype),
+                    parameter_dtype, grad_out.data.ptr, features.data.ptr, out.data.ptr, _address(weight),
+                    mean.data.ptr, invstd.data.ptr, relu, sums.data.ptr, g.data.ptr, grad_features.data.ptr,
+                    grads[0].data.ptr, grads[1].data.ptr)
+    return grad_features, grads[0], grads[1], g if with_residual else None
+
+
+def _address(array) -> int:
+    return 0 if array is None else array.data.ptr
+
+
+def _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu):
+    xp = array_module(features)
+    compute = accumulation_dtype(features.dtype)
+    x = features.astype(compute)
+    num_rows = x.shape[0]
+    mean = x.mean(axis=0)
+    var = ((x - mean) ** 2).mean(axis=0)
+    invstd = 1 / xp.sqrt(var + compute.type(eps))
+    value = (x - mean) * invstd
+    if weight is not None:
+        value = value * weight.astype(compute)
+    if bias is not None:
+        value = value + bias.astype(compute)
+    if residual is not None:
+        value = value + residual.astype(compute)
+    if relu:
+        value = xp.maximum(value, 0)
+    running_mean[...] = ((1 - momentum) * running_mean.astype(compute) + momentum * mean).astype(running_mean.dtype)
+    unbiased = var * num_rows / (num_rows - 1)
+    running_var[...] = ((1 - momentum) * running_var.astype(compute) + momentum * unbiased).astype(running_var.dtype)
+    return value.astype(features.dtype), mean, invstd
+
+
+def _backward_reference(grad_out, features, out, mean, invstd, weight, relu, with_residual):
+    compute = accumulation_dtype(features.dtype)
+    g = grad_out.astype(compute)
+    if relu:
+        g = g * (out.astype(compute) > 0)
+    xhat = (features.astype(compute) - mean) * invstd
+    grad_bias, grad_weight = g.sum(axis=0), (g * xhat).sum(axis=0)
+    scale = invstd if weight is None else invstd * weight.astype(compute)
+    grad_features = scale * (g - g.mean(axis=0) - xhat * (g * xhat).mean(axis=0))
+    grad_residual = g.astype(features.dtype) if with_residual else None
+    return grad_features.astype(features.dtype), grad_weight, grad_bias, grad_residual

@@ -1,0 +1,195 @@
+// Batch norm in training over row-major [num_rows, channels] features, with the ReLU and the residual sum
+// that follow it in a network, in two passes forward and two backward (torch takes four and three):
+//   forward:  y = relu?(xhat * weight + bias (+ residual)),  xhat = (x - mean) * invstd, over the batch's
+//             mean and biased variance, invstd = 1 / sqrt(var + eps); the running statistics move by
+//             `momentum` towards the mean and the unbiased variance;
+//   backward: g = dy where y > 0 (dy itself without the ReLU), the residual's gradient;
+//             dx = weight * invstd * (g - sum(g) / N - xhat * sum(g * xhat) / N),
+//             dweight = sum(g * xhat), dbias = sum(g).
+// Sums are fp32, per block in shared memory, then one atomic add per block and channel into `sums`
+// (zeroed by the caller). The forward sums x - x[0] (a shift by each channel's first value keeps the
+// variance from cancelling when the mean is large against the spread).
+//
+// A thread owns VECTOR consecutive channels (16 bytes where the channels and addresses allow it) of
+// rows that step by the grid's rows; consecutive threads take consecutive groups, so a warp reads whole
+// rows. A block of BLOCK threads holds BLOCK / groups lanes of rows (at most BLOCK groups); the threads
+// past its last whole lane have no rows.
+#include "float_conversion.cuh"
+
+constexpr int BLOCK = 256;
+
+template <typename T, int VECTOR>
+struct alignas(sizeof(T) * VECTOR) Values {
+  T value[VECTOR];
+};
+
+// Where a thread's rows start and how far they step: its lane's row of its block, the grid's rows.
+struct RowWalk {
+  long long first, step;
+};
+
+__device__ __forceinline__ RowWalk row_walk(int groups) {
+  const int lanes = BLOCK / groups, lane = threadIdx.x / groups;
+  const long long step = (long long)gridDim.x * lanes;
+  return {lane < lanes ? (long long)blockIdx.x * lanes + lane : 1ll << 62, step};
+}
+
+// Adds the block's per-thread sums `first` and `second` [VECTOR] (of each thread's channel group) into
+// sums[channel] and sums[channels + channel].
+template <int VECTOR>
+__device__ __forceinline__ void add_block_sums(const float* first, const float* second, int groups, int channels,
+                                               float* __restrict__ sums) {
+  __shared__ float partial[2][BLOCK][VECTOR];
+#pragma unroll
+  for (int j = 0; j < VECTOR; ++j) {
+    partial[0][threadIdx.x][j] = first[j];
+    partial[1][threadIdx.x][j] = second[j];
+  }
+  __syncthreads();
+  // Each of the 2 x channels sums is one thread's walk over the block's lanes, the threads side by side.
+  const int lanes = BLOCK / groups;
+  for (int index = threadIdx.x; index < 2 * channels; index += BLOCK) {
+    const int which = index / channels, channel = index % channels;
+    const int owner = channel / VECTOR, j = channel % VECTOR;
+    float total = 0.0f;
+    for (int lane = 0; lane < lanes; ++lane) total += partial[which][lane * groups + owner][j];
+    atomicAdd(&sums[index], total);
+  }
+}
+
+// sums[c] += sum of (x - x[0]), sums[C + c] += sum of (x - x[0])^2.
+template <typename T, int VECTOR>
+__global__ void __launch_bounds__(BLOCK) batch_norm_statistics(const T* __restrict__ x, int num_rows, int channels,
+                                                              float* __restrict__ sums) {
+  const int groups = channels / VECTOR, group = threadIdx.x % groups;
+  const RowWalk rows = row_walk(groups);
+  const Values<T, VECTOR> origin = *reinterpret_cast<const Values<T, VECTOR>*>(x + group * VECTOR);
+  float sum[VECTOR] = {}, square[VECTOR] = {};
+  for (long long row = rows.first; row < num_rows; row += rows.step) {
+    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + row * channels + group * VECTOR);
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      const float centred = to_float(v.value[j]) - to_float(origin.value[j]);
+      sum[j] += centred;
+      square[j] = fmaf(centred, centred, square[j]);
+    }
+  }
+  add_block_sums<VECTOR>(sum, square, groups, channels, sums);
+}
+
+// y = relu?(xhat * weight + bias (+ residual)). The threads of the first rows also write the batch's mean
+// and invstd (fp32, for the backward) and move the running statistics.
+template <typename T, typename P, int VECTOR>
+__global__ void __launch_bounds__(BLOCK)
+    batch_norm_normalise(const T* __restrict__ x, const T* __restrict__ residual, const P* __restrict__ weight,
+                         const P* __restrict__ bias, const float* __restrict__ sums, P* __restrict__ running_mean,
+                         P* __restrict__ running_var, float momentum, float eps, int relu, int num_rows,
+                         int channels, float* __restrict__ saved_mean, float* __restrict__ saved_invstd,
+                         T* __restrict__ y) {
+  const int groups = channels / VECTOR, group = threadIdx.x % groups;
+  const RowWalk rows = row_walk(groups);
+  const long long first_row = rows.first;
+  if (first_row >= num_rows) return;
+  const Values<T, VECTOR> origin = *reinterpret_cast<const Values<T, VECTOR>*>(x + group * VECTOR);
+  float scale[VECTOR], shift[VECTOR];
+#pragma unroll
+  for (int j = 0; j < VECTOR; ++j) {
+    const int c = group * VECTOR + j;
+    const float centred_mean = sums[c] / num_rows;
+    const float var = fmaxf(sums[channels + c] / num_rows - centred_mean * centred_mean, 0.0f);
+    const float mean = centred_mean + to_float(origin.value[j]), invstd = rsqrtf(var + eps);
+    scale[j] = invstd * (weight != nullptr ? to_float(weight[c]) : 1.0f);
+    shift[j] = (bias != nullptr ? to_float(bias[c]) : 0.0f) - mean * scale[j];
+    if (first_row == 0) {
+      saved_mean[c] = mean;
+      saved_invstd[c] = invstd;
+      const float unbiased = num_rows > 1 ? var * num_rows / (num_rows - 1) : var;
+      running_mean[c] = from_float<P>((1.0f - momentum) * to_float(running_mean[c]) + momentum * mean);
+      running_var[c] = from_float<P>((1.0f - momentum) * to_float(running_var[c]) + momentum * unbiased);
+    }
+  }
+  for (long long row = first_row; row < num_rows; row += rows.step) {
+    const long long offset = row * channels + group * VECTOR;
+    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + offset);
+    Values<T, VECTOR> added, out;
+    if (residual != nullptr) added = *reinterpret_cast<const Values<T, VECTOR>*>(residual + offset);
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      float value = fmaf(to_float(v.value[j]), scale[j], shift[j]);
+      if (residual != nullptr) value += to_float(added.value[j]);
+      if (relu && value <= 0.0f) value = 0.0f;  // NaN stays NaN, as in torch.relu
+      out.value[j] = from_float<T>(value);
+    }
+    *reinterpret_cast<Values<T, VECTOR>*>(y + offset) = out;
+  }
+}
+
+// sums[c] += sum of g, sums[C + c] += sum of g * (x - mean); with the ReLU, g is written to `g_out` (the
+// residual's gradient, and what the input gradient reads), without it g is grad_y.
+template <typename T, int VECTOR>
+__global__ void __launch_bounds__(BLOCK)
+    batch_norm_gradient_sums(const T* __restrict__ grad_y, const T* __restrict__ x, const T* __restrict__ y,
+                             const float* __restrict__ saved_mean, int relu, int num_rows, int channels,
+                             float* __restrict__ sums, T* __restrict__ g_out) {
+  const int groups = channels / VECTOR, group = threadIdx.x % groups;
+  const RowWalk rows = row_walk(groups);
+  float mean[VECTOR], sum[VECTOR] = {}, dot[VECTOR] = {};
+#pragma unroll
+  for (int j = 0; j < VECTOR; ++j) mean[j] = saved_mean[group * VECTOR + j];
+  for (long long row = rows.first; row < num_rows; row += rows.step) {
+    const long long offset = row * channels + group * VECTOR;
+    const Values<T, VECTOR> dy = *reinterpret_cast<const Values<T, VECTOR>*>(grad_y + offset);
+    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + offset);
+    Values<T, VECTOR> out, masked;
+    if (relu) out = *reinterpret_cast<const Values<T, VECTOR>*>(y + offset);
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      const float g = relu && !(to_float(out.value[j]) > 0.0f) ? 0.0f : to_float(dy.value[j]);
+      masked.value[j] = relu && !(to_float(out.value[j]) > 0.0f) ? from_float<T>(0.0f) : dy.value[j];
+      sum[j] += g;
+      dot[j] = fmaf(g, to_float(v.value[j]) - mean[j], dot[j]);
+    }
+    if (relu) *reinterpret_cast<Values<T, VECTOR>*>(g_out + offset) = masked;
+  }
+  add_block_sums<VECTOR>(sum, dot, groups, channels, sums);
+}
+
+// dx from g (batch_norm_gradient_sums), in place where g is grad_x (each element read before it is written, so
+// neither is restrict). The threads of the first rows also write dweight and dbias (where not null).
+template <typename T, typename P, int VECTOR>
+__global__ void __launch_bounds__(BLOCK)
+    batch_norm_input_gradient(const T* g, const T* __restrict__ x, const P* __restrict__ weight,
+                              const float* __restrict__ saved_mean, const float* __restrict__ saved_invstd,
+                              const float* __restrict__ sums, int num_rows, int channels, T* grad_x,
+                              P* __restrict__ grad_weight, P* __restrict__ grad_bias) {
+  const int groups = channels / VECTOR, group = threadIdx.x % groups;
+  const RowWalk rows = row_walk(groups);
+  const long long first_row = rows.first;
+  if (first_row >= num_rows) return;
+  float mean[VECTOR], scale[VECTOR], mean_g[VECTOR], slope[VECTOR];
+#pragma unroll
+  for (int j = 0; j < VECTOR; ++j) {
+    const int c = group * VECTOR + j;
+    const float invstd = saved_invstd[c];
+    mean[j] = saved_mean[c];
+    scale[j] = invstd * (weight != nullptr ? to_float(weight[c]) : 1.0f);
+    mean_g[j] = sums[c] / num_rows;
+    slope[j] = sums[channels + c] / num_rows * invstd * invstd;  // mean of g * xhat, times invstd
+    if (first_row == 0) {
+      if (grad_weight != nullptr) grad_weight[c] = from_float<P>(sums[channels + c] * invstd);
+      if (grad_bias != nullptr) grad_bias[c] = from_float<P>(sums[c]);
+    }
+  }
+  for (long long row = first_row; row < num_rows; row += rows.step) {
+    const long long offset = row * channels + group * VECTOR;
+    const Values<T, VECTOR> gradient = *reinterpret_cast<const Values<T, VECTOR>*>(g + offset);
+    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + offset);
+    Values<T, VECTOR> dx;
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      const float centred = to_float(v.value[j]) - mean[j];
+      dx.value[j] = from_float<T>(scale[j] * (to_float(gradient.value[j]) - mean_g[j] - centred * slope[j]));
+    }
+    *reinterpret_cast<Values<T, VECTOR>*>(grad_x + offset) = dx;
+  }
+}

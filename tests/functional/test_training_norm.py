@@ -1,0 +1,126 @@
+"""Batch norm in training with the ReLU and residual sum after it (`cupysparse.functional.training_norm`):
+the NumPy reference against torch's batch norm, ReLU and sum differentiated by autograd in float64 (on the
+CPU), and the GPU kernels against the reference in float64 over the same rounded inputs."""
+
+import numpy as np
+import pytest
+
+from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from cupysparse.functional import training_norm
+from tolerances import EPSILON, assert_close
+
+EPS, MOMENTUM = 1e-5, 0.1
+LOW_PRECISION = [FLOAT16] + ([BFLOAT16] if BFLOAT16 is not None else [])
+CASES = [  # (residual, relu, affine)
+    (False, False, True), (False, True, True), (True, True, True), (True, False, False), (False, True, False),
+]
+
+
+def inputs(num_rows: int, channels: int, dtype, parameter_dtype, seed: int = 0) -> dict:
+    """Features with a mean far from zero against their spread (what the shifted sums are for), a residual,
+    an output gradient, parameters and running statistics, rounded to their dtypes."""
+    rng = np.random.default_rng(seed)
+    return {
+        "features": (rng.standard_normal((num_rows, channels)) * rng.uniform(0.5, 2, channels)
+                     + rng.uniform(-8, 8, channels)).astype(dtype),
+        "residual": rng.standard_normal((num_rows, channels)).astype(dtype),
+        "grad_out": rng.standard_normal((num_rows, channels)).astype(dtype),
+        "weight": rng.uniform(-1.5, 1.5, channels).astype(parameter_dtype),
+        "bias": rng.uniform(-0.5, 0.5, channels).astype(parameter_dtype),
+        "running_mean": rng.uniform(-1, 1, channels).astype(parameter_dtype),
+        "running_var": rng.uniform(0.5, 2, channels).astype(parameter_dtype),
+    }
+
+
+def run(arrays: dict, residual: bool, relu: bool, affine: bool, xp=np):
+    """(out, grad_features, grad_weight, grad_bias, grad_residual, running_mean, running_var) of one step."""
+    args = {name: xp.asarray(value).copy() for name, value in arrays.items()}
+    weight, bias = (args["weight"], args["bias"]) if affine else (None, None)
+    out, mean, invstd = training_norm.forward(args["features"], weight, bias, args["running_mean"],
+                                              args["running_var"], MOMENTUM, EPS,
+                                              args["residual"] if residual else None, relu)
+    grads = training_norm.backward(args["grad_out"], args["features"], out, mean, invstd, weight, relu, residual)
+    return out, *grads, args["running_mean"], args["running_var"]
+
+
+def reference(arrays: dict, residual: bool, relu: bool, affine: bool):
+    """`run` in float64 on the rounded inputs."""
+    return run({name: np.asarray(value, np.float64) for name, value in arrays.items()}, residual, relu, affine)
+
+
+@pytest.mark.parametrize("residual, relu, affine", CASES)
+def test_the_reference_is_torchs_batch_norm_relu_and_sum_differentiated(residual, relu, affine):
+    torch = pytest.importorskip("torch")
+    arrays = inputs(301, 12, FLOAT64, FLOAT64)
+    got = reference(arrays, residual, relu, affine)
+    tensors = {name: torch.tensor(value, requires_grad=name in ("features", "residual", "weight", "bias"))
+               for name, value in arrays.items()}
+    running_mean, running_var = tensors["running_mean"].clone(), tensors["running_var"].clone()
+    out = torch.nn.functional.batch_norm(tensors["features"], running_mean, running_var,
+                                         tensors["weight"] if affine else None, tensors["bias"] if affine else None,
+                                         True, MOMENTUM, EPS)
+    if residual:
+        out = out + tensors["residual"]
+    if relu:
+        out = torch.relu(out)
+    out.backward(tensors["grad_out"])
+    expected = [out.detach(), tensors["features"].grad]
+    expected += [tensors["weight"].grad, tensors["bias"].grad] if affine else [None, None]
+    expected += [tensors["residual"].grad if residual else None, running_mean, running_var]
+    names = ["out", "grad_features", "grad_weight", "grad_bias", "grad_residual", "running_mean", "running_var"]
+    for name, value, wanted in zip(names, got, expected):
+        if wanted is None or (name in ("grad_weight", "grad_bias") and not affine):
+            continue
+        np.testing.assert_allclose(value, wanted.numpy(), rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+def test_kernels_take_the_channel_counts_a_block_holds():
+    assert training_norm.kernel_runs(np.dtype(FLOAT16), np.dtype(FLOAT32), 96)  # 12 groups of 8
+    assert training_norm.kernel_runs(np.dtype(FLOAT16), np.dtype(FLOAT16), 2048)  # 256 groups of 8
+    assert not training_norm.kernel_runs(np.dtype(FLOAT16), np.dtype(FLOAT16), 2056)
+    assert training_norm.kernel_runs(np.dtype(FLOAT32), np.dtype(FLOAT32), 250)  # no vector: 250 groups of 1
+    assert not training_norm.kernel_runs(np.dtype(FLOAT32), np.dtype(FLOAT32), 258)
+    assert not training_norm.kernel_runs(np.dtype(FLOAT16), np.dtype(np.float64), 32)
+    assert not training_norm.kernel_runs(np.dtype(FLOAT64), np.dtype(FLOAT64), 32)
+
+
+# (rows, channels): 16-byte vectors of every dtype; channel groups that leave idle threads in a block (96
+# fp16 channels: 12 groups of 8, 20: 20 groups of 1); 3 channels; many rows per thread.
+GPU_SHAPES = [(1001, 32), (999, 20), (517, 3), (3000, 96), (40_000, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual, relu, affine", CASES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
+@pytest.mark.parametrize("dtype, parameter_dtype", [(FLOAT32, FLOAT32)]
+                         + [(dtype, parameter) for dtype in LOW_PRECISION for parameter in (dtype, FLOAT32)])
+def test_gpu_kernels_equal_the_float64_reference(dtype, parameter_dtype, shape, residual, relu, affine):
+    arrays = inputs(*shape, dtype, parameter_dtype, seed=shape[0])
+    got = [None if value is None else value.get() for value in run(arrays, residual, relu, affine, cupy_module())]
+    expected = reference(arrays, residual, relu, affine)
+    out, grad_features, grad_weight, grad_bias, grad_residual, running_mean, running_var = got
+    assert out.dtype == dtype and grad_features.dtype == dtype
+    eps = EPSILON[np.dtype(dtype).name]
+    rounded_out = expected[0].astype(dtype).astype(np.float64)
+    # The output: its dtype's rounding of values of order |weight| + |bias| (+ |residual|); where the ReLU
+    # clips, a value within that of zero may land on either side.
+    size = 3.0 + (4.0 if residual else 0.0)
+    np.testing.assert_array_less(np.abs(out.astype(np.float64) - rounded_out), 2 * eps * size)
+    # The input gradient: three terms of order |weight| · invstd · |g|, each rounded once; rows whose
+    # ReLU mask differs (the output within rounding of zero) are left out.
+    same_mask = (out > 0) == (rounded_out > 0) if relu else np.ones(out.shape, bool)
+    scale = np.abs(np.asarray(arrays["weight"], np.float64)) if affine else 1.0
+    invstd = 1 / np.asarray(arrays["features"], np.float64).std(axis=0)
+    bound = 8 * eps * scale * invstd * (1 + np.abs(np.asarray(arrays["grad_out"], np.float64)))
+    difference = np.abs(grad_features.astype(np.float64) - expected[1])
+    np.testing.assert_array_less(difference[same_mask], np.broadcast_to(bound, out.shape)[same_mask])
+    if residual:
+        np.testing.assert_array_equal(grad_residual[same_mask], expected[4].astype(dtype)[same_mask])
+    if affine and not relu:  # with the ReLU, an output on the edge moves a term in or out of the sums
+        xhat = (np.asarray(arrays["features"], np.float64) - np.asarray(arrays["features"], np.float64).mean(0)) * invstd
+        assert_close(grad_weight, expected[2], parameter_dtype, shape[0], arrays["grad_out"], xhat, "grad_weight")
+        assert_close(grad_bias, expected[3], parameter_dtype, shape[0], arrays["grad_out"], np.ones(1), "grad_bias")
+    parameter_eps = EPSILON[np.dtype(parameter_dtype).name]
+    np.testing.assert_allclose(running_mean, expected[5], rtol=4 * parameter_eps, atol=4 * parameter_eps)
+    np.testing.assert_allclose(running_var, expected[6], rtol=4 * parameter_eps, atol=4 * parameter_eps)
