@@ -22,6 +22,8 @@ from cupysparse.functional import (
     spatially_sparse_conv_backward,
     spatially_sparse_depthwise_conv,
     spatially_sparse_depthwise_conv_backward,
+    training_batch_norm,
+    training_batch_norm_backward,
 )
 from cupysparse.geometry import KernelMap, SparseTensor
 from cupysparse.tuning.search_space import (
@@ -55,4 +57,6 @@ __all__ = [
     "spatially_sparse_conv_backward",
     "spatially_sparse_depthwise_conv",
     "spatially_sparse_depthwise_conv_backward",
+    "training_batch_norm",
+    "training_batch_norm_backward",
 ]

@@ -1,4 +1,5 @@
-"""The functional API: sparse convolutions, pooling and the inference epilogue on NumPy or CuPy arrays."""
+"""The functional API: sparse convolutions, pooling, the inference epilogue and batch norm in training on NumPy or
+CuPy arrays."""
 
 from cupysparse.functional.convolution import (
     ConvGradients,
@@ -24,6 +25,7 @@ from cupysparse.functional.pooling import (
     sparse_unpool,
     sparse_unpool_backward,
 )
+from cupysparse.functional.training_norm import training_batch_norm, training_batch_norm_backward
 
 __all__ = [
     "ConvGradients",
@@ -46,4 +48,6 @@ __all__ = [
     "spatially_sparse_conv_backward",
     "spatially_sparse_depthwise_conv",
     "spatially_sparse_depthwise_conv_backward",
+    "training_batch_norm",
+    "training_batch_norm_backward",
 ]

@@ -159,26 +159,34 @@ def _check_array(array, name: str, backend_of, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim > 1 else ''}, got shape {tuple(array.shape)}")
 
 
-def batch_norm_epilogue(features, running_mean, running_var, weight=None, bias=None, eps: float = 1e-5, *,
-                        residual=None, relu: bool = False):
-    """`relu?(batch_norm(features) (+ residual))` with the running statistics, as a new array of the
-    features' dtype (see the module docstring). `features` and `residual` are `[N, C]` of one dtype;
-    the statistics and `weight` / `bias` (None: 1 and 0) are `[C]`."""
+def check_norm_arguments(features, per_channel: dict, **like_features) -> None:
+    """TypeError or ValueError, naming the argument, unless `features` is a 2-D NumPy or CuPy array `[N, C]` of
+    a feature dtype, each of `per_channel` (name → array; None allowed but for running statistics) `[C]` on the
+    same backend, and each of `like_features` (None allowed) of the features' shape and dtype."""
     _check_array(features, "features", features, 2)
     channels = features.shape[1]
-    statistics = {"running_mean": running_mean, "running_var": running_var, "weight": weight, "bias": bias}
-    for name, array in statistics.items():
+    for name, array in per_channel.items():
         if array is None and name.startswith("running"):
             raise TypeError(f"{name} is required")
         if array is not None:
             _check_array(array, name, features, 1)
             if array.shape[0] != channels:
                 raise ValueError(f"{name} has {array.shape[0]} channels but the features have {channels}")
-    if residual is not None:
-        _check_array(residual, "residual", features, 2)
-        if residual.shape != features.shape or residual.dtype != features.dtype:
-            raise ValueError(f"residual must be {short_name(features.dtype)} of shape {tuple(features.shape)} like "
-                             f"the features, got {short_name(residual.dtype)} {tuple(residual.shape)}")
+    for name, array in like_features.items():
+        if array is not None:
+            _check_array(array, name, features, 2)
+            if array.shape != features.shape or array.dtype != features.dtype:
+                raise ValueError(f"{name} must be {short_name(features.dtype)} of shape {tuple(features.shape)} "
+                                 f"like the features, got {short_name(array.dtype)} {tuple(array.shape)}")
+
+
+def batch_norm_epilogue(features, running_mean, running_var, weight=None, bias=None, eps: float = 1e-5, *,
+                        residual=None, relu: bool = False):
+    """`relu?(batch_norm(features) (+ residual))` with the running statistics, as a new array of the
+    features' dtype (see the module docstring). `features` and `residual` are `[N, C]` of one dtype;
+    the statistics and `weight` / `bias` (None: 1 and 0) are `[C]`."""
+    statistics = {"running_mean": running_mean, "running_var": running_var, "weight": weight, "bias": bias}
+    check_norm_arguments(features, statistics, residual=residual)
     parameter_dtypes = {np.dtype(array.dtype) for array in statistics.values() if array is not None}
     dtype = np.dtype(features.dtype)
     if is_cupy_array(features) and len(parameter_dtypes) == 1 and kernel_runs(dtype, *parameter_dtypes):

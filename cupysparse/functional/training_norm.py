@@ -15,8 +15,9 @@ fp32 (the forward's over x − x[0], against cancellation).
 
 On the GPU, fp32, fp16 and bf16 features with parameters and statistics of the features' dtype or fp32
 (`kernel_runs`); `launch_forward` and `launch_backward` take device addresses (for adapters, whose
-framework allocates), `forward` and `backward` CuPy arrays, or NumPy arrays computed in the accumulation
-dtype (the reference the GPU is tested against).
+framework allocates), `training_batch_norm` and its backward CuPy or NumPy arrays, checked: where the kernels
+do not take them as they are (and on NumPy arrays), the formulas run through the array module in the
+accumulation dtype (the reference the GPU is tested against).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from cupysparse.cuda.backend import array_module, cupy_module, current_device, i
 from cupysparse.cuda.compile import KernelSource
 from cupysparse.cuda.device import multiprocessors
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, accumulation_dtype, cuda_type_name
-from cupysparse.functional.epilogue import VECTOR_BYTES, float_bits
+from cupysparse.functional.epilogue import VECTOR_BYTES, check_norm_arguments, float_bits
 
 BLOCK = 256  # threads of a block, as in the kernel source: at most this many channel groups
 BLOCKS_PER_MULTIPROCESSOR = 8  # the passes' grid: enough to fill the GPU, few atomic adds per channel
@@ -110,45 +111,80 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
         grad_features, grad_weight, grad_bias, grid=grid)
 
 
-def forward(features, weight, bias, running_mean, running_var, momentum: float, eps: float, residual=None,
-            relu: bool = False):
-    """`(out, mean, invstd)` of the forward (module docstring) on `[N, C]` CuPy or NumPy features, N >= 2;
-    `weight`, `bias` `[C]` or None; the running statistics `[C]` are updated in place. `mean` and `invstd`
-    are fp32 on the GPU, the accumulation dtype on the CPU."""
-    if not is_cupy_array(features):
+def training_batch_norm(features, running_mean, running_var, weight=None, bias=None, momentum: float = 0.1,
+                        eps: float = 1e-5, *, residual=None, relu: bool = False):
+    """`(out, mean, invstd)`: `relu?(batch_norm(features) (+ residual))` over the batch's statistics (the
+    module docstring), the running statistics moved towards them in place by `momentum`, torch's rule.
+    `features` and `residual` are `[N, C]` of one dtype, N >= 2; the statistics and `weight` / `bias` (None:
+    1 and 0) are `[C]`; `mean` and `invstd` `[C]` are what `training_batch_norm_backward` takes (fp32 on the
+    GPU's kernels, the accumulation dtype otherwise)."""
+    statistics = {"running_mean": running_mean, "running_var": running_var, "weight": weight, "bias": bias}
+    check_norm_arguments(features, statistics, residual=residual)
+    _check_rows(features)
+    if momentum is None or not 0 <= momentum <= 1:
+        raise ValueError(f"momentum must be a number in [0, 1] (torch's cumulative average, None, is not taken "
+                         f"here), got {momentum!r}")
+    parameter_dtype = _kernel_parameter_dtype(features, statistics.values(), (residual,))
+    if parameter_dtype is None:
         return _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu)
     cupy = cupy_module()
     num_rows, channels = features.shape
     out = cupy.empty_like(features)
     sums = cupy.zeros((2, channels), np.float32)
     saved = cupy.empty((2, channels), np.float32)
-    launch_forward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype),
-                   np.dtype(running_mean.dtype), features.data.ptr, _address(residual), _address(weight),
-                   _address(bias), running_mean.data.ptr, running_var.data.ptr, momentum, eps, relu, sums.data.ptr,
-                   saved[0].data.ptr, saved[1].data.ptr, out.data.ptr)
+    launch_forward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype), parameter_dtype,
+                   features.data.ptr, _address(residual), _address(weight), _address(bias), running_mean.data.ptr,
+                   running_var.data.ptr, momentum, eps, relu, sums.data.ptr, saved[0].data.ptr, saved[1].data.ptr,
+                   out.data.ptr)
     return out, saved[0], saved[1]
 
 
-def backward(grad_out, features, out, mean, invstd, weight, relu: bool = False, with_residual: bool = False):
-    """`(grad_features, grad_weight, grad_bias, grad_residual)` of the forward that gave `out`, `mean` and
-    `invstd` (None for the residual's where `with_residual` is false; the parameters' in `mean`'s dtype on
-    the CPU, the running statistics' on the GPU: here `weight`'s, fp32 without one)."""
-    if not is_cupy_array(features):
-        return _backward_reference(grad_out, features, out, mean, invstd, weight, relu, with_residual)
+def training_batch_norm_backward(grad_output, features, out, mean, invstd, weight=None, *, relu: bool = False,
+                                 with_residual: bool = False):
+    """`(grad_features, grad_weight, grad_bias, grad_residual)` of the `training_batch_norm` that gave `out`,
+    `mean` and `invstd` from `features` (with `relu` as it had; `with_residual`: return the residual's
+    gradient, else None). The parameters' gradients come whether or not it had them (of `weight`'s dtype, fp32
+    without one, on the GPU's kernels; of the accumulation dtype otherwise)."""
+    check_norm_arguments(features, {"weight": weight, "mean": mean, "invstd": invstd}, grad_output=grad_output,
+                         out=out)
+    _check_rows(features)
+    parameter_dtype = _kernel_parameter_dtype(features, (weight,), (grad_output, out))
+    if parameter_dtype is None or any(np.dtype(array.dtype) != np.float32 or not array.flags.c_contiguous
+                                      for array in (mean, invstd)):
+        return _backward_reference(grad_output, features, out, mean, invstd, weight, relu, with_residual)
     cupy = cupy_module()
     num_rows, channels = features.shape
-    parameter_dtype = np.dtype(np.float32 if weight is None else weight.dtype)
     grad_features = cupy.empty_like(features)
-    # g: grad_out itself without the ReLU; with it, a buffer of its own only where it is also the residual's
+    # g: grad_output itself without the ReLU; with it, a buffer of its own only where it is also the residual's
     # gradient, else grad_features, which the second pass overwrites element by element.
-    g = grad_out if not relu else cupy.empty_like(features) if with_residual else grad_features
+    g = grad_output if not relu else cupy.empty_like(features) if with_residual else grad_features
     grads = cupy.empty((2, channels), parameter_dtype)
     sums = cupy.zeros((2, channels), np.float32)
     launch_backward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype),
-                    parameter_dtype, grad_out.data.ptr, features.data.ptr, out.data.ptr, _address(weight),
+                    parameter_dtype, grad_output.data.ptr, features.data.ptr, out.data.ptr, _address(weight),
                     mean.data.ptr, invstd.data.ptr, relu, sums.data.ptr, g.data.ptr, grad_features.data.ptr,
                     grads[0].data.ptr, grads[1].data.ptr)
     return grad_features, grads[0], grads[1], g if with_residual else None
+
+
+def _check_rows(features) -> None:
+    if features.shape[0] < 2:
+        raise ValueError(f"a batch norm in training needs at least 2 rows to take their variance, got "
+                         f"{features.shape[0]}")
+
+
+def _kernel_parameter_dtype(features, parameters, like_features):
+    """The parameters' dtype where the kernels take these arrays as they are (CuPy, contiguous, dtypes of
+    `kernel_runs`; fp32 where no parameter is given), else None: the reference computes them then."""
+    given = [array for array in parameters if array is not None]
+    arrays = [features, *given, *(array for array in like_features if array is not None)]
+    if not is_cupy_array(features) or not all(array.flags.c_contiguous for array in arrays):
+        return None
+    dtypes = {np.dtype(array.dtype) for array in given} or {np.dtype(FLOAT32)}
+    if len(dtypes) != 1:
+        return None
+    parameter_dtype = dtypes.pop()
+    return parameter_dtype if kernel_runs(np.dtype(features.dtype), parameter_dtype, features.shape[1]) else None
 
 
 def _address(array) -> int:

@@ -7,6 +7,7 @@ import pytest
 
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+import cupysparse as cs
 from cupysparse.functional import training_norm
 from tolerances import EPSILON, assert_close
 
@@ -37,10 +38,11 @@ def run(arrays: dict, residual: bool, relu: bool, affine: bool, xp=np):
     """(out, grad_features, grad_weight, grad_bias, grad_residual, running_mean, running_var) of one step."""
     args = {name: xp.asarray(value).copy() for name, value in arrays.items()}
     weight, bias = (args["weight"], args["bias"]) if affine else (None, None)
-    out, mean, invstd = training_norm.forward(args["features"], weight, bias, args["running_mean"],
-                                              args["running_var"], MOMENTUM, EPS,
-                                              args["residual"] if residual else None, relu)
-    grads = training_norm.backward(args["grad_out"], args["features"], out, mean, invstd, weight, relu, residual)
+    out, mean, invstd = cs.training_batch_norm(args["features"], args["running_mean"], args["running_var"], weight,
+                                               bias, MOMENTUM, EPS, residual=args["residual"] if residual else None,
+                                               relu=relu)
+    grads = cs.training_batch_norm_backward(args["grad_out"], args["features"], out, mean, invstd, weight, relu=relu,
+                                            with_residual=residual)
     return out, *grads, args["running_mean"], args["running_var"]
 
 
@@ -124,3 +126,48 @@ def test_gpu_kernels_equal_the_float64_reference(dtype, parameter_dtype, shape, 
     parameter_eps = EPSILON[np.dtype(parameter_dtype).name]
     np.testing.assert_allclose(running_mean, expected[5], rtol=4 * parameter_eps, atol=4 * parameter_eps)
     np.testing.assert_allclose(running_var, expected[6], rtol=4 * parameter_eps, atol=4 * parameter_eps)
+
+
+def test_arguments_are_checked_before_anything_runs():
+    arrays = inputs(50, 4, FLOAT32, FLOAT32)
+    stats = arrays["running_mean"], arrays["running_var"]
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        cs.training_batch_norm(arrays["features"][:1], *stats)
+    with pytest.raises(ValueError, match="weight has 3 channels but the features have 4"):
+        cs.training_batch_norm(arrays["features"], *stats, weight=arrays["weight"][:3])
+    with pytest.raises(ValueError, match="residual must be fp32 of shape"):
+        cs.training_batch_norm(arrays["features"], *stats, residual=arrays["residual"][:10])
+    with pytest.raises(TypeError, match="running_var is required"):
+        cs.training_batch_norm(arrays["features"], arrays["running_mean"], None)
+    with pytest.raises(ValueError, match="momentum must be a number in"):
+        cs.training_batch_norm(arrays["features"], *stats, momentum=None)
+    out, mean, invstd = cs.training_batch_norm(arrays["features"], *stats)
+    with pytest.raises(ValueError, match="grad_output must be fp32 of shape"):
+        cs.training_batch_norm_backward(arrays["grad_out"][:, :2], arrays["features"], out, mean, invstd)
+    with pytest.raises(ValueError, match="mean has 3 channels"):
+        cs.training_batch_norm_backward(arrays["grad_out"], arrays["features"], out, mean[:3], invstd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["non-contiguous features", "parameters of two dtypes"])
+def test_arrays_the_kernels_do_not_take_as_they_are_run_through_the_reference(layout):
+    """Strided features, or a weight in fp16 beside fp32 statistics, leave the kernels out: the reference runs
+    on the GPU's arrays, with the same results."""
+    arrays = inputs(400, 8, FLOAT16, FLOAT32)
+    cupy = cupy_module()
+    args = {name: cupy.asarray(value) for name, value in arrays.items()}
+    features, weight = args["features"], args["weight"]
+    if layout == "non-contiguous features":
+        wide = cupy.zeros((features.shape[0], 2 * features.shape[1]), features.dtype)
+        wide[:, ::2] = features
+        features = wide[:, ::2]  # the same values, every other element of its rows
+    else:
+        weight = weight.astype(FLOAT16)
+    assert training_norm._kernel_parameter_dtype(features, (weight, args["running_mean"]), ()) is None
+    out, mean, invstd = cs.training_batch_norm(features, args["running_mean"], args["running_var"], weight, relu=True)
+    expected = training_norm._forward_reference(np.asarray(arrays["features"]), np.asarray(weight.get()), None,
+                                                arrays["running_mean"].copy(), arrays["running_var"].copy(), 0.1,
+                                                1e-5, None, True)[0]
+    # The same formula in fp32, summed in another order: each output within one fp16 rounding of the other.
+    eps = EPSILON["float16"]
+    np.testing.assert_allclose(out.get().astype(np.float64), expected.astype(np.float64), rtol=eps, atol=eps)
