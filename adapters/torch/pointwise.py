@@ -25,46 +25,26 @@ def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, runn
 
 class _TrainingNorm(torch.autograd.Function):
     """`relu?(batch_norm(features) (+ residual))` over the batch's statistics, the running ones moved, in the
-    core's two passes forward and two backward (`cupysparse.functional.training_norm`), on torch's stream
-    into tensors torch allocates. Its caller has checked `training_norm_runs`."""
+    core's two passes forward and two backward (`training_norm.run_forward`, `run_backward`), on torch's
+    stream into tensors torch allocates. Its caller has checked `SparseBatchNorm.runs_training_norm`."""
 
     @staticmethod
     def forward(ctx, features, weight, bias, residual, running_mean, running_var, momentum, eps, relu):
-        num_rows, channels = features.shape
-        out = torch.empty_like(features)
-        sums = torch.zeros((2, channels), dtype=torch.float32, device=features.device)
-        saved = torch.empty((2, channels), dtype=torch.float32, device=features.device)
-        address = TORCH_ARRAYS.address
-        training_norm.launch_forward(
-            TORCH_ARRAYS.stream(features), num_rows, channels, core_dtype(features.dtype),
-            core_dtype(running_mean.dtype), address(features), 0 if residual is None else address(residual),
-            0 if weight is None else address(weight), 0 if bias is None else address(bias), address(running_mean),
-            address(running_var), momentum, eps, relu, address(sums), address(saved[0]), address(saved[1]),
-            address(out))
+        parameter_dtype = core_dtype(running_mean.dtype)
+        out, saved = training_norm.run_forward(TORCH_ARRAYS, features, residual, weight, bias, running_mean,
+                                               running_var, momentum, eps, relu, parameter_dtype)
         ctx.save_for_backward(features, out if relu else None, saved, weight)  # the ReLU's mask only
         ctx.relu, ctx.with_residual, ctx.has_bias = relu, residual is not None, bias is not None
-        ctx.parameter_dtype = running_mean.dtype
+        ctx.parameter_dtype = parameter_dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         features, out, saved, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        num_rows, channels = features.shape
-        grad_features = torch.empty_like(features)
-        # g, the residual's gradient: in grad_features, which the second pass overwrites, where no residual needs it.
-        g = grad_out if not ctx.relu else torch.empty_like(features) if ctx.with_residual else grad_features
         wants_parameters = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
-        grads = torch.empty((2, channels), dtype=ctx.parameter_dtype, device=features.device) \
-            if wants_parameters else None
-        sums = torch.zeros((2, channels), dtype=torch.float32, device=features.device)
-        address = TORCH_ARRAYS.address
-        training_norm.launch_backward(
-            TORCH_ARRAYS.stream(features), num_rows, channels, core_dtype(features.dtype),
-            core_dtype(ctx.parameter_dtype), address(grad_out), address(features), 0 if out is None else address(out),
-            0 if weight is None else address(weight), address(saved[0]), address(saved[1]), ctx.relu, address(sums),
-            address(g), address(grad_features), 0 if grads is None else address(grads[0]),
-            0 if grads is None or not ctx.has_bias else address(grads[1]))
+        grad_features, grads, g = training_norm.run_backward(
+            TORCH_ARRAYS, grad_out.contiguous(), features, out, saved, weight, ctx.relu, ctx.with_residual,
+            ctx.parameter_dtype, wants_parameters)
         grad_weight = None if grads is None else grads[0]
         grad_bias = None if grads is None or not ctx.has_bias else grads[1]
         grad_residual = g if ctx.with_residual and ctx.needs_input_grad[3] else None

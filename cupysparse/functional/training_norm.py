@@ -29,6 +29,7 @@ from cupysparse.cuda.compile import KernelSource
 from cupysparse.cuda.device import multiprocessors
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, accumulation_dtype, cuda_type_name
 from cupysparse.functional.epilogue import VECTOR_BYTES, check_norm_arguments, float_bits
+from cupysparse.functional.execution import core_arrays
 
 BLOCK = 256  # threads of a block, as in the kernel source: at most this many channel groups
 BLOCKS_PER_MULTIPROCESSOR = 8  # the passes' grid: enough to fill the GPU, few atomic adds per channel
@@ -111,6 +112,53 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
         grad_features, grad_weight, grad_bias, grid=grid)
 
 
+def run_forward(arrays, features, residual, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                relu: bool, parameter_dtype):
+    """The forward's kernels on a framework's arrays (`arrays`: its `execution.Arrays`), which its caller has
+    found them to take as they are (`kernel_runs`, contiguous, on the current GPU; `residual`, `weight`,
+    `bias` may be None): `(out, saved)`, `saved` fp32 `[2, C]` the batch's mean and invstd for `run_backward`."""
+    num_rows, channels = features.shape
+    out = arrays.empty(features, (num_rows, channels))
+    scratch = arrays.empty_float32(features, (4, channels))  # the sums (zeroed here), then the saved statistics
+    stream, address, row = arrays.stream(features), arrays.address(scratch), 4 * channels
+    _zero(address, 2 * row, stream)
+    launch_forward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
+                   arrays.address(features), _address(arrays, residual), _address(arrays, weight),
+                   _address(arrays, bias), arrays.address(running_mean), arrays.address(running_var), momentum, eps,
+                   relu, address, address + 2 * row, address + 3 * row, arrays.address(out))
+    return out, scratch[2:]
+
+
+def run_backward(arrays, grad_out, features, out, saved, weight, relu: bool, with_residual: bool, parameter_dtype,
+                 parameter_grads: bool):
+    """The backward's kernels on a framework's arrays (see `run_forward`; `saved` its mean and invstd, `out`
+    read only with the ReLU): `(grad_features, grads, g)`, `grads` `[2, C]` the gradients of weight and bias
+    in `weight`'s dtype (fp32 without one) where `parameter_grads`, else None, and g the masked output
+    gradient, the residual's gradient."""
+    num_rows, channels = features.shape
+    grad_features = arrays.empty(features, (num_rows, channels))
+    # g: grad_out itself without the ReLU; with it, a buffer of its own only where it is also the residual's
+    # gradient, else grad_features, which the second pass overwrites element by element.
+    g = grad_out if not relu else arrays.empty(features, (num_rows, channels)) if with_residual else grad_features
+    grads = None
+    if parameter_grads:
+        shape = (2, channels)
+        grads = arrays.empty_float32(features, shape) if weight is None else arrays.empty(weight, shape)
+    sums = arrays.empty_float32(features, (2, channels))
+    stream = arrays.stream(features)
+    _zero(arrays.address(sums), 8 * channels, stream)
+    launch_backward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
+                    arrays.address(grad_out), arrays.address(features), _address(arrays, out if relu else None),
+                    _address(arrays, weight), arrays.address(saved[0]), arrays.address(saved[1]), relu,
+                    arrays.address(sums), arrays.address(g), arrays.address(grad_features),
+                    *((0, 0) if grads is None else (arrays.address(grads[0]), arrays.address(grads[1]))))
+    return grad_features, grads, g
+
+
+def _zero(address: int, num_bytes: int, stream: int) -> None:
+    cupy_module().cuda.runtime.memsetAsync(address, 0, num_bytes, stream)
+
+
 def training_batch_norm(features, running_mean, running_var, weight=None, bias=None, momentum: float = 0.1,
                         eps: float = 1e-5, *, residual=None, relu: bool = False):
     """`(out, mean, invstd)`: `relu?(batch_norm(features) (+ residual))` over the batch's statistics (the
@@ -127,15 +175,8 @@ def training_batch_norm(features, running_mean, running_var, weight=None, bias=N
     parameter_dtype = _kernel_parameter_dtype(features, statistics.values(), (residual,))
     if parameter_dtype is None:
         return _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu)
-    cupy = cupy_module()
-    num_rows, channels = features.shape
-    out = cupy.empty_like(features)
-    sums = cupy.zeros((2, channels), np.float32)
-    saved = cupy.empty((2, channels), np.float32)
-    launch_forward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype), parameter_dtype,
-                   features.data.ptr, _address(residual), _address(weight), _address(bias), running_mean.data.ptr,
-                   running_var.data.ptr, momentum, eps, relu, sums.data.ptr, saved[0].data.ptr, saved[1].data.ptr,
-                   out.data.ptr)
+    out, saved = run_forward(core_arrays(), features, residual, weight, bias, running_mean, running_var, momentum, eps,
+                             relu, parameter_dtype)
     return out, saved[0], saved[1]
 
 
@@ -152,18 +193,8 @@ def training_batch_norm_backward(grad_output, features, out, mean, invstd, weigh
     if parameter_dtype is None or any(np.dtype(array.dtype) != np.float32 or not array.flags.c_contiguous
                                       for array in (mean, invstd)):
         return _backward_reference(grad_output, features, out, mean, invstd, weight, relu, with_residual)
-    cupy = cupy_module()
-    num_rows, channels = features.shape
-    grad_features = cupy.empty_like(features)
-    # g: grad_output itself without the ReLU; with it, a buffer of its own only where it is also the residual's
-    # gradient, else grad_features, which the second pass overwrites element by element.
-    g = grad_output if not relu else cupy.empty_like(features) if with_residual else grad_features
-    grads = cupy.empty((2, channels), parameter_dtype)
-    sums = cupy.zeros((2, channels), np.float32)
-    launch_backward(cupy.cuda.get_current_stream().ptr, num_rows, channels, np.dtype(features.dtype),
-                    parameter_dtype, grad_output.data.ptr, features.data.ptr, out.data.ptr, _address(weight),
-                    mean.data.ptr, invstd.data.ptr, relu, sums.data.ptr, g.data.ptr, grad_features.data.ptr,
-                    grads[0].data.ptr, grads[1].data.ptr)
+    grad_features, grads, g = run_backward(core_arrays(), grad_output, features, out, (mean, invstd), weight, relu,
+                                           with_residual, parameter_dtype, parameter_grads=True)
     return grad_features, grads[0], grads[1], g if with_residual else None
 
 
@@ -187,8 +218,8 @@ def _kernel_parameter_dtype(features, parameters, like_features):
     return parameter_dtype if kernel_runs(np.dtype(features.dtype), parameter_dtype, features.shape[1]) else None
 
 
-def _address(array) -> int:
-    return 0 if array is None else array.data.ptr
+def _address(arrays, array) -> int:
+    return 0 if array is None else arrays.address(array)
 
 
 def _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu):
