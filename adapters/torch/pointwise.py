@@ -26,13 +26,15 @@ def batch_norm_epilogue(features: torch.Tensor, running_mean: torch.Tensor, runn
 class _TrainingNorm(torch.autograd.Function):
     """`relu?(batch_norm(features) (+ residual))` over the batch's statistics, the running ones moved, in the
     core's two passes forward and two backward (`training_norm.run_forward`, `run_backward`), on torch's
-    stream into tensors torch allocates. Its caller has checked `SparseBatchNorm.runs_training_norm`."""
+    stream into tensors torch allocates; the forward counts the batch in `batches_tracked` too. Its caller has
+    checked `SparseBatchNorm.runs_training_norm`."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, residual, running_mean, running_var, momentum, eps, relu):
+    def forward(ctx, features, weight, bias, residual, running_mean, running_var, batches_tracked, momentum, eps,
+                relu):
         parameter_dtype = core_dtype(running_mean.dtype)
         out, saved = training_norm.run_forward(TORCH_ARRAYS, features, residual, weight, bias, running_mean,
-                                               running_var, momentum, eps, relu, parameter_dtype)
+                                               running_var, momentum, eps, relu, parameter_dtype, batches_tracked)
         ctx.save_for_backward(features, out if relu else None, saved, weight)  # the ReLU's mask only
         ctx.relu, ctx.with_residual, ctx.has_bias = relu, residual is not None, bias is not None
         ctx.parameter_dtype = parameter_dtype
@@ -48,7 +50,7 @@ class _TrainingNorm(torch.autograd.Function):
         grad_weight = None if grads is None else grads[0]
         grad_bias = None if grads is None or not ctx.has_bias else grads[1]
         grad_residual = g if ctx.with_residual and ctx.needs_input_grad[3] else None
-        return grad_features, grad_weight, grad_bias, grad_residual, None, None, None, None, None
+        return grad_features, grad_weight, grad_bias, grad_residual, None, None, None, None, None, None
 
 
 class PerVoxel(nn.Module):
@@ -118,7 +120,8 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """Whether `training_norm` may stand in for this module in training (and a residual sum or ReLU after
         it): running statistics with a momentum, outside `torch.compile`, at least two rows, on the current
         GPU, contiguous features (and a residual like them) of a dtype the kernels take, with parameters
-        and statistics of one dtype they take with it (`training_norm.kernel_runs`)."""
+        and statistics of one dtype they take with it (`training_norm.kernel_runs`) and the count of batches in
+        int64 beside them."""
         if (not self.training or rehearsing() or self.running_mean is None or self.momentum is None
                 or torch.compiler.is_compiling() or not features.is_cuda or features.dim() != 2
                 or features.shape[0] < 2 or not features.is_contiguous()
@@ -131,6 +134,9 @@ class SparseBatchNorm(nn.BatchNorm1d):
         if any(tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != features.device)
                for tensor in (self.running_var, self.weight, self.bias)):
             return False
+        counter = self.num_batches_tracked  # which the forward's kernel increments
+        if counter is None or counter.dtype != torch.int64 or counter.device != features.device:
+            return False
         dtype, core_parameter_dtype = core_dtype(features.dtype), core_dtype(parameter_dtype)
         return (dtype is not None and core_parameter_dtype is not None
                 and training_norm.kernel_runs(dtype, core_parameter_dtype, features.shape[1]))
@@ -138,11 +144,10 @@ class SparseBatchNorm(nn.BatchNorm1d):
     def training_norm(self, input: SparseTensor, residual: torch.Tensor | None = None,
                       relu: bool = False) -> SparseTensor:
         """`relu?(self(input).features (+ residual))` in training, for where `runs_training_norm`: the
-        batch's statistics, the running ones moved, differentiable (`_TrainingNorm`)."""
-        self.num_batches_tracked.add_(1)
+        batch's statistics, the running ones moved and the batch counted, differentiable (`_TrainingNorm`)."""
         return input.replace_feature(_TrainingNorm.apply(
-            input.features, self.weight, self.bias, residual, self.running_mean, self.running_var, self.momentum,
-            self.eps, relu))
+            input.features, self.weight, self.bias, residual, self.running_mean, self.running_var,
+            self.num_batches_tracked, self.momentum, self.eps, relu))
 
     def folds_into_convolution(self) -> bool:
         """Whether a convolution before this module may apply it in its epilogue (`folded`): evaluation

@@ -77,21 +77,23 @@ def _launch_shape(num_rows: int, channels: int, vector: int) -> tuple[int, int, 
 
 
 def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int, residual: int,
-                   weight: int, bias: int, running_mean: int, running_var: int, momentum: float, eps: float,
-                   relu: bool, sums: int, saved_mean: int, saved_invstd: int, out: int) -> None:
+                   weight: int, bias: int, running_mean: int, running_var: int, batches_tracked: int,
+                   momentum: float, eps: float, relu: bool, sums: int, saved_mean: int, saved_invstd: int,
+                   out: int) -> None:
     """The forward on the current device over device addresses: row-major `[num_rows, channels]` features,
     residual (0: none) and out of `dtype`; `[channels]` weight, bias (0: none of either) and running statistics
-    of `parameter_dtype` (see `kernel_runs`; the statistics are updated in place); fp32 `sums` `[2, channels]`
-    zeroed, and `saved_mean`, `saved_invstd` `[channels]` written for the backward. Nothing is checked."""
+    of `parameter_dtype` (see `kernel_runs`; the statistics are updated in place); an int64 count of batches
+    incremented by one (0: none); fp32 `sums` `[2, channels]` zeroed, and `saved_mean`, `saved_invstd`
+    `[channels]` written for the backward. Nothing is checked."""
     vector = _vector(dtype, channels, (features, residual, out))
     grid = _launch_shape(num_rows, channels, vector)
     kernels = _KERNELS[dtype]
     kernels.prepared(f"batch_norm_statistics<{cuda_type_name(dtype)}, {vector}>", BLOCK, 4).launch(
         stream, features, num_rows, channels, sums, grid=grid)
     types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
-    kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 15).launch(
-        stream, features, residual, weight, bias, sums, running_mean, running_var, float_bits(momentum),
-        float_bits(eps), int(relu), num_rows, channels, saved_mean, saved_invstd, out, grid=grid)
+    kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16).launch(
+        stream, features, residual, weight, bias, sums, running_mean, running_var, batches_tracked,
+        float_bits(momentum), float_bits(eps), int(relu), num_rows, channels, saved_mean, saved_invstd, out, grid=grid)
 
 
 def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, grad_out: int, features: int,
@@ -113,10 +115,11 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
 
 
 def run_forward(arrays, features, residual, weight, bias, running_mean, running_var, momentum: float, eps: float,
-                relu: bool, parameter_dtype):
+                relu: bool, parameter_dtype, batches_tracked=None):
     """The forward's kernels on a framework's arrays (`arrays`: its `execution.Arrays`), which its caller has
     found them to take as they are (`kernel_runs`, contiguous, on the current GPU; `residual`, `weight`,
-    `bias` may be None): `(out, saved)`, `saved` fp32 `[2, C]` the batch's mean and invstd for `run_backward`."""
+    `bias` may be None; `batches_tracked`, a module's int64 count of batches there, is incremented):
+    `(out, saved)`, `saved` fp32 `[2, C]` the batch's mean and invstd for `run_backward`."""
     num_rows, channels = features.shape
     out = arrays.empty(features, (num_rows, channels))
     scratch = arrays.empty_float32(features, (4, channels))  # the sums (zeroed here), then the saved statistics
@@ -124,8 +127,9 @@ def run_forward(arrays, features, residual, weight, bias, running_mean, running_
     _zero(address, 2 * row, stream)
     launch_forward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
                    arrays.address(features), _address(arrays, residual), _address(arrays, weight),
-                   _address(arrays, bias), arrays.address(running_mean), arrays.address(running_var), momentum, eps,
-                   relu, address, address + 2 * row, address + 3 * row, arrays.address(out))
+                   _address(arrays, bias), arrays.address(running_mean), arrays.address(running_var),
+                   _address(arrays, batches_tracked), momentum, eps, relu, address, address + 2 * row,
+                   address + 3 * row, arrays.address(out))
     return out, scratch[2:]
 
 

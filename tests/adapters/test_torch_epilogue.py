@@ -346,7 +346,8 @@ def test_training_on_cuda_equals_torch_batch_norm_relu_and_sum(dtype, parameter_
 @gpu_test
 def test_a_minkunet_in_training_on_cuda_fuses_its_norms_and_equals_torchs_modules(monkeypatch):
     """Every norm of a MinkUNet in training on CUDA runs the core's training norm (with its ReLU or its
-    block's residual sum and ReLU); outputs and gradients equal the same model through torch's modules."""
+    block's residual sum and ReLU); outputs, gradients, running statistics and counts of batches equal the same
+    model's through torch's modules."""
     coords = coordinates(num_per_item=600)
     features = torch.randn(len(coords), 3, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
     fused, unfused = (minkunet18(torch.float32, "cuda").train() for _ in range(2))
@@ -360,12 +361,14 @@ def test_a_minkunet_in_training_on_cuda_fuses_its_norms_and_equals_torchs_module
                 patch.setattr(cst.SparseBatchNorm, "runs_training_norm", lambda *args: False)
             out = model(cst.SparseTensor(coords.cuda(), features.cuda())).features
             out.square().sum().backward()
-        results.append((out.detach(), {name: parameter.grad for name, parameter in model.named_parameters()}))
+        gradients = {name: parameter.grad for name, parameter in model.named_parameters()}
+        results.append((out.detach(), gradients | dict(model.named_buffers())))
     norms = [module for module in fused.modules() if isinstance(module, cst.SparseBatchNorm)]
     assert len(calls) == len(norms)
-    (out, grads), (expected_out, expected_grads) = results
+    (out, values), (expected_out, expected_values) = results
+    assert all(module.num_batches_tracked.item() == 1 for module in norms)
     torch.testing.assert_close(out, expected_out, rtol=1e-3, atol=1e-3 * expected_out.abs().max().item())
-    for name, grad in grads.items():
-        expected = expected_grads[name]
-        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item(),
+    for name, value in values.items():
+        expected = expected_values[name]
+        torch.testing.assert_close(value, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item(),
                                    msg=lambda message, name=name: f"{name}: {message}")
