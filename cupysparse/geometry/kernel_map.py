@@ -588,8 +588,9 @@ class KernelMapCache:
         as a network's first layer would have them built one by one: in each cache, the coordinates of every
         level its strided convolutions reach in one synchronisation and the indices its maps look up, together
         (`_prepare_levels`), then each map, then the mask-sorted orders of all of them in one sort (and,
-        `with_reversed`, of their reversed maps, which a backward pass runs over). A network calls this with all
-        of its maps before its first layer, which then finds each one built."""
+        `with_reversed`, of the reversed maps a backward pass runs over: those of the maps that are not
+        mirror-symmetric, since the GPU's dgrad reads a mirror-symmetric map's own table with its offsets flipped).
+        A network calls this with all of its maps before its first layer, which then finds each one built."""
         by_cache: dict[int, list] = {}
         for request in requests:
             by_cache.setdefault(request.cache, []).append(request)
@@ -608,7 +609,7 @@ class KernelMapCache:
             results.append(result)
         kernel_maps = [result.kernel_map for result in results]
         if with_reversed:
-            kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps]
+            kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps if not kernel_map.mirror_symmetric]
         derive_mask_orders(kernel_maps)
         return results
 
