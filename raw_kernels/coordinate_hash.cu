@@ -1,7 +1,8 @@
-// The GPU coordinate index: a hash table of coordinates, one query kernel that writes the pair
-// table [K, N_out] (input row or -1) for all kernel offsets at once, the first-occurrence
+// The GPU coordinate index: hash tables of coordinates, one query kernel that writes pair tables
+// [K, N_out] (input row or -1) for all kernel offsets at once, several tables a launch, the first-occurrence
 // marking behind `unique_coordinates`, and the outputs a padded convolution reaches.
 #include "coordinate_key.cuh"
+#include "launch_jobs.cuh"
 
 // Per-axis geometry of a query, passed by value (D <= 4).
 struct QueryGeometry {
@@ -13,12 +14,22 @@ struct QueryGeometry {
   int sign;
 };
 
+// Hash tables of several coordinate sets, filled in one launch: each set's rows keyed into its own slots.
+struct CoordinateSets {
+  long long row_starts[MAX_JOBS + 1];
+  const int* coords[MAX_JOBS];
+  ulonglong2* slots[MAX_JOBS];
+  key_t64 capacity_mask[MAX_JOBS];
+  int count;
+};
+
 template <int D>
-__global__ void insert_coordinates(const int* __restrict__ coords, int num_coords, ulonglong2* __restrict__ slots,
-                                   key_t64 capacity_mask) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_coords) return;
-  claim_slot(slots, capacity_mask, row_key<D>(coords, row))->y = row;
+__global__ void insert_coordinate_sets(CoordinateSets sets) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= sets.row_starts[sets.count]) return;
+  const int set = job_of(sets.row_starts, sets.count, i);
+  const long long row = i - sets.row_starts[set];
+  claim_slot(sets.slots[set], sets.capacity_mask[set], row_key<D>(sets.coords[set], row))->y = row;
 }
 
 // Per-axis divisor of `unique_coordinates`: rows are floor(coordinate / divisor) (1: unchanged).
@@ -80,19 +91,40 @@ __global__ void write_first_rows(const int* __restrict__ coords, int num_coords,
   for (int column = 0; column <= D; ++column) out[i * (D + 1) + column] = divided[column];
 }
 
+// Pair-table queries answered in one launch, each over its own output coordinates and hash table.
+struct PairTableQueries {
+  long long row_starts[MAX_JOBS + 1];
+  const int* out_coords[MAX_JOBS];
+  const ulonglong2* slots[MAX_JOBS];
+  key_t64 capacity_mask[MAX_JOBS];
+  int* pair_table[MAX_JOBS];
+  unsigned int* offset_mask[MAX_JOBS];
+  QueryGeometry geometry[MAX_JOBS];
+  int kernel_volume[MAX_JOBS];
+  int same_coordinates[MAX_JOBS];
+  int count;
+};
+
 // One thread per output row, looping over the offsets: the row's coordinates are read once and
 // each offset's writes are coalesced across the warp. The row's offset bitmask (bit k % 32 of
 // word k / 32 set when offset k has an input) costs nothing extra here, so it is written too.
 // When the output coordinates are the indexed ones (`same_coordinates`), the zero offset is the
 // row itself and needs no probe.
 template <int D>
-__global__ void query_pair_table(const int* __restrict__ out_coords, int num_out, int kernel_volume,
-                                 QueryGeometry geometry, const ulonglong2* __restrict__ slots,
-                                 key_t64 capacity_mask, bool same_coordinates, int* __restrict__ pair_table,
-                                 unsigned int* __restrict__ offset_mask) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_out) return;
-  const int* c = out_coords + (long long)row * (D + 1);
+__global__ void query_pair_tables(PairTableQueries queries) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= queries.row_starts[queries.count]) return;
+  const int q = job_of(queries.row_starts, queries.count, i);
+  const int row = (int)(i - queries.row_starts[q]);
+  const int num_out = (int)(queries.row_starts[q + 1] - queries.row_starts[q]);
+  const int kernel_volume = queries.kernel_volume[q];
+  const QueryGeometry& geometry = queries.geometry[q];
+  const ulonglong2* __restrict__ slots = queries.slots[q];
+  const key_t64 capacity_mask = queries.capacity_mask[q];
+  const bool same_coordinates = queries.same_coordinates[q] != 0;
+  int* __restrict__ pair_table = queries.pair_table[q];
+  unsigned int* __restrict__ offset_mask = queries.offset_mask[q];
+  const int* c = queries.out_coords[q] + (long long)row * (D + 1);
   const int batch = c[0];
   long long base[D];
   int index[D];  // per-axis position inside the kernel; the last axis runs fastest

@@ -1,6 +1,7 @@
 // Formats derived from a pair table [K, N_out] on demand: the per-row offset bitmask, the
 // mask-sorted row order, the per-offset CSR lists and the inverse table. None of these kernels
 // needs the host between launches; only the CSR lists' caller reads their length back.
+#include "launch_jobs.cuh"
 
 constexpr int WARP_SIZE = 32;
 constexpr unsigned int ALL_LANES = 0xffffffffu;
@@ -33,16 +34,30 @@ __global__ void identity_pairs(int num_rows, int* __restrict__ rows, long long* 
   if (row < num_rows) rows[row] = row;
 }
 
-// One thread per output row of the pair table: inverse[k, table[k, row]] = row for every pair
-// (the caller fills `inverse` [K, num_in] with -1). An input row and an offset determine at most
-// one output row, so no two threads write the same entry.
-__global__ void invert_pairs(const int* __restrict__ pair_table, int num_out, int kernel_volume, int num_in,
-                             int* __restrict__ inverse) {
-  const long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_out) return;
-  for (int k = 0; k < kernel_volume; ++k) {
-    const int input = pair_table[(long long)k * num_out + row];
-    if (input >= 0) inverse[(long long)k * num_in + input] = (int)row;
+// Pair tables inverted in one launch, each into its own [K, num_in] table (filled with -1 by the caller).
+struct PairTableInversions {
+  long long row_starts[MAX_JOBS + 1];  // the tables' output rows
+  const int* pair_table[MAX_JOBS];
+  int* inverse[MAX_JOBS];
+  int kernel_volume[MAX_JOBS];
+  int num_in[MAX_JOBS];
+  int count;
+};
+
+// One thread per output row of a pair table: inverse[k, table[k, row]] = row for every pair. An input
+// row and an offset determine at most one output row, so no two threads write the same entry.
+__global__ void invert_pair_tables(PairTableInversions inversions) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= inversions.row_starts[inversions.count]) return;
+  const int job = job_of(inversions.row_starts, inversions.count, i);
+  const long long row = i - inversions.row_starts[job], num_out = inversions.row_starts[job + 1] -
+                                                                   inversions.row_starts[job];
+  const int* __restrict__ pair_table = inversions.pair_table[job];
+  int* __restrict__ inverse = inversions.inverse[job];
+  const long long num_in = inversions.num_in[job];
+  for (int k = 0; k < inversions.kernel_volume[job]; ++k) {
+    const int input = pair_table[k * num_out + row];
+    if (input >= 0) inverse[k * num_in + input] = (int)row;
   }
 }
 

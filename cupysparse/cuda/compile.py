@@ -52,6 +52,8 @@ _MMA_INCLUDE = re.compile(r"^\s*#\s*include\s+<mma\.h>", re.MULTILINE)
 _REGISTRY: list[KernelSource] = []
 # Threads of a block of a one-thread-per-item kernel (`launch_config`, `KernelSource.launch_per_row`).
 ROW_BLOCK = 256
+# Jobs one launch of a batched kernel takes (`KernelSource.launch_jobs`; raw_kernels/launch_jobs.cuh).
+MAX_JOBS = 16
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,18 @@ class KernelSource:
         stream, prepared (`prepared`): `values` in argument order, past the `fixed` (position, bytes) ones."""
         self.prepared(name_expression, ROW_BLOCK, len(values) + len(fixed), fixed).launch(
             cupy_module().cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // ROW_BLOCK)), 1, 1))
+
+    def launch_jobs(self, name_expression: str, description: np.void) -> None:
+        """`name_expression` over the jobs `description` describes: a record of the kernel's one argument, a
+        struct whose `row_starts` and `count` say how the launch's rows fall to its jobs (at most `MAX_JOBS`:
+        raw_kernels/launch_jobs.cuh), one thread per row, on the current stream. The record is made for this
+        call, so it is passed as it is where `prepared` would keep its bytes for every call to come."""
+        cupy = cupy_module()
+        num_rows = int(description["row_starts"][description["count"]])
+        data = np.frombuffer(description.tobytes(), dtype=np.uint8)
+        pointers = np.array([data.ctypes.data], dtype=np.uint64)  # cuLaunchKernel copies the argument from there
+        cupy.cuda.driver.launchKernel(self.get(name_expression).ptr, max(1, -(-num_rows // ROW_BLOCK)), 1, 1, ROW_BLOCK,
+                                      1, 1, 0, cupy.cuda.get_current_stream().ptr, pointers.ctypes.data, 0)
 
 
 def registered_sources() -> tuple[KernelSource, ...]:

@@ -4,6 +4,7 @@
 for every output row and every kernel offset at once, which input row sits at
 `(out * out_scale + shift + sign * dilation * offset) / divisor` (or -1), as the table `[K, N_out]`,
 together with the offset bitmask when it comes for free (the GPU query writes it; else None).
+`build_indices` and `pair_tables` do several at once: on the GPU, in one allocation and one launch.
 Submanifold and strided maps use divisor 1, shift 0 and sign +1; generative transposed maps ask with
 sign -1 and the stride as divisor; padded maps shift to where their taps start.
 `unique_reached` lists the outputs a padded convolution reaches, from one hash table on the GPU.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import KernelSource
+from cupysparse.cuda.compile import MAX_JOBS, KernelSource
 from cupysparse.geometry.coords import MAX_ROWS, check_row_count, key_layout, kernel_offsets, pack_keys
 
 _KERNELS = KernelSource(
@@ -27,11 +28,11 @@ _KERNELS = KernelSource(
     tuple(
         f"{name}<{d}>"
         for name in (
-            "insert_coordinates",
+            "insert_coordinate_sets",
             "insert_smallest_row",
             "mark_first_occurrence",
             "write_first_rows",
-            "query_pair_table",
+            "query_pair_tables",
             "insert_reached",
             "mark_first_reached",
             "write_first_reached",
@@ -54,6 +55,16 @@ _GEOMETRY_DTYPE = np.dtype(
         ("sign", np.int32),
     ]
 )
+# Mirror `struct CoordinateSets` and `struct PairTableQueries` in raw_kernels/coordinate_hash.cu.
+_COORDINATE_SETS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("coords", np.uint64, (MAX_JOBS,)),
+                                   ("slots", np.uint64, (MAX_JOBS,)), ("capacity_mask", np.uint64, (MAX_JOBS,)),
+                                   ("count", np.int32)], align=True)
+_PAIR_TABLE_QUERIES_DTYPE = np.dtype(
+    [("row_starts", np.int64, (MAX_JOBS + 1,)), ("out_coords", np.uint64, (MAX_JOBS,)), ("slots", np.uint64, (MAX_JOBS,)),
+     ("capacity_mask", np.uint64, (MAX_JOBS,)), ("pair_table", np.uint64, (MAX_JOBS,)),
+     ("offset_mask", np.uint64, (MAX_JOBS,)), ("geometry", _GEOMETRY_DTYPE, (MAX_JOBS,)),
+     ("kernel_volume", np.int32, (MAX_JOBS,)), ("same_coordinates", np.int32, (MAX_JOBS,)), ("count", np.int32)],
+    align=True)
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,8 @@ def build_index(coords):
 
 def build_indices(coordinate_sets) -> list:
     """`build_index` of each of `coordinate_sets` (all NumPy or all CuPy): on the GPU their hash tables share
-    one allocation and one memset, which a network's levels would otherwise issue one by one."""
+    one allocation and one memset, and one launch fills up to `MAX_JOBS` of them, where a network's levels
+    would otherwise issue each one by one."""
     for coords in coordinate_sets:
         check_row_count(coords.shape[0], "the indexed coordinates")
     if not coordinate_sets or not is_cupy_array(coordinate_sets[0]):
@@ -101,8 +113,60 @@ def build_indices(coordinate_sets) -> list:
     slots = cupy.empty((sum(capacities), 2), dtype=np.uint64)
     _mark_empty(slots)
     starts = itertools.accumulate(capacities, initial=0)
-    return [GpuHashTable(coords, slots[start : start + capacity])
-            for coords, start, capacity in zip(coordinate_sets, starts, capacities)]
+    tables = [GpuHashTable(coords, slots[start : start + capacity])
+              for coords, start, capacity in zip(coordinate_sets, starts, capacities)]
+    filled = [table for table in tables if table.num_coords]
+    for first in range(0, len(filled), MAX_JOBS):
+        jobs = filled[first : first + MAX_JOBS]
+        sets = np.zeros((), dtype=_COORDINATE_SETS_DTYPE)
+        sets["count"] = len(jobs)
+        sets["row_starts"][: len(jobs) + 1] = list(itertools.accumulate((table.num_coords for table in jobs), initial=0))
+        sets["coords"][: len(jobs)] = [table.coords.data.ptr for table in jobs]
+        sets["slots"][: len(jobs)] = [table.slots.data.ptr for table in jobs]
+        sets["capacity_mask"][: len(jobs)] = [table.capacity_mask for table in jobs]
+        _KERNELS.launch_jobs(f"insert_coordinate_sets<{jobs[0].spatial_dims}>", sets[()])
+    return tables
+
+
+def pair_tables(queries) -> list:
+    """`index.pair_table(out_coords, query, same_coordinates)` of each of `queries`, (index, out_coords, query,
+    same_coordinates) tuples of one backend and dimension: on the GPU one allocation holds every table and mask
+    (the maps of a network live and die together), and one launch answers up to `MAX_JOBS` of them."""
+    if not queries or not isinstance(queries[0][0], GpuHashTable):
+        return [index.pair_table(out_coords, query, same) for index, out_coords, query, same in queries]
+    import cupy
+
+    shapes = []
+    for _, out_coords, query, _ in queries:
+        check_row_count(out_coords.shape[0], "the output coordinates")
+        kernel_volume = math.prod(query.kernel_size)
+        shapes.append((kernel_volume, out_coords.shape[0], -(-kernel_volume // 32)))
+    storage = cupy.empty(sum(volume * rows + rows * words for volume, rows, words in shapes), dtype=np.uint32)
+    results, start = [], 0
+    for volume, rows, words in shapes:
+        table = storage[start : start + volume * rows].view(np.int32).reshape(volume, rows)
+        mask = storage[start + volume * rows : start + volume * rows + rows * words].reshape(rows, words)
+        results.append((table, mask))
+        start += volume * rows + rows * words
+    jobs = [(index, cupy.ascontiguousarray(out_coords), query, same, table, mask)
+            for (index, out_coords, query, same), (table, mask) in zip(queries, results) if out_coords.shape[0]]
+    for first in range(0, len(jobs), MAX_JOBS):
+        batch = jobs[first : first + MAX_JOBS]
+        described = np.zeros((), dtype=_PAIR_TABLE_QUERIES_DTYPE)
+        described["count"] = len(batch)
+        described["row_starts"][: len(batch) + 1] = list(itertools.accumulate((job[1].shape[0] for job in batch),
+                                                                                initial=0))
+        for j, (index, out_coords, query, same, table, mask) in enumerate(batch):
+            described["out_coords"][j] = out_coords.data.ptr
+            described["slots"][j] = index.slots.data.ptr
+            described["capacity_mask"][j] = index.capacity_mask
+            described["pair_table"][j] = table.data.ptr
+            described["offset_mask"][j] = mask.data.ptr
+            described["geometry"][j] = query.as_struct()
+            described["kernel_volume"][j] = table.shape[0]
+            described["same_coordinates"][j] = same
+        _KERNELS.launch_jobs(f"query_pair_tables<{batch[0][0].spatial_dims}>", described[()])
+    return results
 
 
 class SortedKeyIndex:
@@ -145,42 +209,21 @@ class SortedKeyIndex:
 
 
 class GpuHashTable:
-    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N (`_capacity`):
-    `slots`, that many empty ones (`build_indices`), else its own."""
+    """Open addressing with linear probing over packed keys, capacity a power of two ≥ 2N (`_capacity`), in
+    `slots`, that many empty ones, which `build_indices` fills with the rows of `coords`."""
 
-    def __init__(self, coords, slots=None):
+    def __init__(self, coords, slots):
         import cupy
 
-        coords = cupy.ascontiguousarray(coords)  # the kernels read rows of 1 + D packed ints
+        self.coords = cupy.ascontiguousarray(coords)  # the kernels read rows of 1 + D packed ints
         self.num_coords = coords.shape[0]
         self.spatial_dims = coords.shape[1] - 1
-        if slots is None:
-            slots = _empty_slots(self.num_coords)
-        self._slots, self._capacity_mask = slots, np.uint64(slots.shape[0] - 1)
-        if self.num_coords:
-            _KERNELS.launch_per_row(f"insert_coordinates<{self.spatial_dims}>", self.num_coords, coords.data.ptr,
-                                    self.num_coords, self._slots.data.ptr, self._capacity_mask)
+        self.slots, self.capacity_mask = slots, np.uint64(slots.shape[0] - 1)
 
     def pair_table(self, out_coords, query: Query, same_coordinates: bool = False):
         """`same_coordinates`: `out_coords` are the indexed coordinates (the zero offset of each row
-        is the row itself)."""
-        import cupy
-
-        check_row_count(out_coords.shape[0], "the output coordinates")
-        out_coords = cupy.ascontiguousarray(out_coords)
-        kernel_volume = math.prod(query.kernel_size)
-        num_out = out_coords.shape[0]
-        # One allocation for both: the map keeps them together.
-        num_words = -(-kernel_volume // 32)
-        storage = cupy.empty(kernel_volume * num_out + num_out * num_words, dtype=np.uint32)
-        table = storage[: kernel_volume * num_out].view(np.int32).reshape(kernel_volume, num_out)
-        mask = storage[kernel_volume * num_out :].reshape(num_out, num_words)
-        if num_out == 0:
-            return table, mask
-        _KERNELS.launch_per_row(f"query_pair_table<{self.spatial_dims}>", num_out, out_coords.data.ptr, num_out,
-                                kernel_volume, self._slots.data.ptr, self._capacity_mask, int(same_coordinates),
-                                table.data.ptr, mask.data.ptr, fixed=((3, query.as_struct().tobytes()),))
-        return table, mask
+        is the row itself). Table and mask share one allocation: the map keeps them together."""
+        return pair_tables([(self, out_coords, query, same_coordinates)])[0]
 
 
 def _capacity(num_keys: int) -> int:

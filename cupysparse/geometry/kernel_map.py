@@ -35,6 +35,7 @@ from cupysparse.geometry.hashing import (
     SortedKeyIndex,
     build_index,
     build_indices,
+    pair_tables,
     unique_coordinates,
     unique_coordinates_by,
 )
@@ -64,6 +65,7 @@ from cupysparse.geometry.map_formats import (
     csr_pairs,
     identity_pairs,
     invert_pair_table,
+    invert_pair_tables,
     mask_sorted_order,
     mask_sorted_orders,
     offset_mask,
@@ -204,6 +206,10 @@ class KernelMap:
                 table = array_module(self.pair_table).ascontiguousarray(self.pair_table[::-1])
             else:
                 table = invert_pair_table(self.pair_table, self.num_in)
+        return self._reverse_with(table)
+
+    def _reverse_with(self, table) -> KernelMap:
+        """The reversed map whose table is `table` (`reversed`)."""
         reverse = KernelMap(
             table,
             self.num_out,
@@ -281,6 +287,22 @@ def derive_mask_orders(kernel_maps) -> None:
         kernel_map._mask_sorted_order = order
 
 
+def derive_reverses(kernel_maps) -> None:
+    """Compute the reversed map of each GPU map of `kernel_maps` that has none yet and is not mirror-symmetric,
+    inverting their tables together (`map_formats.invert_pair_tables`): a network's transposed maps, or the
+    maps a backward pass runs over, in a few launches. A mirror-symmetric map's reverse is its flipped table,
+    which its users read in place (`reversed` makes it on demand)."""
+    pending = [kernel_map for kernel_map in dict.fromkeys(kernel_maps)
+               if is_cupy_array(kernel_map.pair_table) and "_reversed" not in kernel_map.__dict__
+               and kernel_map.__dict__.get("_reverse_of") is None and not kernel_map.mirror_symmetric]
+    if not pending:
+        return
+    with pending[0].derive_in():
+        tables = invert_pair_tables([(kernel_map.pair_table, kernel_map.num_in) for kernel_map in pending])
+    for kernel_map, table in zip(pending, tables):
+        kernel_map._reversed = kernel_map._reverse_with(table)
+
+
 def downsample_coordinates(coords, stride):
     """unique(floor(coords / stride)) per batch, in order of first occurrence in `coords`."""
     return unique_coordinates(coords, as_tuple(stride, coords.shape[1] - 1, "stride"))
@@ -331,32 +353,60 @@ def _check_query_memory(kernel_size: tuple[int, ...], out_coords) -> None:
         check_pair_table_memory(kernel_size, out_coords.shape[0], SortedKeyIndex._ROWS_PER_BLOCK)
 
 
+class _MapQuery(NamedTuple):
+    """The pair-table query of a submanifold or strided map (the arguments of `hashing.pair_tables`), and what
+    else its map is made of."""
+
+    index: object
+    out_coords: object
+    query: Query
+    same_coordinates: bool
+    num_in: int
+    geometry: tuple[tuple[int, ...], ...]  # kernel size, stride, dilation
+
+
+def _answered(map_queries: list[_MapQuery]) -> list[KernelMap]:
+    """The maps of `map_queries`, their tables queried together (on the GPU, one allocation and one launch)."""
+    answers = pair_tables([map_query[:4] for map_query in map_queries])
+    return [KernelMap(table, map_query.num_in, *map_query.geometry, offset_mask=mask)
+            for map_query, (table, mask) in zip(map_queries, answers)]
+
+
+def _submanifold_query(in_coords, geometry, index) -> _MapQuery:
+    """The query of a submanifold map of checked `geometry` (kernel size, stride of ones, dilation)."""
+    kernel_size, stride, dilation = geometry
+    _check_query_memory(kernel_size, in_coords)
+    query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
+    return _MapQuery(index, in_coords, query, True, in_coords.shape[0], geometry)
+
+
+def _strided_query(in_coords, geometry, index, out_coords) -> _MapQuery:
+    """The query of a strided map of checked `geometry` from `in_coords` to `out_coords`."""
+    kernel_size, stride, dilation = geometry
+    _check_query_memory(kernel_size, out_coords)
+    query = Query(kernel_size, dilation, out_scale=stride, divisor=(1,) * len(stride))
+    return _MapQuery(index, out_coords, query, False, in_coords.shape[0], geometry)
+
+
 def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
     """Output = input coordinates. `index` reuses a `hashing.build_index(in_coords)`."""
-    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, 1, dilation)
-    if all(k == 1 for k in kernel_size):  # the zero offset alone: every row is its own only neighbour
+    geometry = _geometry(in_coords, kernel_size, 1, dilation)
+    if all(k == 1 for k in geometry[0]):  # the zero offset alone: every row is its own only neighbour
         # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run; and
         # the one offset's pair list is every row with itself: nothing to count, so no synchronisation.
         pairs = identity_pairs(in_coords.shape[0], in_coords)
-        return KernelMap(pairs.in_idx[None, :], in_coords.shape[0], kernel_size, stride, dilation,
-                         mask_sorted_order=pairs.in_idx, csr=pairs)
-    index = index or build_index(in_coords)
-    _check_query_memory(kernel_size, in_coords)
-    query = Query(kernel_size, dilation, out_scale=stride, divisor=stride)
-    table, mask = index.pair_table(in_coords, query, same_coordinates=True)
-    return KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
+        return KernelMap(pairs.in_idx[None, :], in_coords.shape[0], *geometry, mask_sorted_order=pairs.in_idx,
+                         csr=pairs)
+    return _answered([_submanifold_query(in_coords, geometry, index or build_index(in_coords))])[0]
 
 
 def strided_map(in_coords, kernel_size, stride, dilation=1, index=None, out_coords=None):
     """(out_coords, map) of a strided convolution; `out_coords` defaults to the downsampled input."""
-    kernel_size, stride, dilation = _geometry(in_coords, kernel_size, stride, dilation)
+    geometry = _geometry(in_coords, kernel_size, stride, dilation)
     if out_coords is None:
-        out_coords = downsample_coordinates(in_coords, stride)
+        out_coords = downsample_coordinates(in_coords, geometry[1])
     index = index or build_index(in_coords)
-    _check_query_memory(kernel_size, out_coords)
-    ones = (1,) * len(stride)
-    table, mask = index.pair_table(out_coords, Query(kernel_size, dilation, out_scale=stride, divisor=ones))
-    return out_coords, KernelMap(table, in_coords.shape[0], kernel_size, stride, dilation, offset_mask=mask)
+    return out_coords, _answered([_strided_query(in_coords, geometry, index, out_coords)])[0]
 
 
 def transposed_map(strided: KernelMap) -> KernelMap:
@@ -587,10 +637,11 @@ class KernelMapCache:
         """`kernel_map(*request.arguments())` of the cache each of `requests` (`MapRequest`s) names, built now,
         as a network's first layer would have them built one by one: in each cache, the coordinates of every
         level its strided convolutions reach in one synchronisation and the indices its maps look up, together
-        (`_prepare_levels`), then each map, then the mask-sorted orders of all of them in one sort (and,
-        `with_reversed`, of the reversed maps a backward pass runs over: those of the maps that are not
-        mirror-symmetric, since the GPU's dgrad reads a mirror-symmetric map's own table with its offsets flipped).
-        A network calls this with all of its maps before its first layer, which then finds each one built."""
+        (`_prepare_levels`), then the maps that query them, together (`_build_together`), then each map; last the
+        mask-sorted orders of all of them in one sort (and, `with_reversed`, of the reversed maps a backward pass
+        runs over: those of the maps that are not mirror-symmetric, since the GPU's dgrad reads a
+        mirror-symmetric map's own table with its offsets flipped). A network calls this with all of its maps
+        before its first layer, which then finds each one built."""
         by_cache: dict[int, list] = {}
         for request in requests:
             by_cache.setdefault(request.cache, []).append(request)
@@ -601,7 +652,9 @@ class KernelMapCache:
                                  f"{len(caches) - 1} new ones")
             cache = caches[request.cache]
             if request.cache in by_cache:
-                cache._prepare_levels(by_cache.pop(request.cache))
+                group = by_cache.pop(request.cache)
+                cache._prepare_levels(group)
+                cache._build_together(group)
             result = cache.kernel_map(*request.arguments())
             output_cache = result.out_map_cache
             if all(output_cache is not known for known in caches):
@@ -609,6 +662,7 @@ class KernelMapCache:
             results.append(result)
         kernel_maps = [result.kernel_map for result in results]
         if with_reversed:
+            derive_reverses(kernel_maps)
             kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps if not kernel_map.mirror_symmetric]
         derive_mask_orders(kernel_maps)
         return results
@@ -636,6 +690,50 @@ class KernelMapCache:
         missing = [stride for stride in dict.fromkeys(looked_up) if stride not in self._indices]
         for tensor_stride, index in zip(missing, build_indices([self.coordinates(stride) for stride in missing])):
             self._indices[tensor_stride] = index
+
+    def _build_together(self, requests) -> None:
+        """Before this cache's `requests` are built one by one: the plain submanifold and strided maps among them
+        (and those their transposed convolutions invert), queried together (`hashing.pair_tables`: one
+        allocation, one launch), then the reverses the transposed ones are (`derive_reverses`). An identity map
+        queries nothing; padded and generative maps make coordinates of their own first: those stay for the
+        requests' own calls."""
+        spatial_dims = len(self._input_stride)
+        keys, queries, inverted = [], [], []
+        for request in requests:
+            if request.padding is not None or request.generative:
+                continue
+            tensor_stride = tuple(request.tensor_stride)
+            if request.transposed:
+                tensor_stride = _fine_stride(tensor_stride, as_tuple(request.stride, spatial_dims, "stride"))
+            coords = self.coordinates(tensor_stride)
+            geometry = _geometry(coords, request.kernel_size, request.stride, request.dilation)
+            key = (tensor_stride, *geometry, False, False, None)
+            if request.transposed:
+                inverted.append(key)
+            kernel_size, stride, _ = geometry
+            identity = all(k == 1 for k in kernel_size) and all(s == 1 for s in stride)
+            if identity or key in self._maps or key in keys:
+                continue
+            index = self._index(tensor_stride)
+            if all(s == 1 for s in stride):
+                queries.append(_submanifold_query(coords, geometry, index))
+            else:
+                queries.append(_strided_query(coords, geometry, index, self._level(tensor_stride, stride)))
+            keys.append(key)
+        for key, kernel_map in zip(keys, _answered(queries)):
+            kernel_map.derive_in = self.derive_in
+            tensor_stride, _, stride = key[:3]
+            out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
+            self._maps[key] = MapResult(kernel_map, self._coordinates[out_stride], out_stride, weakref.ref(self))
+        derive_reverses([self._maps[key].kernel_map for key in inverted if key in self._maps])
+
+    def _level(self, tensor_stride: tuple[int, ...], stride: tuple[int, ...]):
+        """The coordinates a strided convolution of `stride` reaches from `tensor_stride`, downsampled now where
+        no level reached them yet."""
+        out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
+        if out_stride not in self._coordinates:
+            self._coordinates[out_stride] = downsample_coordinates(self.coordinates(tensor_stride), stride)
+        return self._coordinates[out_stride]
 
     def _index(self, tensor_stride):
         if tensor_stride not in self._indices:
@@ -702,11 +800,10 @@ class KernelMapCache:
             if all(s == 1 for s in stride):
                 return MapResult(submanifold_map(coords, kernel_size, dilation, index), coords, tensor_stride,
                                  weakref.ref(self))
-            out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
-            if out_stride not in self._coordinates:
-                self._coordinates[out_stride] = downsample_coordinates(coords, stride)
-            out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index, self._coordinates[out_stride])
-            return MapResult(forward, out_coords, out_stride, weakref.ref(self))
+            out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index,
+                                              self._level(tensor_stride, stride))
+            return MapResult(forward, out_coords, tuple(t * s for t, s in zip(tensor_stride, stride)),
+                             weakref.ref(self))
         fine_stride = _fine_stride(tensor_stride, stride)
         if generative:
             out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)

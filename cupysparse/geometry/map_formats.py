@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import KernelSource
+from cupysparse.cuda.compile import MAX_JOBS, KernelSource
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
 # threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
@@ -27,6 +27,10 @@ _ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
 # The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
 _PAIR_BLOCK, _PAIR_ITEMS = 256, 16
 _SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
+# Mirrors `struct PairTableInversions` in raw_kernels/kernel_map_formats.cu.
+_PAIR_TABLE_INVERSIONS_DTYPE = np.dtype(
+    [("row_starts", np.int64, (MAX_JOBS + 1,)), ("pair_table", np.uint64, (MAX_JOBS,)), ("inverse", np.uint64, (MAX_JOBS,)),
+     ("kernel_volume", np.int32, (MAX_JOBS,)), ("num_in", np.int32, (MAX_JOBS,)), ("count", np.int32)], align=True)
 
 
 def _radix_count(source: int) -> str:
@@ -46,7 +50,7 @@ _FORMAT_KERNELS = KernelSource(
     (
         "offset_mask",
         "identity_pairs",
-        "invert_pairs",
+        "invert_pair_tables",
         _SCAN_32,
         _SCAN_64,
         _COUNT_PAIRS,
@@ -356,22 +360,44 @@ def invert_pair_table(pair_table, num_in: int):
     output row. On the CPU, invalid entries all write -1 into one spare slot past the end, so no
     compaction is needed; on the GPU one kernel scatters the pairs into a table filled with -1.
     """
-    kernel_volume, num_out = pair_table.shape
-    if not is_cupy_array(pair_table):
-        valid = pair_table >= 0
-        spare = kernel_volume * num_in
-        target = np.where(valid, np.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
-        out_rows = np.broadcast_to(np.arange(num_out, dtype=np.int32), pair_table.shape)
-        inverse = np.full(spare + 1, -1, dtype=np.int32)
-        inverse[target.ravel()] = np.where(valid, out_rows, -1).ravel()
-        return inverse[:spare].reshape(kernel_volume, num_in)
+    return invert_pair_tables([(pair_table, num_in)])[0]
+
+
+def invert_pair_tables(tables) -> list:
+    """`invert_pair_table(pair_table, num_in)` of each of `tables`, (pair table, num_in) pairs of one backend:
+    on the GPU one allocation and one memset hold and clear every inverse, and one launch fills up to
+    `MAX_JOBS` of them."""
+    if not tables or not is_cupy_array(tables[0][0]):
+        return [_inverted_on_cpu(pair_table, num_in) for pair_table, num_in in tables]
     import cupy
 
-    table = cupy.ascontiguousarray(pair_table)
-    inverse = cupy.empty((kernel_volume, num_in), dtype=np.int32)
+    sizes = [pair_table.shape[0] * num_in for pair_table, num_in in tables]
+    storage = cupy.empty(sum(sizes), dtype=np.int32)
     # -1 is every bit set: a memset, cheaper to issue than a fill kernel.
-    cupy.cuda.runtime.memsetAsync(inverse.data.ptr, 0xFF, inverse.nbytes, cupy.cuda.get_current_stream().ptr)
-    if kernel_volume and num_out and num_in:
-        _FORMAT_KERNELS.launch_per_row("invert_pairs", num_out, table.data.ptr, num_out, kernel_volume, num_in,
-                                       inverse.data.ptr)
-    return inverse
+    cupy.cuda.runtime.memsetAsync(storage.data.ptr, 0xFF, storage.nbytes, cupy.cuda.get_current_stream().ptr)
+    inverses = [storage[start : start + size].reshape(pair_table.shape[0], num_in)
+                for (pair_table, num_in), start, size in zip(tables, itertools.accumulate(sizes, initial=0), sizes)]
+    jobs = [(cupy.ascontiguousarray(pair_table), inverse) for (pair_table, _), inverse in zip(tables, inverses)
+            if pair_table.size and inverse.size]
+    for first in range(0, len(jobs), MAX_JOBS):
+        batch = jobs[first : first + MAX_JOBS]
+        described = np.zeros((), dtype=_PAIR_TABLE_INVERSIONS_DTYPE)
+        described["count"] = len(batch)
+        described["row_starts"][: len(batch) + 1] = list(itertools.accumulate((table.shape[1] for table, _ in batch),
+                                                                                initial=0))
+        for j, (table, inverse) in enumerate(batch):
+            described["pair_table"][j], described["inverse"][j] = table.data.ptr, inverse.data.ptr
+            described["kernel_volume"][j], described["num_in"][j] = inverse.shape
+        _FORMAT_KERNELS.launch_jobs("invert_pair_tables", described[()])
+    return inverses
+
+
+def _inverted_on_cpu(pair_table: np.ndarray, num_in: int) -> np.ndarray:
+    kernel_volume, num_out = pair_table.shape
+    valid = pair_table >= 0
+    spare = kernel_volume * num_in
+    target = np.where(valid, np.arange(kernel_volume, dtype=np.int64)[:, None] * num_in + pair_table, spare)
+    out_rows = np.broadcast_to(np.arange(num_out, dtype=np.int32), pair_table.shape)
+    inverse = np.full(spare + 1, -1, dtype=np.int32)
+    inverse[target.ravel()] = np.where(valid, out_rows, -1).ravel()
+    return inverse[:spare].reshape(kernel_volume, num_in)

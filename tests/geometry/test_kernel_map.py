@@ -17,6 +17,7 @@ import pytest
 
 from cupysparse.geometry import kernel_map as kernel_map_module
 from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.compile import MAX_JOBS
 from cupysparse.geometry.coords import MAX_ROWS, kernel_offsets, key_layout, offset_range
 from cupysparse.geometry import hashing
 from cupysparse.geometry.hashing import unique_coordinates, unique_coordinates_by
@@ -386,7 +387,7 @@ def test_derive_formats_computes_every_format_of_the_map_and_its_reverse_up_fron
     def no_more_work(*args, **kwargs):
         raise AssertionError("a format was derived after derive_formats")
 
-    for name in ("csr_pairs", "offset_mask", "mask_sorted_order", "invert_pair_table"):
+    for name in ("csr_pairs", "offset_mask", "mask_sorted_order", "invert_pair_table", "invert_pair_tables"):
         monkeypatch.setattr(kernel_map_module, name, no_more_work)
     reference_table = cached_reference_map(case)[2]
     np.testing.assert_array_equal(kernel_map.mask_sorted_order(), stable_mask_order(reference_masks(reference_table)))
@@ -703,6 +704,33 @@ def test_reversed_map_indexes_the_same_pairs_by_input_row(case):
     np.testing.assert_array_equal(reverse.pair_table, expected)
     assert reverse.pair_table.flags.c_contiguous
     assert reverse.reversed() is kernel_map
+
+
+@pytest.mark.gpu
+def test_indices_and_queries_batched_on_the_gpu_equal_the_cpus_sorted_keys():
+    """`build_indices` and `hashing.pair_tables` over more coordinate sets and queries than one launch takes
+    (`MAX_JOBS`), an empty set among them: every GPU table and mask equals the CPU's sorted-key answer."""
+    rng = np.random.default_rng(12)
+    coords = np.unique(np.concatenate([rng.integers(0, 2, (3000, 1)), rng.integers(-40, 40, (3000, 3))], axis=1)
+                       .astype(np.int32), axis=0)
+    levels = unique_coordinates_by(coords, [(2 ** level,) * 3 for level in range(MAX_JOBS + 2)])
+    levels.insert(3, coords[:0])
+    queries = []
+    for level, (fine, coarse) in enumerate(zip(levels, levels[1:])):
+        if level % 3 == 0:
+            queries.append((level, fine, hashing.Query((3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1)), True))
+        elif level % 3 == 1:
+            queries.append((level, coarse, hashing.Query((2, 2, 2), (1, 1, 1), (2, 2, 2), (1, 1, 1)), False))
+        else:
+            queries.append((level, fine, hashing.Query((1, 1, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1)), False))
+    answers = {}
+    for backend in ("cpu", "cuda"):
+        indices = hashing.build_indices([on_device(level, backend) for level in levels])
+        answers[backend] = hashing.pair_tables([(indices[level], on_device(out, backend), query, same)
+                                                for level, out, query, same in queries])
+    for (table, _), (gpu_table, gpu_mask) in zip(answers["cpu"], answers["cuda"]):
+        np.testing.assert_array_equal(gpu_table.get(), table, strict=True)
+        np.testing.assert_array_equal(gpu_mask.get(), offset_mask(table), strict=True)
 
 
 def on_device(array, device):

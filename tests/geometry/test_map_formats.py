@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cupysparse.cuda.backend import cupy_module
+from cupysparse.cuda.compile import MAX_JOBS
 from cupysparse.geometry import kernel_map as kernel_map_module
 from cupysparse.geometry.kernel_map import submanifold_map
 from cupysparse.geometry.map_formats import mask_sorted_orders
@@ -170,3 +171,22 @@ def test_a_pointwise_maps_pair_lists_are_its_rows_without_counting(device, monke
     for name in ("in_idx", "out_idx", "offsets"):
         np.testing.assert_array_equal(to_host(getattr(csr, name)), to_host(getattr(expected, name)))
     assert to_host(csr.offsets).dtype == to_host(expected.offsets).dtype
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_tables_inverted_together_equal_each_inverted_by_brute_force(device):
+    """`invert_pair_tables` over more tables than one launch takes (`MAX_JOBS`), of every size, an empty one
+    among them: each inverse is the brute-force inverse of its table, in one allocation on the GPU."""
+    rng = np.random.default_rng(3)
+    sizes = [(int(rng.integers(1, 28)), int(rng.integers(0, 400))) for _ in range(MAX_JOBS + 3)]
+    cases = [(volume, num_out, num_out + int(rng.integers(1, 100))) for volume, num_out in sizes]  # inputs >= outputs
+    cases[2] = (27, 0, 50)
+    tables = [pair_table_with_every_density(volume, num_out, num_in, seed=i) for i, (volume, num_out, num_in)
+              in enumerate(cases)]
+    inverses = kernel_map_module.invert_pair_tables([(on_device(table, device), num_in)
+                                                     for table, (_, _, num_in) in zip(tables, cases)])
+    for table, (volume, num_out, num_in), inverse in zip(tables, cases, inverses):
+        expected = np.full((volume, num_in), -1, dtype=np.int32)
+        for k, row in zip(*np.nonzero(table >= 0)):
+            expected[k, table[k, row]] = row
+        np.testing.assert_array_equal(to_host(inverse), expected, strict=True)
