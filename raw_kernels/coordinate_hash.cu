@@ -55,40 +55,57 @@ __device__ __forceinline__ key_t64 divided_row(const int* __restrict__ coords, l
   return key;
 }
 
+// The distinct rows of floor(coords / divisor) for several divisors in one pass each: job j divides by
+// divisor[j], keys into its own slots, and marks its rows at is_first[row_starts[j] + row]; `positions`
+// is the inclusive running count of all the marks, job after job, so every job's rows land in `out`
+// after the previous jobs' (each job's rows are the N coordinates).
+struct Downsampling {
+  long long row_starts[MAX_JOBS + 1];
+  Divisor divisor[MAX_JOBS];
+  ulonglong2* slots[MAX_JOBS];
+  const int* coords;
+  key_t64 capacity_mask;
+  bool* is_first;
+  const int* positions;
+  int* out;
+  int count;
+};
+
 // Rows may repeat: each key keeps the smallest row that has it, so the result is deterministic.
 template <int D>
-__global__ void insert_smallest_row(const int* __restrict__ coords, int num_coords, Divisor divisor,
-                                    ulonglong2* __restrict__ slots, key_t64 capacity_mask) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_coords) return;
+__global__ void insert_smallest_rows(Downsampling jobs) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= jobs.row_starts[jobs.count]) return;
+  const int job = job_of(jobs.row_starts, jobs.count, i);
+  const long long row = i - jobs.row_starts[job];
   int divided[D + 1];
-  const key_t64 key = divided_row<D>(coords, row, divisor, divided);
-  atomicMin(&claim_slot(slots, capacity_mask, key)->y, (key_t64)row);
+  const key_t64 key = divided_row<D>(jobs.coords, row, jobs.divisor[job], divided);
+  atomicMin(&claim_slot(jobs.slots[job], jobs.capacity_mask, key)->y, (key_t64)row);
 }
 
 template <int D>
-__global__ void mark_first_occurrence(const int* __restrict__ coords, int num_coords, Divisor divisor,
-                                      const ulonglong2* __restrict__ slots, key_t64 capacity_mask,
-                                      bool* __restrict__ is_first) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_coords) return;
+__global__ void mark_first_occurrences(Downsampling jobs) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= jobs.row_starts[jobs.count]) return;
+  const int job = job_of(jobs.row_starts, jobs.count, i);
+  const long long row = i - jobs.row_starts[job];
   int divided[D + 1];
-  is_first[row] = find_key(slots, capacity_mask, divided_row<D>(coords, row, divisor, divided)) == row;
+  const key_t64 key = divided_row<D>(jobs.coords, row, jobs.divisor[job], divided);
+  jobs.is_first[i] = find_key(jobs.slots[job], jobs.capacity_mask, key) == row;
 }
 
-// Compaction of the first occurrences: `positions` is the inclusive running count of `is_first`,
-// so a first occurrence's place in `out` is its count minus one, and row order is kept.
+// Compaction of the first occurrences: a first occurrence's place in `out` is its running count minus
+// one, so row order is kept.
 template <int D>
-__global__ void write_first_rows(const int* __restrict__ coords, int num_coords, Divisor divisor,
-                                 const bool* __restrict__ is_first, const int* __restrict__ positions,
-                                 int* __restrict__ out) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row >= num_coords || !is_first[row]) return;
+__global__ void write_first_rows(Downsampling jobs) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= jobs.row_starts[jobs.count] || !jobs.is_first[i]) return;
+  const int job = job_of(jobs.row_starts, jobs.count, i);
   int divided[D + 1];
-  divided_row<D>(coords, row, divisor, divided);
-  const long long i = positions[row] - 1;
+  divided_row<D>(jobs.coords, i - jobs.row_starts[job], jobs.divisor[job], divided);
+  const long long position = jobs.positions[i] - 1;
 #pragma unroll
-  for (int column = 0; column <= D; ++column) out[i * (D + 1) + column] = divided[column];
+  for (int column = 0; column <= D; ++column) jobs.out[position * (D + 1) + column] = divided[column];
 }
 
 // Pair-table queries answered in one launch, each over its own output coordinates and hash table.

@@ -28,11 +28,13 @@ if BFLOAT16 is not None:
 FEATURE_DTYPES = tuple(_SHORT_NAMES)
 
 
+_BY_SHORT_NAME = {short: dtype for dtype, short in _SHORT_NAMES.items()}
+
+
 def as_feature_dtype(dtype) -> np.dtype:
     """`dtype` as a NumPy dtype, accepting the short names fp64/fp32/fp16/bf16 too."""
-    by_short_name = {short: dtype for dtype, short in _SHORT_NAMES.items()}
-    if isinstance(dtype, str) and dtype in by_short_name:
-        return by_short_name[dtype]
+    if isinstance(dtype, str) and dtype in _BY_SHORT_NAME:
+        return _BY_SHORT_NAME[dtype]
     if BFLOAT16 is None and str(dtype) in ("bf16", "bfloat16"):
         raise TypeError("bfloat16 needs the ml_dtypes package: pip install ml_dtypes")
     resolved = np.dtype(dtype)

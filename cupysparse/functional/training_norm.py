@@ -22,6 +22,8 @@ accumulation dtype (the reference the GPU is tested against).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from cupysparse.cuda.backend import array_module, cupy_module, current_device, is_cupy_array
@@ -70,10 +72,22 @@ def kernel_runs(dtype, parameter_dtype, channels: int) -> bool:
     return (channels // vector if channels % vector == 0 else channels) <= BLOCK
 
 
-def _launch_shape(num_rows: int, channels: int, vector: int) -> tuple[int, int, int]:
+def _launch_shape(device: int, num_rows: int, channels: int, vector: int) -> tuple[int, int, int]:
     rows_per_block = BLOCK // (channels // vector)
-    blocks = multiprocessors(current_device()) * BLOCKS_PER_MULTIPROCESSOR
+    blocks = multiprocessors(device) * BLOCKS_PER_MULTIPROCESSOR
     return max(1, min(-(-num_rows // rows_per_block), blocks)), 1, 1
+
+
+@functools.cache
+def _launches(device: int, dtype, parameter_dtype, vector: int) -> tuple:
+    """The prepared launches of the forward's two passes and the backward's two on `device`, made once: a layer
+    of a network in training would otherwise name and look up four kernels a step."""
+    kernels, value = _KERNELS[dtype], cuda_type_name(dtype)
+    types = f"{value}, {cuda_type_name(parameter_dtype)}, {vector}"
+    return (kernels.prepared(f"batch_norm_statistics<{value}, {vector}>", BLOCK, 4),
+            kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16),
+            kernels.prepared(f"batch_norm_gradient_sums<{value}, {vector}>", BLOCK, 9),
+            kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11))
 
 
 def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int, residual: int,
@@ -86,12 +100,11 @@ def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_d
     incremented by one (0: none); fp32 `sums` `[2, channels]` zeroed, and `saved_mean`, `saved_invstd`
     `[channels]` written for the backward. Nothing is checked."""
     vector = _vector(dtype, channels, (features, residual, out))
-    grid = _launch_shape(num_rows, channels, vector)
-    kernels = _KERNELS[dtype]
-    kernels.prepared(f"batch_norm_statistics<{cuda_type_name(dtype)}, {vector}>", BLOCK, 4).launch(
-        stream, features, num_rows, channels, sums, grid=grid)
-    types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
-    kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16).launch(
+    device = current_device()
+    grid = _launch_shape(device, num_rows, channels, vector)
+    statistics, normalise, _, _ = _launches(device, dtype, parameter_dtype, vector)
+    statistics.launch(stream, features, num_rows, channels, sums, grid=grid)
+    normalise.launch(
         stream, features, residual, weight, bias, sums, running_mean, running_var, batches_tracked,
         float_bits(momentum), float_bits(eps), int(relu), num_rows, channels, saved_mean, saved_invstd, out, grid=grid)
 
@@ -104,12 +117,12 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
     gradient; without it, g is `grad_out` and this is not read); `grad_weight`, `grad_bias`: 0 where not
     wanted. Nothing is checked."""
     vector = _vector(dtype, channels, (grad_out, features, out if relu else 0, g if relu else 0, grad_features))
-    grid = _launch_shape(num_rows, channels, vector)
-    kernels = _KERNELS[dtype]
-    kernels.prepared(f"batch_norm_gradient_sums<{cuda_type_name(dtype)}, {vector}>", BLOCK, 9).launch(
-        stream, grad_out, features, out, saved_mean, int(relu), num_rows, channels, sums, g, grid=grid)
-    types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
-    kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11).launch(
+    device = current_device()
+    grid = _launch_shape(device, num_rows, channels, vector)
+    _, _, gradient_sums, input_gradient = _launches(device, dtype, parameter_dtype, vector)
+    gradient_sums.launch(stream, grad_out, features, out, saved_mean, int(relu), num_rows, channels, sums, g,
+                         grid=grid)
+    input_gradient.launch(
         stream, g if relu else grad_out, features, weight, saved_mean, saved_invstd, sums, num_rows, channels,
         grad_features, grad_weight, grad_bias, grid=grid)
 

@@ -29,8 +29,8 @@ _KERNELS = KernelSource(
         f"{name}<{d}>"
         for name in (
             "insert_coordinate_sets",
-            "insert_smallest_row",
-            "mark_first_occurrence",
+            "insert_smallest_rows",
+            "mark_first_occurrences",
             "write_first_rows",
             "query_pair_tables",
             "insert_reached",
@@ -246,7 +246,11 @@ def _mark_empty(slots) -> None:
     cupy.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, cupy.cuda.get_current_stream().ptr)
 
 
-_DIVISOR_DTYPE = np.dtype([("value", np.int32, (4,))])  # mirrors `struct Divisor`
+# Mirrors `struct Downsampling` in raw_kernels/coordinate_hash.cu (a `Divisor` is 4 ints).
+_DOWNSAMPLING_DTYPE = np.dtype(
+    [("row_starts", np.int64, (MAX_JOBS + 1,)), ("divisor", np.int32, (MAX_JOBS, 4)), ("slots", np.uint64, (MAX_JOBS,)),
+     ("coords", np.uint64), ("capacity_mask", np.uint64), ("is_first", np.uint64), ("positions", np.uint64),
+     ("out", np.uint64), ("count", np.int32)], align=True)
 
 
 def unique_coordinates(coords, divisor=None):
@@ -263,8 +267,10 @@ def unique_coordinates_by(coords, divisors) -> list:
     """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
     all of their counts.
 
-    On the GPU one table serves every divisor in turn, and one running count goes over every divisor's
-    marks in turn, so that it places each divisor's rows after the ones before it in one allocation."""
+    On the GPU every divisor keys into a table of its own, all in one scratch allocation cleared by one memset,
+    and each pass (insert, mark, write) is one launch for up to `MAX_JOBS` divisors; one running count goes
+    over every divisor's marks in turn, so that it places each divisor's rows after the ones before it in one
+    allocation."""
     divisors = [tuple(divisor) for divisor in divisors]
     check_row_count(coords.shape[0], "the coordinates to deduplicate")
     if not is_cupy_array(coords):
@@ -280,34 +286,34 @@ def unique_coordinates_by(coords, divisors) -> list:
         split = max(1, MAX_ROWS // num_coords)
         return unique_coordinates_by(coords, divisors[:split]) + unique_coordinates_by(coords, divisors[split:])
     capacity = _capacity(num_coords)
-    # One scratch allocation: the table's slots, then the running counts and the marks of every divisor.
-    scratch = cupy.empty(16 * capacity + 5 * num_levels * num_coords, dtype=np.uint8)
-    slots = scratch[: 16 * capacity].view(np.uint64).reshape(capacity, 2)
-    capacity_mask = np.uint64(capacity - 1)
-    positions = scratch[16 * capacity : 16 * capacity + 4 * num_levels * num_coords].view(np.int32)
-    is_first = scratch[16 * capacity + 4 * num_levels * num_coords :].view(bool)
-    divided_by = [((2, _divisor_struct(divisor, spatial_dims).tobytes()),) for divisor in divisors]
-    for level, by in enumerate(divided_by):
-        _mark_empty(slots)
-        _KERNELS.launch_per_row(f"insert_smallest_row<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
-                                slots.data.ptr, capacity_mask, fixed=by)
-        _KERNELS.launch_per_row(f"mark_first_occurrence<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
-                                slots.data.ptr, capacity_mask, is_first[level * num_coords :].data.ptr, fixed=by)
+    table_bytes = 16 * capacity
+    # One scratch allocation: every divisor's table, then the running counts and the marks of every divisor.
+    scratch = cupy.empty(num_levels * (table_bytes + 5 * num_coords), dtype=np.uint8)
+    _mark_empty(scratch[: num_levels * table_bytes])
+    positions = scratch[num_levels * table_bytes : num_levels * (table_bytes + 4 * num_coords)].view(np.int32)
+    is_first = scratch[num_levels * (table_bytes + 4 * num_coords) :].view(bool)
+    launches = []
+    for first in range(0, num_levels, MAX_JOBS):
+        levels = range(first, min(first + MAX_JOBS, num_levels))
+        jobs = np.zeros((), dtype=_DOWNSAMPLING_DTYPE)
+        jobs["count"] = len(levels)
+        jobs["row_starts"][: len(levels) + 1] = [num_coords * j for j in range(len(levels) + 1)]
+        jobs["divisor"][: len(levels)] = [divisors[level] + (1,) * (4 - spatial_dims) for level in levels]
+        jobs["slots"][: len(levels)] = [scratch.data.ptr + table_bytes * level for level in levels]
+        jobs["coords"], jobs["capacity_mask"] = coords.data.ptr, capacity - 1
+        jobs["is_first"] = is_first.data.ptr + num_coords * first
+        jobs["positions"] = positions.data.ptr + 4 * num_coords * first
+        for kernel in ("insert_smallest_rows", "mark_first_occurrences"):
+            _KERNELS.launch_jobs(f"{kernel}<{spatial_dims}>", jobs[()])
+        launches.append(jobs)
     cupy.cumsum(is_first, dtype=np.int32, out=positions)  # inclusive, over every divisor's marks in turn
     ends = positions.reshape(num_levels, num_coords)[:, -1].get().tolist()  # the one synchronisation
     starts = [0] + ends[:-1]
     uniques = cupy.empty((ends[-1], 1 + spatial_dims), dtype=np.int32)
-    for level, by in enumerate(divided_by):
-        _KERNELS.launch_per_row(f"write_first_rows<{spatial_dims}>", num_coords, coords.data.ptr, num_coords,
-                                is_first[level * num_coords :].data.ptr, positions[level * num_coords :].data.ptr,
-                                uniques.data.ptr, fixed=by)
+    for jobs in launches:
+        jobs["out"] = uniques.data.ptr
+        _KERNELS.launch_jobs(f"write_first_rows<{spatial_dims}>", jobs[()])
     return [uniques[start:end] for start, end in zip(starts, ends)]
-
-
-def _divisor_struct(divisor: tuple[int, ...], spatial_dims: int) -> np.void:
-    record = np.zeros((), dtype=_DIVISOR_DTYPE)
-    record["value"] = divisor + (1,) * (4 - spatial_dims)
-    return record[()]
 
 
 def _unique_on_cpu(coords: np.ndarray, divisor: tuple[int, ...]) -> np.ndarray:

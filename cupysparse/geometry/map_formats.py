@@ -200,8 +200,8 @@ def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
     if is_cupy_array(pair_offsets):
         import cupy
 
-        table = cupy.empty((slots, 4), dtype=np.int32)
-        slot_starts = cupy.empty(kernel_volume + 1, dtype=np.int32)
+        storage = cupy.empty(4 * slots + kernel_volume + 1, dtype=np.int32)  # one allocation for both
+        table, slot_starts = storage[: 4 * slots].reshape(slots, 4), storage[4 * slots :]
         threads = max(slots, kernel_volume + 1)
         _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6).launch(
             cupy.cuda.get_current_stream().ptr, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major),

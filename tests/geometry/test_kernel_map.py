@@ -578,11 +578,12 @@ def test_unique_coordinates_keep_first_occurrence_order(device):
     assert as_tuples(unique) == first_occurrences(as_tuples(coords))
 
 
-DIVISORS = [(2, 2, 2), (4, 4, 4), (1, 1, 3), (8, 4, 2)]
+# More divisors than one launch takes (`MAX_JOBS`).
+DIVISORS = [(2, 2, 2), (4, 4, 4), (1, 1, 3), (8, 4, 2)] + [(k, 1 + k % 3, 2) for k in range(1, MAX_JOBS - 1)]
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)
-@pytest.mark.parametrize("counted_together", [4, 2], ids=["one count", "two counts"])
+@pytest.mark.parametrize("counted_together", [len(DIVISORS), 2], ids=["one count", "counts of two"])
 def test_unique_coordinates_by_several_divisors_keep_first_occurrence_order(device, counted_together, monkeypatch):
     """Every divisor's rows in order of first occurrence; on the GPU from one running count over all of their
     marks, or from several where that count would leave int32 (here made to, past two divisors' rows)."""
