@@ -23,15 +23,23 @@ __global__ void offset_mask(const int* __restrict__ pair_table, int num_out, int
   }
 }
 
-// The identity map of N rows (a 1 x 1 convolution's): row i its own only pair, so its pair table, mask-sorted
-// order and CSR lists are all `rows` = 0..N-1, and its CSR bounds {0, N}. One launch in place of three.
-__global__ void identity_pairs(int num_rows, int* __restrict__ rows, long long* __restrict__ bounds) {
-  const int row = blockIdx.x * blockDim.x + threadIdx.x;
-  if (row == 0) {
-    bounds[0] = 0;
-    bounds[1] = num_rows;
-  }
-  if (row < num_rows) rows[row] = row;
+// Identity maps (a 1 x 1 convolution's) in one launch, map j of row_starts[j + 1] - row_starts[j] = N rows:
+// row i its own only pair, so its pair table, mask-sorted order and CSR lists are all `rows[j]` = 0..N-1,
+// and its CSR bounds {0, N} (`bounds[j]`, zeroed by the caller).
+struct IdentityMaps {
+  long long row_starts[MAX_JOBS + 1];
+  int* rows[MAX_JOBS];
+  long long* bounds[MAX_JOBS];
+  int count;
+};
+
+__global__ void identity_pairs(IdentityMaps maps) {
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= maps.row_starts[maps.count]) return;
+  const int j = job_of(maps.row_starts, maps.count, i);
+  const long long row = i - maps.row_starts[j];
+  if (row == 0) maps.bounds[j][1] = maps.row_starts[j + 1] - maps.row_starts[j];
+  maps.rows[j][row] = (int)row;
 }
 
 // Pair tables inverted in one launch, each into its own [K, num_in] table (filled with -1 by the caller).
@@ -234,36 +242,31 @@ __global__ void __launch_bounds__(RADIX)
 // Segment s holds rows segment_starts[s] .. segment_starts[s + 1] - 1 of the concatenation; sorting the
 // keys (s << key_shift) | mask orders the rows by segment, then by mask, so one radix sort serves every map.
 
-// The segment holding position i of the concatenation: the last s with segment_starts[s] <= i.
-__device__ __forceinline__ int segment_of(const long long* __restrict__ segment_starts, int num_segments,
-                                          long long i) {
-  int low = 0, high = num_segments - 1;
-  while (low < high) {
-    const int middle = (low + high + 1) / 2;
-    if (segment_starts[middle] <= i) low = middle; else high = middle - 1;
-  }
-  return low;
-}
+// Several maps' masks sorted as one (`mask_sorted_orders`): map j's rows are rows [row_starts[j],
+// row_starts[j + 1]) of the concatenation, its single-word mask at `mask[j]`.
+struct SortSegments {
+  long long row_starts[MAX_JOBS + 1];
+  const unsigned int* mask[MAX_JOBS];
+  unsigned int* keys;
+  int* order;
+  int key_shift;
+  int count;
+};
 
-// One thread per row of the concatenation: keys[i] = (s << key_shift) | row i - start of its map's
-// single-word mask, read at the map's own address masks[s].
-__global__ void segment_keys(const unsigned long long* __restrict__ masks,
-                             const long long* __restrict__ segment_starts, int num_segments, int key_shift,
-                             unsigned int* __restrict__ keys) {
+// One thread per row of the concatenation: its key is its map's index above its mask's bits.
+__global__ void segment_keys(SortSegments segments) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= segment_starts[num_segments]) return;
-  const int s = segment_of(segment_starts, num_segments, i);
-  const unsigned int* mask = reinterpret_cast<const unsigned int*>(masks[s]);
-  keys[i] = ((unsigned int)s << key_shift) | mask[i - segment_starts[s]];
+  if (i >= segments.row_starts[segments.count]) return;
+  const int s = job_of(segments.row_starts, segments.count, i);
+  segments.keys[i] = ((unsigned int)s << segments.key_shift) | segments.mask[s][i - segments.row_starts[s]];
 }
 
-// One thread per position of the sorted concatenation, which holds each segment's rows in its own
+// One thread per position of the sorted concatenation, which holds each map's rows in its own
 // positions: a row of the concatenation becomes the row of its map.
-__global__ void rows_within_segments(const long long* __restrict__ segment_starts, int num_segments,
-                                     int* __restrict__ order) {
+__global__ void rows_within_segments(SortSegments segments) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= segment_starts[num_segments]) return;
-  order[i] -= (int)segment_starts[segment_of(segment_starts, num_segments, i)];
+  if (i >= segments.row_starts[segments.count]) return;
+  segments.order[i] -= (int)segments.row_starts[job_of(segments.row_starts, segments.count, i)];
 }
 
 // --- per-offset CSR lists ---------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from cupysparse.geometry.map_formats import (
     count_pairs,
     csr_pairs,
     identity_pairs,
+    identity_pairs_of,
     invert_pair_table,
     invert_pair_tables,
     mask_sorted_order,
@@ -388,15 +389,20 @@ def _strided_query(in_coords, geometry, index, out_coords) -> _MapQuery:
     return _MapQuery(index, out_coords, query, False, in_coords.shape[0], geometry)
 
 
+def _identity_map(pairs: CsrPairs, geometry) -> KernelMap:
+    """The map of a 1 x 1 submanifold convolution of checked `geometry`, from its `identity_pairs`. The zero
+    offset alone: every row is its own only neighbour, so every row's bitmask is the same and the stable order
+    by mask is the rows' own (no sort to run), and the one offset's pair list is every row with itself (nothing
+    to count, so no synchronisation)."""
+    num_rows = pairs.in_idx.shape[0]
+    return KernelMap(pairs.in_idx[None, :], num_rows, *geometry, mask_sorted_order=pairs.in_idx, csr=pairs)
+
+
 def submanifold_map(in_coords, kernel_size, dilation=1, index=None) -> KernelMap:
     """Output = input coordinates. `index` reuses a `hashing.build_index(in_coords)`."""
     geometry = _geometry(in_coords, kernel_size, 1, dilation)
-    if all(k == 1 for k in geometry[0]):  # the zero offset alone: every row is its own only neighbour
-        # Every row's bitmask is the same, so the stable order by mask is the rows' own: no sort to run; and
-        # the one offset's pair list is every row with itself: nothing to count, so no synchronisation.
-        pairs = identity_pairs(in_coords.shape[0], in_coords)
-        return KernelMap(pairs.in_idx[None, :], in_coords.shape[0], *geometry, mask_sorted_order=pairs.in_idx,
-                         csr=pairs)
+    if all(k == 1 for k in geometry[0]):
+        return _identity_map(identity_pairs(in_coords.shape[0], in_coords), geometry)
     return _answered([_submanifold_query(in_coords, geometry, index or build_index(in_coords))])[0]
 
 
@@ -694,11 +700,12 @@ class KernelMapCache:
     def _build_together(self, requests) -> None:
         """Before this cache's `requests` are built one by one: the plain submanifold and strided maps among them
         (and those their transposed convolutions invert), queried together (`hashing.pair_tables`: one
-        allocation, one launch), then the reverses the transposed ones are (`derive_reverses`). An identity map
-        queries nothing; padded and generative maps make coordinates of their own first: those stay for the
-        requests' own calls."""
+        allocation, one launch), the identity maps' pairs together (`identity_pairs_of`), then the reverses the
+        transposed ones are (`derive_reverses`); the forward requests' calls are memoised as `kernel_map` would.
+        Padded and generative maps make coordinates of their own first: those stay for the requests' own
+        calls."""
         spatial_dims = len(self._input_stride)
-        keys, queries, inverted = [], [], []
+        keys, queries, identities, inverted, called = [], [], [], [], []
         for request in requests:
             if request.padding is not None or request.generative:
                 continue
@@ -708,11 +715,12 @@ class KernelMapCache:
             coords = self.coordinates(tensor_stride)
             geometry = _geometry(coords, request.kernel_size, request.stride, request.dilation)
             key = (tensor_stride, *geometry, False, False, None)
-            if request.transposed:
-                inverted.append(key)
+            (inverted if request.transposed else called).append((request.arguments(), key))
             kernel_size, stride, _ = geometry
-            identity = all(k == 1 for k in kernel_size) and all(s == 1 for s in stride)
-            if identity or key in self._maps or key in keys:
+            if key in self._maps or key in keys or key in identities:
+                continue
+            if all(k == 1 for k in kernel_size) and all(s == 1 for s in stride):
+                identities.append(key)
                 continue
             index = self._index(tensor_stride)
             if all(s == 1 for s in stride):
@@ -720,12 +728,17 @@ class KernelMapCache:
             else:
                 queries.append(_strided_query(coords, geometry, index, self._level(tensor_stride, stride)))
             keys.append(key)
-        for key, kernel_map in zip(keys, _answered(queries)):
+        identity_pairs = identity_pairs_of([self._coordinates[key[0]].shape[0] for key in identities],
+                                           self._coordinates[self._input_stride])
+        built = _answered(queries) + [_identity_map(pairs, key[1:4]) for key, pairs in zip(identities, identity_pairs)]
+        for key, kernel_map in zip(keys + identities, built):
             kernel_map.derive_in = self.derive_in
             tensor_stride, _, stride = key[:3]
             out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
             self._maps[key] = MapResult(kernel_map, self._coordinates[out_stride], out_stride, weakref.ref(self))
-        derive_reverses([self._maps[key].kernel_map for key in inverted if key in self._maps])
+        for arguments, key in called:
+            self._remember(arguments, self._maps[key])
+        derive_reverses([self._maps[key].kernel_map for _, key in inverted if key in self._maps])
 
     def _level(self, tensor_stride: tuple[int, ...], stride: tuple[int, ...]):
         """The coordinates a strided convolution of `stride` reaches from `tensor_stride`, downsampled now where
@@ -751,9 +764,13 @@ class KernelMapCache:
         result = _memoised(self._by_arguments, arguments)
         if result is None:
             result, kept = self._normalised_kernel_map(*arguments)
-            with contextlib.suppress(TypeError):  # unhashable arguments (lists): never memoised
-                self._by_arguments[arguments] = (arguments, kept)
+            self._remember(arguments, kept)
         return result
+
+    def _remember(self, arguments: tuple, kept: MapResult) -> None:
+        """Memoise `kernel_map(*arguments)`'s result as `_maps` keeps it (see `_memoised`)."""
+        with contextlib.suppress(TypeError):  # unhashable arguments (lists): never memoised
+            self._by_arguments[arguments] = (arguments, kept)
 
     def lookup(self, tensor_stride, kernel_size, stride=1, dilation=1, transposed=False, generative=False,
                padding=None):

@@ -27,7 +27,13 @@ _ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
 # The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
 _PAIR_BLOCK, _PAIR_ITEMS = 256, 16
 _SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
-# Mirrors `struct PairTableInversions` in raw_kernels/kernel_map_formats.cu.
+# Mirror `struct IdentityMaps`, `struct SortSegments` and `struct PairTableInversions` in
+# raw_kernels/kernel_map_formats.cu.
+_IDENTITY_MAPS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("rows", np.uint64, (MAX_JOBS,)),
+                                 ("bounds", np.uint64, (MAX_JOBS,)), ("count", np.int32)], align=True)
+_SORT_SEGMENTS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("mask", np.uint64, (MAX_JOBS,)),
+                                 ("keys", np.uint64), ("order", np.uint64), ("key_shift", np.int32),
+                                 ("count", np.int32)], align=True)
 _PAIR_TABLE_INVERSIONS_DTYPE = np.dtype(
     [("row_starts", np.int64, (MAX_JOBS + 1,)), ("pair_table", np.uint64, (MAX_JOBS,)), ("inverse", np.uint64, (MAX_JOBS,)),
      ("kernel_volume", np.int32, (MAX_JOBS,)), ("num_in", np.int32, (MAX_JOBS,)), ("count", np.int32)], align=True)
@@ -142,16 +148,38 @@ def count_pairs(pair_table) -> PairCounts:
 def identity_pairs(num_rows: int, like) -> CsrPairs:
     """The CSR lists of the identity map of `num_rows` rows (a 1 x 1 convolution's), on `like`'s backend: its one
     offset pairs every row with itself, so `in_idx` and `out_idx` are both the rows 0..N-1, which are also its
-    pair table's one row and its mask-sorted order. On the GPU one allocation and one launch."""
+    pair table's one row and its mask-sorted order."""
+    return identity_pairs_of([num_rows], like)[0]
+
+
+def identity_pairs_of(row_counts, like) -> list[CsrPairs]:
+    """`identity_pairs` of each of `row_counts`: on the GPU one allocation, one memset and one launch for up to
+    `MAX_JOBS` maps (a network's 1 x 1 convolutions at each of its levels)."""
     if not is_cupy_array(like):
-        rows = np.arange(num_rows, dtype=np.int32)
-        return CsrPairs(in_idx=rows, out_idx=rows, offsets=np.array([0, num_rows], dtype=np.int64))
+        return [CsrPairs(in_idx=rows, out_idx=rows, offsets=np.array([0, len(rows)], dtype=np.int64))
+                for rows in (np.arange(num_rows, dtype=np.int32) for num_rows in row_counts)]
     import cupy
 
-    storage = cupy.empty(2 + -(-num_rows // 2), dtype=np.int64)  # the bounds, then the rows as int32
-    bounds, rows = storage[:2], storage[2:].view(np.int32)[:num_rows]
-    _FORMAT_KERNELS.launch_per_row("identity_pairs", num_rows, num_rows, rows.data.ptr, bounds.data.ptr)
-    return CsrPairs(in_idx=rows, out_idx=rows, offsets=bounds)
+    # The bounds of every map (zeroed: the lower bounds, and an empty map's upper one), then each map's rows as
+    # int32, in int64 words.
+    num_maps = len(row_counts)
+    row_words = [-(-num_rows // 2) for num_rows in row_counts]
+    storage = cupy.empty(2 * num_maps + sum(row_words), dtype=np.int64)
+    cupy.cuda.runtime.memsetAsync(storage.data.ptr, 0, 16 * num_maps, cupy.cuda.get_current_stream().ptr)
+    bounds = [storage[2 * j : 2 * j + 2] for j in range(num_maps)]
+    starts = itertools.accumulate(row_words, initial=2 * num_maps)
+    rows = [storage[start : start + size].view(np.int32)[:num_rows]
+            for start, size, num_rows in zip(starts, row_words, row_counts)]
+    jobs = [(num_rows, row, bound) for num_rows, row, bound in zip(row_counts, rows, bounds) if num_rows]
+    for first in range(0, len(jobs), MAX_JOBS):
+        batch = jobs[first : first + MAX_JOBS]
+        maps = np.zeros((), dtype=_IDENTITY_MAPS_DTYPE)
+        maps["count"] = len(batch)
+        maps["row_starts"][: len(batch) + 1] = list(itertools.accumulate((job[0] for job in batch), initial=0))
+        maps["rows"][: len(batch)] = [row.data.ptr for _, row, _ in batch]
+        maps["bounds"][: len(batch)] = [bound.data.ptr for _, _, bound in batch]
+        _FORMAT_KERNELS.launch_jobs("identity_pairs", maps[()])
+    return [CsrPairs(in_idx=row, out_idx=row, offsets=bound) for row, bound in zip(rows, bounds)]
 
 
 def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
@@ -315,12 +343,13 @@ def mask_sorted_orders(masks, kernel_volumes) -> list:
     One radix sort over the rows of all of them, each row's key its map's index above the widest mask's
     bits, orders the rows by map, then by mask, stably: every map's order at the cost of one sort's launches,
     where a network's maps sorted one by one cost a dozen launches each. As many maps share a sort as the key
-    has bits for; the others (multi-word masks, the CPU's, empty ones) are sorted on their own.
+    has bits for and a launch takes (`MAX_JOBS`); the others (multi-word masks, the CPU's, empty ones) are
+    sorted on their own.
     """
     orders: list = [None] * len(masks)
     together = [i for i, mask in enumerate(masks) if is_cupy_array(mask) and mask.shape[1] == 1 and mask.shape[0]]
     key_shift = max((kernel_volumes[i] for i in together), default=_KEY_BITS)
-    per_sort = 1 << (_KEY_BITS - key_shift) if key_shift < _KEY_BITS else 1
+    per_sort = min(1 << (_KEY_BITS - key_shift), MAX_JOBS) if key_shift < _KEY_BITS else 1
     for start in range(0, len(together) if per_sort > 1 else 0, per_sort):
         group = together[start : start + per_sort]
         if len(group) > 1:
@@ -337,19 +366,18 @@ def _sorted_together(masks: list, key_shift: int) -> list:
     from one sort of their concatenated rows (`mask_sorted_orders`); each order is a view of one array."""
     import cupy
 
-    starts = np.zeros(len(masks) + 1, dtype=np.int64)
-    np.cumsum([mask.shape[0] for mask in masks], out=starts[1:])
+    starts = list(itertools.accumulate((mask.shape[0] for mask in masks), initial=0))
     masks = [cupy.ascontiguousarray(mask) for mask in masks]
-    # One upload: the masks' addresses, then where each map's rows start in the concatenation.
-    segments = cupy.asarray(np.concatenate([np.array([mask.data.ptr for mask in masks], dtype=np.int64), starts]))
-    segment_starts = segments.data.ptr + 8 * len(masks)
-    total = int(starts[-1])
-    keys = cupy.empty((total, 1), dtype=np.uint32)
-    _FORMAT_KERNELS.launch_per_row("segment_keys", total, segments.data.ptr, segment_starts, len(masks), key_shift,
-                                   keys.data.ptr)
+    keys = cupy.empty((starts[-1], 1), dtype=np.uint32)
+    segments = np.zeros((), dtype=_SORT_SEGMENTS_DTYPE)
+    segments["count"], segments["key_shift"], segments["keys"] = len(masks), key_shift, keys.data.ptr
+    segments["row_starts"][: len(masks) + 1] = starts
+    segments["mask"][: len(masks)] = [mask.data.ptr for mask in masks]
+    _FORMAT_KERNELS.launch_jobs("segment_keys", segments[()])
     order = mask_sorted_order(keys, key_shift + (len(masks) - 1).bit_length())
-    _FORMAT_KERNELS.launch_per_row("rows_within_segments", total, segment_starts, len(masks), order.data.ptr)
-    return [order[start:end] for start, end in zip(starts[:-1].tolist(), starts[1:].tolist())]
+    segments["order"] = order.data.ptr
+    _FORMAT_KERNELS.launch_jobs("rows_within_segments", segments[()])
+    return [order[start:end] for start, end in zip(starts[:-1], starts[1:])]
 
 
 def invert_pair_table(pair_table, num_in: int):

@@ -78,7 +78,7 @@ def test_mask_sorted_order_of_random_masks(kernel_volume, num_rows, device):
 @pytest.mark.parametrize("device", ON_DEVICES)
 def test_mask_sorted_orders_of_many_maps_are_each_maps_own(device):
     """Sorted together, each map's order is the one it gets alone: a network's worth of masks and more (40 of
-    27 offsets, two sorts' worth), of 8 offsets, of one, multi-word ones and empty ones sorted alone."""
+    27 offsets, more than one sort takes), of 8 offsets, of one, multi-word ones and empty ones sorted alone."""
     rng = np.random.default_rng(3)
     volumes = [27] * 40 + [8, 1, 125, 27, 8]
     sizes = [int(rng.integers(1, 3000)) for _ in volumes]
@@ -190,3 +190,16 @@ def test_tables_inverted_together_equal_each_inverted_by_brute_force(device):
         for k, row in zip(*np.nonzero(table >= 0)):
             expected[k, table[k, row]] = row
         np.testing.assert_array_equal(to_host(inverse), expected, strict=True)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_identity_maps_made_together_are_each_their_rows(device):
+    """`identity_pairs_of` more maps than one launch takes (`MAX_JOBS`), an empty one among them: each map's
+    pair lists are its rows 0..N-1 and its bounds {0, N}."""
+    row_counts = [int(count) for count in np.random.default_rng(4).integers(1, 5000, MAX_JOBS + 2)]
+    row_counts[5] = 0
+    pairs = kernel_map_module.identity_pairs_of(row_counts, on_device(np.zeros((1, 4), np.int32), device))
+    for num_rows, csr in zip(row_counts, pairs):
+        np.testing.assert_array_equal(to_host(csr.in_idx), np.arange(num_rows, dtype=np.int32), strict=True)
+        np.testing.assert_array_equal(to_host(csr.out_idx), np.arange(num_rows, dtype=np.int32), strict=True)
+        np.testing.assert_array_equal(to_host(csr.offsets), np.array([0, num_rows], dtype=np.int64), strict=True)
