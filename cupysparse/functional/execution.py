@@ -36,8 +36,8 @@ from cupysparse.cuda.dtypes import FEATURE_DTYPES
 from cupysparse.cuda.out_of_memory import naming_sizes
 from cupysparse.functional import checks
 from cupysparse.functional.epilogue import ConvEpilogue
-from cupysparse.tuning.search_space import Selection, algorithm_filter, parse_algorithm_filter
-from cupysparse.tuning.tuner import rehearsing, select_algorithm, size_bucket
+from cupysparse.tuning.search_space import Selection, algorithm_filter, candidates, parse_algorithm_filter
+from cupysparse.tuning.tuner import rehearsed_sizes, rehearsing, rehearsing_sizes, select_algorithm, size_bucket
 
 PHASES = ("forward", "backward")
 _FEATURE_DTYPES = frozenset(FEATURE_DTYPES)
@@ -283,8 +283,10 @@ def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kern
     if kept is not None and kept[0] == state:
         return kept[1]
     plan = _selected_plan(arrays, phase, argument, features, weight, kernel_map, grad_output)
-    if not rehearsing():  # a rehearsal's choices were made for other sizes: they stay its own
+    if not rehearsing():
         _plans[key] = (state, plan)
+    elif rehearsing_sizes():  # the few voxels' plan stays the rehearsal's; the real sizes' plans are kept
+        _plan_ranked_sizes(arrays, phase, argument, features, weight, kernel_map, key, state)
     return plan
 
 
@@ -292,6 +294,27 @@ def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kern
 # `map_signature`, with the `settings.selection_state()` it was selected under. The sizes enter as the
 # tuner's size buckets, so a new map of a known signature (the next scene) finds its plan here.
 _plans: dict[tuple, tuple] = {}
+
+
+def _plan_ranked_sizes(arrays: Arrays, phase: str, argument: str, features, weight, kernel_map, key: tuple,
+                       state: tuple) -> None:
+    """In a rehearsal (`cupysparse.networks.prefetch`): keep this layer's plans for the sizes the tuning caches
+    rank it at (`tuner.rehearsed_sizes`), each the plan of the choice recalled there, under the key a call of
+    those sizes looks up, so that the network's first call selects and plans nothing. Only capturable choices
+    in the layer's own search space: a call during a CUDA-graph capture would select another."""
+    dtype = arrays.core_dtype(features.dtype)
+    if dtype not in _FEATURE_DTYPES or features.shape[1] == 0 or weight.shape[2] == 0:
+        return
+    search_space = algorithm_filter(argument, CONV, phase)
+    problem = ConvProblem.over(kernel_map, features.shape[1], weight.shape[2], dtype, on_gpu=True)
+    for sized, selection in rehearsed_sizes(CONV, phase, problem):
+        sized_key = (*key[:5], (*key[5][:4], size_bucket(sized.num_in), size_bucket(sized.num_out)))
+        if sized_key in _plans or not selection.algorithm.capturable or not any(
+                algorithm is selection.algorithm for algorithm, _ in candidates(search_space, sized)):
+            continue
+        algorithm = selection.algorithm
+        planner = algorithm.forward_plan if phase == "forward" else algorithm.backward_plan
+        _plans[sized_key] = (state, planner(sized, selection.params))
 
 
 def map_signature(kernel_map) -> tuple:

@@ -22,8 +22,10 @@ the program does what comes before the first call, typically reading its data:
   (`rehearsal_tensor`), each convolution with the choice recalled for its layer (the largest size the
   caches rank; `tuner.rehearsal`), so that what a first call does once whatever the sizes happens here:
   the kernel maps' and the framework's own first kernels (CuPy's, PyTorch's), each kernel's first
-  launch, derived map formats. Nothing is measured or written, and no choice is kept for the few voxels'
-  sizes; normalisation layers change no statistics (`tuner.rehearsing`).
+  launch, derived map formats, and each layer's launch plan kept for every size the caches rank
+  (`execution.layer_plan`), which the first call then finds. Nothing is measured or written, and no
+  choice is kept for the few voxels' sizes; normalisation layers change no statistics
+  (`tuner.rehearsing`).
 
 Sizes the caches know nothing about are tuned at the first call, as without it. The network's first call
 stops what is left (`KernelPrefetch.stop`): a prefetch started just before the call would otherwise
@@ -194,10 +196,13 @@ def _rehearse(rehearse, network: networks.Network, dtype: np.dtype, choices: lis
               stop: threading.Event) -> bool:
     """Run `rehearse` on `rehearsal_tensor` inside `tuner.rehearsal` with each layer's choice for the
     largest size recalled; whether it ran to its end."""
-    by_layer = {rehearsal_key(CONV, choice.phase, choice.problem): choice.selection
-                for choice in sorted(choices, key=lambda choice: (choice.problem.num_in, choice.problem.num_out))}
+    by_layer, by_size = {}, {}
+    for choice in sorted(choices, key=lambda choice: (choice.problem.num_in, choice.problem.num_out)):
+        key = rehearsal_key(CONV, choice.phase, choice.problem)
+        by_layer[key] = choice.selection
+        by_size.setdefault(key, []).append((choice.problem, choice.selection))
     try:
-        with rehearsal(by_layer, stop):
+        with rehearsal(by_layer, stop, by_size):
             rehearse(rehearsal_tensor(network, dtype))
     except RehearsalStopped:
         return False

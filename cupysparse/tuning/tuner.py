@@ -115,7 +115,7 @@ class RehearsalStopped(Exception):
     """What `select` raises inside a `rehearsal` once the rehearsal's stop event is set."""
 
 
-# This thread's rehearsal, (choices, stop event), while one runs (`rehearsal`).
+# This thread's rehearsal, (choices, stop event, choices by size), while one runs (`rehearsal`).
 _rehearsal = threading.local()
 
 
@@ -130,6 +130,19 @@ def rehearsal_key(kind: str, phase: str, problem: ConvProblem) -> tuple:
     return kind, phase, sizeless_key(tuning_key(problem))
 
 
+def rehearsing_sizes() -> bool:
+    """Whether this thread is inside a `rehearsal` given choices by size (`rehearsed_sizes`)."""
+    state = getattr(_rehearsal, "state", None)
+    return state is not None and bool(state[2])
+
+
+def rehearsed_sizes(kind: str, phase: str, problem: ConvProblem) -> tuple:
+    """Inside a `rehearsal`: the (problem at a size, choice) pairs its `choices_by_size` holds for `problem`'s
+    layer, the sizes the caches rank it at (a real call's); empty elsewhere."""
+    state = getattr(_rehearsal, "state", None)
+    return () if state is None else tuple(state[2].get(rehearsal_key(kind, phase, problem), ()))
+
+
 def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, choices: Mapping,
                          stop: threading.Event | None) -> Selection:
     if stop is not None and stop.is_set():
@@ -142,14 +155,17 @@ def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, ch
 
 
 @contextlib.contextmanager
-def rehearsal(choices: Mapping[tuple, Selection], stop: threading.Event | None = None):
+def rehearsal(choices: Mapping[tuple, Selection], stop: threading.Event | None = None,
+              choices_by_size: Mapping[tuple, tuple] | None = None):
     """On this thread, while inside: every tuner's `select` answers a problem with its entry of `choices`
     (keyed by `rehearsal_key`) where that algorithm supports it, else by the priority rule. It measures,
     writes and remembers nothing, and raises `RehearsalStopped` once `stop` is set. A network's rehearsal
     (`cupysparse.networks.prefetch`) runs inside, on a tensor of its own (whose maps alone remember the
-    plans selected there): its layers' recalled choices, made for their real sizes, run on a few voxels."""
+    plans selected there): its layers' recalled choices, made for their real sizes, run on a few voxels.
+    `choices_by_size` holds, by the same keys, each layer's (problem at a size, choice) pairs for every size
+    the caches rank (`rehearsed_sizes`)."""
     previous = getattr(_rehearsal, "state", None)
-    _rehearsal.state = (choices, stop)
+    _rehearsal.state = (choices, stop, choices_by_size or {})
     try:
         yield
     finally:
@@ -192,7 +208,7 @@ class Tuner:
         candidate on the call's real data (None: decide by the priority rule, measuring nothing)."""
         rehearsal = getattr(_rehearsal, "state", None)
         if rehearsal is not None:
-            return _rehearsed_selection(search_space, problem, *rehearsal)
+            return _rehearsed_selection(search_space, problem, *rehearsal[:2])
         measured = run is not None and tuning_enabled()
         key = tuning_key(problem)
         remembered = self._choices

@@ -301,9 +301,12 @@ FRESH_PROCESS = textwrap.dedent("""
     _, tensor, _ = scene_tensor("indoor", 200_000, 0, "cuda", "float16")
     done = network.prefetched.result()
     loads = len(compile.module_loads())
+    from cupysparse.functional import execution
+    selected, select = [], execution._selected_plan
+    execution._selected_plan = lambda *arguments: selected.append(1) or select(*arguments)
     network(tensor)
     print(json.dumps({"choices": done.choices, "modules": done.modules, "rehearsed": done.rehearsed,
-                      "loaded_by_forward": len(compile.module_loads()) - loads,
+                      "loaded_by_forward": len(compile.module_loads()) - loads, "planned_by_forward": len(selected),
                       "measured": default_tuner().measurements}))
 """)
 
@@ -311,7 +314,8 @@ FRESH_PROCESS = textwrap.dedent("""
 @pytest.mark.gpu
 @pytest.mark.gpu
 def test_after_the_prefetch_the_first_forward_of_the_demo_scene_loads_and_measures_nothing(tmp_path):
-    """The shipped file ranks the demo scene's sizes (the populate script measures them)."""
+    """The shipped file ranks the demo scene's sizes (the populate script measures them): the rehearsal kept
+    every layer's plan at those sizes, so the first forward loads, measures, selects and plans nothing."""
     shipped_cache.forget_shipped_caches()
     environment = {key: value for key, value in os.environ.items() if not key.startswith("CUPYSPARSE_")}
     environment["CUPYSPARSE_BENCHMARK_CACHE_DIR"] = str(tmp_path / "user")
@@ -322,6 +326,7 @@ def test_after_the_prefetch_the_first_forward_of_the_demo_scene_loads_and_measur
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["choices"] > 0 and report["modules"] > 0 and report["rehearsed"]
     assert report["loaded_by_forward"] == 0
+    assert report["planned_by_forward"] == 0
     assert report["measured"] == 0
 
 
