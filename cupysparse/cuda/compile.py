@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import re
 import struct
@@ -87,6 +88,22 @@ class KernelSource:
         stream, prepared (`prepared`): `values` in argument order, past the `fixed` (position, bytes) ones."""
         self.prepared(name_expression, ROW_BLOCK, len(values) + len(fixed), fixed).launch(
             cupy_module().cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // ROW_BLOCK)), 1, 1))
+
+    def launch_batches(self, name_expression: str, dtype: np.dtype, rows: list[int], per_job: dict[str, list],
+                       shared: dict | None = None) -> None:
+        """`launch_jobs` over jobs of `rows[j]` rows each, up to `MAX_JOBS` a launch: each launch's record of
+        `dtype` holds its jobs' row starts and count, their entries of `per_job` (field name → a value per job;
+        one slice assignment a field) and the `shared` fields (name → value)."""
+        for first in range(0, len(rows), MAX_JOBS):
+            count = min(MAX_JOBS, len(rows) - first)
+            record = np.zeros((), dtype=dtype)
+            record["count"] = count
+            record["row_starts"][: count + 1] = list(itertools.accumulate(rows[first : first + count], initial=0))
+            for name, values in per_job.items():
+                record[name][:count] = values[first : first + count]
+            for name, value in (shared or {}).items():
+                record[name] = value
+            self.launch_jobs(name_expression, record[()])
 
     def launch_jobs(self, name_expression: str, description: np.void) -> None:
         """`name_expression` over the jobs `description` describes: a record of the kernel's one argument, a

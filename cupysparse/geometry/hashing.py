@@ -116,15 +116,12 @@ def build_indices(coordinate_sets) -> list:
     tables = [GpuHashTable(coords, slots[start : start + capacity])
               for coords, start, capacity in zip(coordinate_sets, starts, capacities)]
     filled = [table for table in tables if table.num_coords]
-    for first in range(0, len(filled), MAX_JOBS):
-        jobs = filled[first : first + MAX_JOBS]
-        sets = np.zeros((), dtype=_COORDINATE_SETS_DTYPE)
-        sets["count"] = len(jobs)
-        sets["row_starts"][: len(jobs) + 1] = list(itertools.accumulate((table.num_coords for table in jobs), initial=0))
-        sets["coords"][: len(jobs)] = [table.coords.data.ptr for table in jobs]
-        sets["slots"][: len(jobs)] = [table.slots.data.ptr for table in jobs]
-        sets["capacity_mask"][: len(jobs)] = [table.capacity_mask for table in jobs]
-        _KERNELS.launch_jobs(f"insert_coordinate_sets<{jobs[0].spatial_dims}>", sets[()])
+    if filled:
+        _KERNELS.launch_batches(f"insert_coordinate_sets<{filled[0].spatial_dims}>", _COORDINATE_SETS_DTYPE,
+                                [table.num_coords for table in filled],
+                                {"coords": [table.coords.data.ptr for table in filled],
+                                 "slots": [table.slots.data.ptr for table in filled],
+                                 "capacity_mask": [table.capacity_mask for table in filled]})
     return tables
 
 
@@ -150,22 +147,16 @@ def pair_tables(queries) -> list:
         start += volume * rows + rows * words
     jobs = [(index, cupy.ascontiguousarray(out_coords), query, same, table, mask)
             for (index, out_coords, query, same), (table, mask) in zip(queries, results) if out_coords.shape[0]]
-    for first in range(0, len(jobs), MAX_JOBS):
-        batch = jobs[first : first + MAX_JOBS]
-        described = np.zeros((), dtype=_PAIR_TABLE_QUERIES_DTYPE)
-        described["count"] = len(batch)
-        described["row_starts"][: len(batch) + 1] = list(itertools.accumulate((job[1].shape[0] for job in batch),
-                                                                                initial=0))
-        for j, (index, out_coords, query, same, table, mask) in enumerate(batch):
-            described["out_coords"][j] = out_coords.data.ptr
-            described["slots"][j] = index.slots.data.ptr
-            described["capacity_mask"][j] = index.capacity_mask
-            described["pair_table"][j] = table.data.ptr
-            described["offset_mask"][j] = mask.data.ptr
-            described["geometry"][j] = query.as_struct()
-            described["kernel_volume"][j] = table.shape[0]
-            described["same_coordinates"][j] = same
-        _KERNELS.launch_jobs(f"query_pair_tables<{batch[0][0].spatial_dims}>", described[()])
+    if jobs:
+        indices, outputs, geometries, same, tables, masks = zip(*jobs)
+        _KERNELS.launch_batches(
+            f"query_pair_tables<{indices[0].spatial_dims}>", _PAIR_TABLE_QUERIES_DTYPE,
+            [out.shape[0] for out in outputs],
+            {"out_coords": [out.data.ptr for out in outputs], "slots": [index.slots.data.ptr for index in indices],
+             "capacity_mask": [index.capacity_mask for index in indices],
+             "pair_table": [table.data.ptr for table in tables], "offset_mask": [mask.data.ptr for mask in masks],
+             "geometry": [query.as_struct() for query in geometries], "kernel_volume": [t.shape[0] for t in tables],
+             "same_coordinates": list(same)})
     return results
 
 

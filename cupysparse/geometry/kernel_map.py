@@ -698,47 +698,55 @@ class KernelMapCache:
             self._indices[tensor_stride] = index
 
     def _build_together(self, requests) -> None:
-        """Before this cache's `requests` are built one by one: the plain submanifold and strided maps among them
-        (and those their transposed convolutions invert), queried together (`hashing.pair_tables`: one
-        allocation, one launch), the identity maps' pairs together (`identity_pairs_of`), then the reverses the
-        transposed ones are (`derive_reverses`); the forward requests' calls are memoised as `kernel_map` would.
+        """Before this cache's `requests` are built one by one: the plain submanifold, identity and strided maps
+        among them (and those their transposed convolutions invert), together (`_built_forward`), then the
+        reverses the transposed ones are (`derive_reverses`); the forward requests' calls are memoised as
+        `kernel_map` would.
         Padded and generative maps make coordinates of their own first: those stay for the requests' own
         calls."""
         spatial_dims = len(self._input_stride)
-        keys, queries, identities, inverted, called = [], [], [], [], []
+        pending, inverted, called = {}, [], []
         for request in requests:
             if request.padding is not None or request.generative:
                 continue
             tensor_stride = tuple(request.tensor_stride)
             if request.transposed:
                 tensor_stride = _fine_stride(tensor_stride, as_tuple(request.stride, spatial_dims, "stride"))
-            coords = self.coordinates(tensor_stride)
-            geometry = _geometry(coords, request.kernel_size, request.stride, request.dilation)
+            geometry = _geometry(self.coordinates(tensor_stride), request.kernel_size, request.stride, request.dilation)
             key = (tensor_stride, *geometry, False, False, None)
             (inverted if request.transposed else called).append((request.arguments(), key))
-            kernel_size, stride, _ = geometry
-            if key in self._maps or key in keys or key in identities:
-                continue
-            if all(k == 1 for k in kernel_size) and all(s == 1 for s in stride):
-                identities.append(key)
-                continue
-            index = self._index(tensor_stride)
-            if all(s == 1 for s in stride):
-                queries.append(_submanifold_query(coords, geometry, index))
-            else:
-                queries.append(_strided_query(coords, geometry, index, self._level(tensor_stride, stride)))
-            keys.append(key)
-        identity_pairs = identity_pairs_of([self._coordinates[key[0]].shape[0] for key in identities],
-                                           self._coordinates[self._input_stride])
-        built = _answered(queries) + [_identity_map(pairs, key[1:4]) for key, pairs in zip(identities, identity_pairs)]
-        for key, kernel_map in zip(keys + identities, built):
-            kernel_map.derive_in = self.derive_in
-            tensor_stride, _, stride = key[:3]
-            out_stride = tuple(t * s for t, s in zip(tensor_stride, stride))
-            self._maps[key] = MapResult(kernel_map, self._coordinates[out_stride], out_stride, weakref.ref(self))
+            if key not in self._maps:
+                pending[key] = None
+        self._maps.update(zip(pending, self._built_forward(list(pending))))
         for arguments, key in called:
             self._remember(arguments, self._maps[key])
-        derive_reverses([self._maps[key].kernel_map for _, key in inverted if key in self._maps])
+        derive_reverses([self._maps[key].kernel_map for _, key in inverted])
+
+    def _built_forward(self, keys: list[tuple]) -> list[MapResult]:
+        """The results of the plain forward maps of normalised `keys` (submanifold, identity and strided), built
+        together: the pair tables in one query (`hashing.pair_tables`), the identity maps' pairs in one launch
+        (`identity_pairs_of`)."""
+        queries, identities = [], []
+        for key in keys:
+            tensor_stride, geometry, stride = key[0], key[1:4], key[2]
+            coords = self.coordinates(tensor_stride)
+            if all(k == 1 for k in geometry[0]) and all(s == 1 for s in stride):
+                identities.append(key)
+            elif all(s == 1 for s in stride):
+                queries.append(_submanifold_query(coords, geometry, self._index(tensor_stride)))
+            else:
+                queries.append(_strided_query(coords, geometry, self._index(tensor_stride),
+                                              self._level(tensor_stride, stride)))
+        identity_pairs = identity_pairs_of([self.coordinates(key[0]).shape[0] for key in identities],
+                                           self.coordinates(self._input_stride))
+        built = dict(zip([key for key in keys if key not in identities], _answered(queries)))
+        built.update((key, _identity_map(pairs, key[1:4])) for key, pairs in zip(identities, identity_pairs))
+        results = []
+        for key in keys:
+            kernel_map, out_stride = built[key], tuple(t * s for t, s in zip(key[0], key[2]))
+            kernel_map.derive_in = self.derive_in
+            results.append(MapResult(kernel_map, self.coordinates(out_stride), out_stride, weakref.ref(self)))
+        return results
 
     def _level(self, tensor_stride: tuple[int, ...], stride: tuple[int, ...]):
         """The coordinates a strided convolution of `stride` reaches from `tensor_stride`, downsampled now where
@@ -812,18 +820,11 @@ class KernelMapCache:
         return result, kept
 
     def _build(self, coords, tensor_stride, kernel_size, stride, dilation, transposed, generative) -> MapResult:
-        index = self._index(tensor_stride)
         if not transposed:
-            if all(s == 1 for s in stride):
-                return MapResult(submanifold_map(coords, kernel_size, dilation, index), coords, tensor_stride,
-                                 weakref.ref(self))
-            out_coords, forward = strided_map(coords, kernel_size, stride, dilation, index,
-                                              self._level(tensor_stride, stride))
-            return MapResult(forward, out_coords, tuple(t * s for t, s in zip(tensor_stride, stride)),
-                             weakref.ref(self))
+            return self._built_forward([(tensor_stride, kernel_size, stride, dilation, False, False, None)])[0]
         fine_stride = _fine_stride(tensor_stride, stride)
         if generative:
-            out_coords, backward = generative_map(coords, kernel_size, stride, dilation, index)
+            out_coords, backward = generative_map(coords, kernel_size, stride, dilation, self._index(tensor_stride))
             return MapResult(backward, out_coords, fine_stride, KernelMapCache(out_coords, fine_stride, self.derive_in))
         forward = self.kernel_map(fine_stride, kernel_size, stride, dilation).kernel_map
         return MapResult(transposed_map(forward), self.coordinates(fine_stride), fine_stride, weakref.ref(self))

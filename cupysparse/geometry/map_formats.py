@@ -171,14 +171,9 @@ def identity_pairs_of(row_counts, like) -> list[CsrPairs]:
     rows = [storage[start : start + size].view(np.int32)[:num_rows]
             for start, size, num_rows in zip(starts, row_words, row_counts)]
     jobs = [(num_rows, row, bound) for num_rows, row, bound in zip(row_counts, rows, bounds) if num_rows]
-    for first in range(0, len(jobs), MAX_JOBS):
-        batch = jobs[first : first + MAX_JOBS]
-        maps = np.zeros((), dtype=_IDENTITY_MAPS_DTYPE)
-        maps["count"] = len(batch)
-        maps["row_starts"][: len(batch) + 1] = list(itertools.accumulate((job[0] for job in batch), initial=0))
-        maps["rows"][: len(batch)] = [row.data.ptr for _, row, _ in batch]
-        maps["bounds"][: len(batch)] = [bound.data.ptr for _, _, bound in batch]
-        _FORMAT_KERNELS.launch_jobs("identity_pairs", maps[()])
+    _FORMAT_KERNELS.launch_batches("identity_pairs", _IDENTITY_MAPS_DTYPE, [num_rows for num_rows, _, _ in jobs],
+                                   {"rows": [row.data.ptr for _, row, _ in jobs],
+                                    "bounds": [bound.data.ptr for _, _, bound in jobs]})
     return [CsrPairs(in_idx=row, out_idx=row, offsets=bound) for row, bound in zip(rows, bounds)]
 
 
@@ -407,16 +402,12 @@ def invert_pair_tables(tables) -> list:
                 for (pair_table, num_in), start, size in zip(tables, itertools.accumulate(sizes, initial=0), sizes)]
     jobs = [(cupy.ascontiguousarray(pair_table), inverse) for (pair_table, _), inverse in zip(tables, inverses)
             if pair_table.size and inverse.size]
-    for first in range(0, len(jobs), MAX_JOBS):
-        batch = jobs[first : first + MAX_JOBS]
-        described = np.zeros((), dtype=_PAIR_TABLE_INVERSIONS_DTYPE)
-        described["count"] = len(batch)
-        described["row_starts"][: len(batch) + 1] = list(itertools.accumulate((table.shape[1] for table, _ in batch),
-                                                                                initial=0))
-        for j, (table, inverse) in enumerate(batch):
-            described["pair_table"][j], described["inverse"][j] = table.data.ptr, inverse.data.ptr
-            described["kernel_volume"][j], described["num_in"][j] = inverse.shape
-        _FORMAT_KERNELS.launch_jobs("invert_pair_tables", described[()])
+    _FORMAT_KERNELS.launch_batches("invert_pair_tables", _PAIR_TABLE_INVERSIONS_DTYPE,
+                                   [table.shape[1] for table, _ in jobs],
+                                   {"pair_table": [table.data.ptr for table, _ in jobs],
+                                    "inverse": [inverse.data.ptr for _, inverse in jobs],
+                                    "kernel_volume": [inverse.shape[0] for _, inverse in jobs],
+                                    "num_in": [inverse.shape[1] for _, inverse in jobs]})
     return inverses
 
 
