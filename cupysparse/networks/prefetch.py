@@ -196,13 +196,12 @@ def _rehearse(rehearse, network: networks.Network, dtype: np.dtype, choices: lis
               stop: threading.Event) -> bool:
     """Run `rehearse` on `rehearsal_tensor` inside `tuner.rehearsal` with each layer's choice for the
     largest size recalled; whether it ran to its end."""
-    by_layer, by_size = {}, {}
+    by_layer = {}
     for choice in sorted(choices, key=lambda choice: (choice.problem.num_in, choice.problem.num_out)):
-        key = rehearsal_key(CONV, choice.phase, choice.problem)
-        by_layer[key] = choice.selection
-        by_size.setdefault(key, []).append((choice.problem, choice.selection))
+        by_layer.setdefault(rehearsal_key(CONV, choice.phase, choice.problem), []).append(
+            (choice.problem, choice.selection))
     try:
-        with rehearsal(by_layer, stop, by_size):
+        with rehearsal(by_layer, stop):
             rehearse(rehearsal_tensor(network, dtype))
     except RehearsalStopped:
         return False

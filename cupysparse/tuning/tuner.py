@@ -40,7 +40,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class RehearsalStopped(Exception):
     """What `select` raises inside a `rehearsal` once the rehearsal's stop event is set."""
 
 
-# This thread's rehearsal, (choices, stop event, choices by size), while one runs (`rehearsal`).
+# This thread's rehearsal, (choices by size, stop event), while one runs (`rehearsal`).
 _rehearsal = threading.local()
 
 
@@ -131,23 +131,24 @@ def rehearsal_key(kind: str, phase: str, problem: ConvProblem) -> tuple:
 
 
 def rehearsing_sizes() -> bool:
-    """Whether this thread is inside a `rehearsal` given choices by size (`rehearsed_sizes`)."""
+    """Whether this thread is inside a `rehearsal` given any choice (`rehearsed_sizes`)."""
     state = getattr(_rehearsal, "state", None)
-    return state is not None and bool(state[2])
+    return state is not None and bool(state[0])
 
 
 def rehearsed_sizes(kind: str, phase: str, problem: ConvProblem) -> tuple:
-    """Inside a `rehearsal`: the (problem at a size, choice) pairs its `choices_by_size` holds for `problem`'s
-    layer, the sizes the caches rank it at (a real call's); empty elsewhere."""
+    """Inside a `rehearsal`: the (problem at a size, choice) pairs it holds for `problem`'s layer, the sizes the
+    caches rank it at (a real call's); empty elsewhere."""
     state = getattr(_rehearsal, "state", None)
-    return () if state is None else tuple(state[2].get(rehearsal_key(kind, phase, problem), ()))
+    return () if state is None else tuple(state[0].get(rehearsal_key(kind, phase, problem), ()))
 
 
 def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, choices: Mapping,
                          stop: threading.Event | None) -> Selection:
     if stop is not None and stop.is_set():
         raise RehearsalStopped
-    chosen = choices.get(rehearsal_key(search_space.kind, search_space.phase, problem))
+    sized = choices.get(rehearsal_key(search_space.kind, search_space.phase, problem))
+    chosen = sized[-1][1] if sized else None  # the largest size's
     if chosen is not None and chosen.algorithm.supports(problem):
         return chosen
     algorithms = list(dict.fromkeys(algorithm for algorithm, _ in candidates(search_space, problem)))
@@ -155,17 +156,16 @@ def _rehearsed_selection(search_space: AlgorithmFilter, problem: ConvProblem, ch
 
 
 @contextlib.contextmanager
-def rehearsal(choices: Mapping[tuple, Selection], stop: threading.Event | None = None,
-              choices_by_size: Mapping[tuple, tuple] | None = None):
-    """On this thread, while inside: every tuner's `select` answers a problem with its entry of `choices`
-    (keyed by `rehearsal_key`) where that algorithm supports it, else by the priority rule. It measures,
+def rehearsal(choices: Mapping[tuple, Sequence[tuple[ConvProblem, Selection]]], stop: threading.Event | None = None):
+    """On this thread, while inside: every tuner's `select` answers a problem with the choice `choices` holds
+    for its layer (keyed by `rehearsal_key`: the layer's (problem at a size, choice) pairs, smallest size
+    first; the largest size's) where that algorithm supports it, else by the priority rule. It measures,
     writes and remembers nothing, and raises `RehearsalStopped` once `stop` is set. A network's rehearsal
     (`cupysparse.networks.prefetch`) runs inside, on a tensor of its own (whose maps alone remember the
-    plans selected there): its layers' recalled choices, made for their real sizes, run on a few voxels.
-    `choices_by_size` holds, by the same keys, each layer's (problem at a size, choice) pairs for every size
-    the caches rank (`rehearsed_sizes`)."""
+    plans selected there): its layers' recalled choices, made for their real sizes, run on a few voxels, and
+    its layers keep their plans for those sizes (`rehearsed_sizes`)."""
     previous = getattr(_rehearsal, "state", None)
-    _rehearsal.state = (choices, stop, choices_by_size or {})
+    _rehearsal.state = (choices, stop)
     try:
         yield
     finally:
@@ -208,7 +208,7 @@ class Tuner:
         candidate on the call's real data (None: decide by the priority rule, measuring nothing)."""
         rehearsal = getattr(_rehearsal, "state", None)
         if rehearsal is not None:
-            return _rehearsed_selection(search_space, problem, *rehearsal[:2])
+            return _rehearsed_selection(search_space, problem, *rehearsal)
         measured = run is not None and tuning_enabled()
         key = tuning_key(problem)
         remembered = self._choices

@@ -139,8 +139,8 @@ def test_a_rehearsal_answers_its_choices_else_the_priority_rule_and_keeps_nothin
     last = Selection(*candidates(auto, layer)[-1])
     assert last != rule_based_selection(auto, few_voxels)  # a choice the priority rule would not make
     mma = get_algorithm("mma_implicit_gemm")
-    choices = {rehearsal_key(CONV, "forward", layer): last,
-               rehearsal_key(CONV, "forward", old_gpu): Selection(mma, mma.default_params("forward"))}
+    choices = {rehearsal_key(CONV, "forward", layer): [(layer, last)],
+               rehearsal_key(CONV, "forward", old_gpu): [(old_gpu, Selection(mma, mma.default_params("forward")))]}
     tuner = Tuner()
     with rehearsal(choices):
         assert tuner.select(auto, few_voxels, must_not_run) is last  # the layer's choice, at other sizes
