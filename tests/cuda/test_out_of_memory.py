@@ -168,7 +168,7 @@ def test_a_kernel_map_that_runs_out_of_memory_names_its_sizes_and_is_built_on_th
     coordinates, features, weight = fp32_layer(seed=3)
     tensor = SparseTensor(coordinates, features)
     allocator_says = "Unable to allocate 8.00 GiB for an array with shape (300, 27)"
-    calls = fail_once(monkeypatch, kernel_map, "submanifold_map", MemoryError(allocator_says))
+    calls = fail_once(monkeypatch, kernel_map, "pair_tables", MemoryError(allocator_says))  # the map's query
 
     with pytest.raises(MemoryError) as raised:
         functional.spatially_sparse_conv(tensor, weight, 3)
@@ -184,7 +184,7 @@ def test_a_strided_map_out_of_cupy_memory_keeps_the_error_type_and_names_the_map
     from cupysparse.geometry import kernel_map
 
     coordinates, features, weight = fp32_layer(seed=4)
-    fail_once(monkeypatch, kernel_map, "strided_map", cupy_error(2**33, 2**30))
+    fail_once(monkeypatch, kernel_map, "pair_tables", cupy_error(2**33, 2**30))  # the map's query
     tensor = SparseTensor(coordinates, features)
 
     with pytest.raises(cupy_error) as raised:
