@@ -108,9 +108,11 @@ __global__ void write_first_rows(Downsampling jobs) {
   for (int column = 0; column <= D; ++column) jobs.out[position * (D + 1) + column] = divided[column];
 }
 
-// Pair-table queries answered in one launch, each over its own output coordinates and hash table.
+// Pair-table queries answered in one launch, each over its own output coordinates and hash table, each
+// starting at a block boundary (`job_of_block`).
 struct PairTableQueries {
   long long row_starts[MAX_JOBS + 1];
+  int num_out[MAX_JOBS];
   const int* out_coords[MAX_JOBS];
   const ulonglong2* slots[MAX_JOBS];
   key_t64 capacity_mask[MAX_JOBS];
@@ -129,11 +131,10 @@ struct PairTableQueries {
 // row itself and needs no probe.
 template <int D>
 __global__ void query_pair_tables(PairTableQueries queries) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= queries.row_starts[queries.count]) return;
-  const int q = job_of(queries.row_starts, queries.count, i);
-  const int row = (int)(i - queries.row_starts[q]);
-  const int num_out = (int)(queries.row_starts[q + 1] - queries.row_starts[q]);
+  const int q = job_of_block(queries.row_starts, queries.count);
+  const int row = (int)((long long)blockIdx.x * blockDim.x - queries.row_starts[q]) + threadIdx.x;
+  const int num_out = queries.num_out[q];
+  if (row >= num_out) return;
   const int kernel_volume = queries.kernel_volume[q];
   const QueryGeometry& geometry = queries.geometry[q];
   const ulonglong2* __restrict__ slots = queries.slots[q];

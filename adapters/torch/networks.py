@@ -262,9 +262,10 @@ class SparseNetwork(SparseSequential):
         return self._forward(input)
 
     def _forward(self, input: SparseTensor) -> SparseTensor:
-        # Every map of the network before its first layer; those of a backward pass too where one will run. The
-        # results hold the caches that padded convolutions' outputs start until the layers that run in them.
-        built = input.build_maps(networks.requests_at(self._map_requests, input.tensor_stride),
+        # Every map of the network (those of a backward pass too where one will run): over the input's coordinates
+        # before its first layer, the rest when a layer first needs one, while the GPU runs the layers before it.
+        # The build holds the caches that padded convolutions' outputs start until the layers that run in them.
+        built = input.start_maps(networks.requests_at(self._map_requests, input.tensor_stride),
                                  with_reversed=self.training and torch.is_grad_enabled())
         output = super().forward(input)
         del built

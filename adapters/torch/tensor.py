@@ -19,7 +19,7 @@ import torch
 
 import cupysparse
 from cupysparse.geometry.coords import as_tuple
-from cupysparse.geometry.kernel_map import MapResult
+from cupysparse.geometry.kernel_map import MapResult, MapsUnderway
 from cupysparse.geometry.sparse_tensor import voxelise
 
 from cupysparse.adapters.torch.bridge import from_core, on_torch_stream, to_core
@@ -288,6 +288,12 @@ class SparseTensor:
         whole network at once, which its layers then find built."""
         with on_torch_stream(self.device):
             return self._map_cache.build_maps(requests, with_reversed)
+
+    def start_maps(self, requests, with_reversed: bool = False) -> MapsUnderway:
+        """`KernelMapCache.start_maps` on torch's stream and allocator (its second step too): `build_maps` in two
+        steps, the second when a layer first asks for a map the first did not build."""
+        with on_torch_stream(self.device):
+            return self._map_cache.start_maps(requests, with_reversed)
 
     def replace_feature(self, features: torch.Tensor) -> SparseTensor:
         """The same coordinates, stride and map cache with new features `[N, C']`."""

@@ -90,15 +90,20 @@ class KernelSource:
             cupy_module().cuda.get_current_stream().ptr, *values, grid=(max(1, -(-num_rows // ROW_BLOCK)), 1, 1))
 
     def launch_batches(self, name_expression: str, dtype: np.dtype, rows: list[int], per_job: dict[str, list],
-                       shared: dict | None = None) -> None:
+                       shared: dict | None = None, block_aligned: bool = False) -> None:
         """`launch_jobs` over jobs of `rows[j]` rows each, up to `MAX_JOBS` a launch: each launch's record of
         `dtype` holds its jobs' row starts and count, their entries of `per_job` (field name → a value per job;
-        one slice assignment a field) and the `shared` fields (name → value)."""
+        one slice assignment a field) and the `shared` fields (name → value). `block_aligned` starts each job at a
+        block boundary, for a kernel that finds its job per block (`job_of_block` in raw_kernels/launch_jobs.cuh)
+        and bounds it by a row count of its own among `per_job`."""
         for first in range(0, len(rows), MAX_JOBS):
             count = min(MAX_JOBS, len(rows) - first)
             record = np.zeros((), dtype=dtype)
             record["count"] = count
-            record["row_starts"][: count + 1] = list(itertools.accumulate(rows[first : first + count], initial=0))
+            spans = rows[first : first + count]
+            if block_aligned:
+                spans = [-(-num_rows // ROW_BLOCK) * ROW_BLOCK for num_rows in spans]
+            record["row_starts"][: count + 1] = list(itertools.accumulate(spans, initial=0))
             for name, values in per_job.items():
                 record[name][:count] = values[first : first + count]
             for name, value in (shared or {}).items():

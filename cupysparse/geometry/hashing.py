@@ -60,7 +60,8 @@ _COORDINATE_SETS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("
                                    ("slots", np.uint64, (MAX_JOBS,)), ("capacity_mask", np.uint64, (MAX_JOBS,)),
                                    ("count", np.int32)], align=True)
 _PAIR_TABLE_QUERIES_DTYPE = np.dtype(
-    [("row_starts", np.int64, (MAX_JOBS + 1,)), ("out_coords", np.uint64, (MAX_JOBS,)), ("slots", np.uint64, (MAX_JOBS,)),
+    [("row_starts", np.int64, (MAX_JOBS + 1,)), ("num_out", np.int32, (MAX_JOBS,)), ("out_coords", np.uint64, (MAX_JOBS,)),
+     ("slots", np.uint64, (MAX_JOBS,)),
      ("capacity_mask", np.uint64, (MAX_JOBS,)), ("pair_table", np.uint64, (MAX_JOBS,)),
      ("offset_mask", np.uint64, (MAX_JOBS,)), ("geometry", _GEOMETRY_DTYPE, (MAX_JOBS,)),
      ("kernel_volume", np.int32, (MAX_JOBS,)), ("same_coordinates", np.int32, (MAX_JOBS,)), ("count", np.int32)],
@@ -149,14 +150,15 @@ def pair_tables(queries) -> list:
             for (index, out_coords, query, same), (table, mask) in zip(queries, results) if out_coords.shape[0]]
     if jobs:
         indices, outputs, geometries, same, tables, masks = zip(*jobs)
+        rows = [out.shape[0] for out in outputs]
         _KERNELS.launch_batches(
-            f"query_pair_tables<{indices[0].spatial_dims}>", _PAIR_TABLE_QUERIES_DTYPE,
-            [out.shape[0] for out in outputs],
-            {"out_coords": [out.data.ptr for out in outputs], "slots": [index.slots.data.ptr for index in indices],
+            f"query_pair_tables<{indices[0].spatial_dims}>", _PAIR_TABLE_QUERIES_DTYPE, rows,
+            {"num_out": rows, "out_coords": [out.data.ptr for out in outputs],
+             "slots": [index.slots.data.ptr for index in indices],
              "capacity_mask": [index.capacity_mask for index in indices],
              "pair_table": [table.data.ptr for table in tables], "offset_mask": [mask.data.ptr for mask in masks],
              "geometry": [query.as_struct() for query in geometries], "kernel_volume": [t.shape[0] for t in tables],
-             "same_coordinates": list(same)})
+             "same_coordinates": list(same)}, block_aligned=True)
     return results
 
 
@@ -256,7 +258,26 @@ def unique_coordinates(coords, divisor=None):
 
 def unique_coordinates_by(coords, divisors) -> list:
     """`unique_coordinates(coords, divisor)` for each of `divisors`, synchronising the GPU once for
-    all of their counts.
+    all of their counts: `start_unique_coordinates_by(coords, divisors).result()`."""
+    return start_unique_coordinates_by(coords, divisors).result()
+
+
+class UniqueCoordinates:
+    """`unique_coordinates_by` under way: `result()` waits for the counts (on the GPU, for the work queued
+    before them, not for what was queued after) and returns the coordinates."""
+
+    def __init__(self, finish):
+        self._finish, self._result = finish, None
+
+    def result(self) -> list:
+        if self._result is None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
+def start_unique_coordinates_by(coords, divisors) -> UniqueCoordinates:
+    """`unique_coordinates_by(coords, divisors)` started: on the GPU, its launches up to the counts and their
+    copy to the host are queued, and the rest waits for `result()`, so the host can queue other work first.
 
     On the GPU every divisor keys into a table of its own, all in one scratch allocation cleared by one memset,
     and each pass (insert, mark, write) is one launch for up to `MAX_JOBS` divisors; one running count goes
@@ -265,17 +286,22 @@ def unique_coordinates_by(coords, divisors) -> list:
     divisors = [tuple(divisor) for divisor in divisors]
     check_row_count(coords.shape[0], "the coordinates to deduplicate")
     if not is_cupy_array(coords):
-        return [_unique_on_cpu(coords, divisor) for divisor in divisors]
+        uniques = [_unique_on_cpu(coords, divisor) for divisor in divisors]
+        return UniqueCoordinates(lambda: uniques)
     import cupy
+    import cupyx
 
     coords = cupy.ascontiguousarray(coords)
     num_coords, spatial_dims = coords.shape[0], coords.shape[1] - 1
     if num_coords == 0 or not divisors:
-        return [coords.copy() for _ in divisors]
+        copies = [coords.copy() for _ in divisors]
+        return UniqueCoordinates(lambda: copies)
     num_levels = len(divisors)
     if num_levels * num_coords > MAX_ROWS:  # the running count is int32
         split = max(1, MAX_ROWS // num_coords)
-        return unique_coordinates_by(coords, divisors[:split]) + unique_coordinates_by(coords, divisors[split:])
+        parts = (start_unique_coordinates_by(coords, divisors[:split]),
+                 start_unique_coordinates_by(coords, divisors[split:]))
+        return UniqueCoordinates(lambda: parts[0].result() + parts[1].result())
     capacity = _capacity(num_coords)
     table_bytes = 16 * capacity
     # One scratch allocation: every divisor's table, then the running counts and the marks of every divisor.
@@ -298,13 +324,25 @@ def unique_coordinates_by(coords, divisors) -> list:
             _KERNELS.launch_jobs(f"{kernel}<{spatial_dims}>", jobs[()])
         launches.append(jobs)
     cupy.cumsum(is_first, dtype=np.int32, out=positions)  # inclusive, over every divisor's marks in turn
-    ends = positions.reshape(num_levels, num_coords)[:, -1].get().tolist()  # the one synchronisation
-    starts = [0] + ends[:-1]
-    uniques = cupy.empty((ends[-1], 1 + spatial_dims), dtype=np.int32)
-    for jobs in launches:
-        jobs["out"] = uniques.data.ptr
-        _KERNELS.launch_jobs(f"write_first_rows<{spatial_dims}>", jobs[()])
-    return [uniques[start:end] for start, end in zip(starts, ends)]
+    stream = cupy.cuda.get_current_stream()
+    last_positions = cupy.ascontiguousarray(positions.reshape(num_levels, num_coords)[:, -1])
+    ends = cupyx.empty_pinned(num_levels, dtype=np.int32)
+    cupy.cuda.runtime.memcpyAsync(ends.ctypes.data, last_positions.data.ptr, ends.nbytes,
+                                  cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    copied = cupy.cuda.Event(block=False, disable_timing=True)
+    copied.record(stream)
+
+    def finish(scratch=scratch) -> list:  # holds the scratch until the last launch over it has been queued
+        copied.synchronize()  # the one synchronisation
+        starts, stops = [0, *ends[:-1].tolist()], ends.tolist()
+        with stream:  # the stream the launches above went to, whichever is current now
+            uniques = cupy.empty((stops[-1], 1 + spatial_dims), dtype=np.int32)
+            for jobs in launches:
+                jobs["out"] = uniques.data.ptr
+                _KERNELS.launch_jobs(f"write_first_rows<{spatial_dims}>", jobs[()])
+        return [uniques[start:stop] for start, stop in zip(starts, stops)]
+
+    return UniqueCoordinates(finish)
 
 
 def _unique_on_cpu(coords: np.ndarray, divisor: tuple[int, ...]) -> np.ndarray:

@@ -35,9 +35,10 @@ from cupysparse.geometry.hashing import (
     SortedKeyIndex,
     build_index,
     build_indices,
+    UniqueCoordinates,
     pair_tables,
+    start_unique_coordinates_by,
     unique_coordinates,
-    unique_coordinates_by,
 )
 from cupysparse.geometry.padding import (
     as_padding,
@@ -560,6 +561,27 @@ class MapResult:
         return cache
 
 
+class MapsUnderway:
+    """A `KernelMapCache.start_maps` build: `results()` finishes it where nothing has yet and returns what
+    `build_maps` would have (each request's `MapResult`), which hold the caches that padded convolutions'
+    outputs start until the layers that run in them. It holds its cache weakly: a cache whose tensors are all
+    gone has nothing left to build."""
+
+    def __init__(self, cache: KernelMapCache, requests: list, with_reversed: bool, levels: tuple):
+        self._cache = weakref.ref(cache)
+        self.requests, self.with_reversed, self.levels = requests, with_reversed, levels
+        self._results: list[MapResult] | None = None
+
+    def results(self) -> list[MapResult]:
+        if self._results is None:
+            cache = self._cache()
+            if cache is None:
+                raise RuntimeError("the map cache of this build is gone: nothing to finish")
+            self._results = cache._build_all(self)
+            self.requests = self.levels = None
+        return self._results
+
+
 @dataclass(frozen=True)
 class Origin:
     """How a padded convolution made the coordinates of a cache: its geometry (kernel size, stride, dilation,
@@ -598,11 +620,15 @@ class KernelMapCache:
         self._maps: dict[tuple, MapResult] = {}
         # A call's arguments as given → (those arguments, their result): see `_memoised`.
         self._by_arguments: dict[tuple, tuple[tuple, MapResult]] = {}
+        self._underway: MapsUnderway | None = None  # `start_maps`' second step, until it runs
 
     def coordinates(self, tensor_stride: tuple[int, ...]):
         try:
             return self._coordinates[tuple(tensor_stride)]
         except KeyError:
+            if self._underway is not None:
+                self._finish_maps()
+                return self.coordinates(tensor_stride)
             known = sorted(self._coordinates)
             raise ValueError(
                 f"no coordinates at tensor stride {tuple(tensor_stride)} in this map cache (known: {known}); "
@@ -626,6 +652,11 @@ class KernelMapCache:
         strided convolution reaching a level alone synchronises once per level, after the layers
         queued before it. A network calls this with its levels before its first layer.
         """
+        self._finish_maps()
+        self._set_levels(self._start_levels(tensor_strides))
+
+    def _start_levels(self, tensor_strides) -> tuple[list, UniqueCoordinates]:
+        """(the strides among `tensor_strides` not known yet, their coordinates under way)."""
         wanted = []
         for tensor_stride in tensor_strides:
             tensor_stride = as_tuple(tensor_stride, len(self._input_stride), "tensor_stride")
@@ -635,9 +666,11 @@ class KernelMapCache:
             if tensor_stride not in self._coordinates and tensor_stride not in wanted:
                 wanted.append(tensor_stride)
         divisors = [tuple(s // b for s, b in zip(stride, self._input_stride)) for stride in wanted]
-        for tensor_stride, coords in zip(wanted, unique_coordinates_by(self._coordinates[self._input_stride],
-                                                                       divisors)):
-            self._coordinates[tensor_stride] = coords
+        return wanted, start_unique_coordinates_by(self._coordinates[self._input_stride], divisors)
+
+    def _set_levels(self, levels: tuple[list, UniqueCoordinates]) -> None:
+        strides, coordinates = levels
+        self._coordinates.update(zip(strides, coordinates.result()))
 
     def build_maps(self, requests, with_reversed: bool = False) -> list[MapResult]:
         """`kernel_map(*request.arguments())` of the cache each of `requests` (`MapRequest`s) names, built now,
@@ -646,39 +679,91 @@ class KernelMapCache:
         (`_prepare_levels`), then the maps that query them, together (`_build_together`), then each map; last the
         mask-sorted orders of all of them in one sort (and, `with_reversed`, of the reversed maps a backward pass
         runs over: those of the maps that are not mirror-symmetric, since the GPU's dgrad reads a
-        mirror-symmetric map's own table with its offsets flipped). A network calls this with all of its maps
-        before its first layer, which then finds each one built."""
-        by_cache: dict[int, list] = {}
-        for request in requests:
-            by_cache.setdefault(request.cache, []).append(request)
-        caches, results = [self], []
-        for request in requests:
-            if request.cache >= len(caches):
-                raise ValueError(f"{request} runs in map cache {request.cache}, but the requests before it made "
-                                 f"{len(caches) - 1} new ones")
-            cache = caches[request.cache]
-            if request.cache in by_cache:
-                group = by_cache.pop(request.cache)
-                cache._prepare_levels(group)
-                cache._build_together(group)
-            result = cache.kernel_map(*request.arguments())
-            output_cache = result.out_map_cache
-            if all(output_cache is not known for known in caches):
-                caches.append(output_cache)
-            results.append(result)
-        kernel_maps = [result.kernel_map for result in results]
-        if with_reversed:
-            derive_reverses(kernel_maps)
-            kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps if not kernel_map.mirror_symmetric]
-        derive_mask_orders(kernel_maps)
+        mirror-symmetric map's own table with its offsets flipped)."""
+        return self.start_maps(requests, with_reversed).results()
+
+    def start_maps(self, requests, with_reversed: bool = False) -> MapsUnderway:
+        """`build_maps` in two steps, as a network calls it before its first layer. Now: the launches of this
+        cache's levels up to their counts, then the maps between the coordinates known already (the input's
+        submanifold and 1 x 1 maps) with their mask-sorted orders. The rest when this cache is first asked for a
+        map it lacks or for the coordinates of a level (or at `results()`): its one synchronisation then waits
+        for the counts, not for the layers queued since over the maps built now, which the GPU runs while the
+        host builds the rest."""
+        self._finish_maps()
+        requests = list(requests)
+        own = [request for request in requests if request.cache == 0]
+        levels = self._start_levels(self._reached_levels(own))
+        underway = MapsUnderway(self, requests, with_reversed, levels)
+        if not levels[0] or not is_cupy_array(self._coordinates[self._input_stride]):  # nothing to wait for
+            underway.results()
+            return underway
+        spatial_dims = len(self._input_stride)
+        known = [request for request in own if request.padding is None and not request.generative
+                 and not request.transposed and tuple(request.tensor_stride) in self._coordinates
+                 and all(s == 1 for s in as_tuple(request.stride, spatial_dims, "stride"))]
+        self._prepare_indices(known)
+        derive_mask_orders(result.kernel_map for result in self._build_together(known))
+        self._underway = underway
+        return underway
+
+    def _finish_maps(self) -> None:
+        """`start_maps`' second step, where one is under way."""
+        if self._underway is not None:
+            self._underway.results()
+
+    def _build_all(self, underway: MapsUnderway) -> list[MapResult]:
+        """`start_maps`' second step (`build_maps`, the levels under way)."""
+        self._underway = None
+        with self.derive_in():
+            self._set_levels(underway.levels)
+            by_cache: dict[int, list] = {}
+            for request in underway.requests:
+                by_cache.setdefault(request.cache, []).append(request)
+            caches, results = [self], []
+            for request in underway.requests:
+                if request.cache >= len(caches):
+                    raise ValueError(f"{request} runs in map cache {request.cache}, but the requests before it "
+                                     f"made {len(caches) - 1} new ones")
+                cache = caches[request.cache]
+                if request.cache in by_cache:
+                    group = by_cache.pop(request.cache)
+                    cache._prepare_levels(group)
+                    cache._build_together(group)
+                result = cache.kernel_map(*request.arguments())
+                output_cache = result.out_map_cache
+                if all(output_cache is not known for known in caches):
+                    caches.append(output_cache)
+                results.append(result)
+            kernel_maps = [result.kernel_map for result in results]
+            if underway.with_reversed:
+                derive_reverses(kernel_maps)
+                kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps
+                                if not kernel_map.mirror_symmetric]
+            derive_mask_orders(kernel_maps)
         return results
 
     def _prepare_levels(self, requests) -> None:
         """Before this cache's `requests` are built: the coordinates of every level their strided convolutions
-        reach (`downsample_to`), then the indices of every level their maps look up, which share one allocation
-        (`hashing.build_indices`)."""
+        reach (`downsample_to`), then the indices of every level their maps look up (`_prepare_indices`)."""
+        self.downsample_to(self._reached_levels(requests))
+        self._prepare_indices(requests)
+
+    def _reached_levels(self, requests) -> list[tuple[int, ...]]:
+        """The tensor strides the plain strided convolutions of `requests` reach."""
         spatial_dims = len(self._input_stride)
-        reached, looked_up = [], []
+        reached = []
+        for request in requests:
+            stride = as_tuple(request.stride, spatial_dims, "stride")
+            if (request.padding is None and not request.generative and not request.transposed
+                    and any(s != 1 for s in stride)):
+                reached.append(tuple(t * s for t, s in zip(request.tensor_stride, stride)))
+        return reached
+
+    def _prepare_indices(self, requests) -> None:
+        """The indices of every level the maps of `requests` look up that has none yet, which share one
+        allocation (`hashing.build_indices`)."""
+        spatial_dims = len(self._input_stride)
+        looked_up = []
         for request in requests:
             tensor_stride = tuple(request.tensor_stride)
             stride = as_tuple(request.stride, spatial_dims, "stride")
@@ -687,23 +772,20 @@ class KernelMapCache:
                     looked_up.append(_fine_stride(tensor_stride, stride))
                 continue  # a padded one inverts the map that made its coordinates
             plain = request.padding is None and not request.generative
-            if plain and any(s != 1 for s in stride):
-                reached.append(tuple(t * s for t, s in zip(tensor_stride, stride)))
             one_by_one = all(k == 1 for k in as_tuple(request.kernel_size, spatial_dims, "kernel_size"))
             if not (plain and one_by_one and all(s == 1 for s in stride)):  # the identity map looks nothing up
                 looked_up.append(tensor_stride)
-        self.downsample_to(reached)
         missing = [stride for stride in dict.fromkeys(looked_up) if stride not in self._indices]
         for tensor_stride, index in zip(missing, build_indices([self.coordinates(stride) for stride in missing])):
             self._indices[tensor_stride] = index
 
-    def _build_together(self, requests) -> None:
+    def _build_together(self, requests) -> list[MapResult]:
         """Before this cache's `requests` are built one by one: the plain submanifold, identity and strided maps
         among them (and those their transposed convolutions invert), together (`_built_forward`), then the
         reverses the transposed ones are (`derive_reverses`); the forward requests' calls are memoised as
         `kernel_map` would.
         Padded and generative maps make coordinates of their own first: those stay for the requests' own
-        calls."""
+        calls. Returns the forward maps' results it built."""
         spatial_dims = len(self._input_stride)
         pending, inverted, called = {}, [], []
         for request in requests:
@@ -717,10 +799,12 @@ class KernelMapCache:
             (inverted if request.transposed else called).append((request.arguments(), key))
             if key not in self._maps:
                 pending[key] = None
-        self._maps.update(zip(pending, self._built_forward(list(pending))))
+        built = self._built_forward(list(pending))
+        self._maps.update(zip(pending, built))
         for arguments, key in called:
             self._remember(arguments, self._maps[key])
         derive_reverses([self._maps[key].kernel_map for _, key in inverted])
+        return built
 
     def _built_forward(self, keys: list[tuple]) -> list[MapResult]:
         """The results of the plain forward maps of normalised `keys` (submanifold, identity and strided), built
@@ -770,6 +854,9 @@ class KernelMapCache:
         (None: none, the unpadded rules) makes it a padded one (`padding`)."""
         arguments = (tensor_stride, kernel_size, stride, dilation, transposed, generative, padding)
         result = _memoised(self._by_arguments, arguments)
+        if result is None and self._underway is not None:
+            self._finish_maps()
+            result = _memoised(self._by_arguments, arguments)
         if result is None:
             result, kept = self._normalised_kernel_map(*arguments)
             self._remember(arguments, kept)

@@ -147,8 +147,10 @@ class InferenceNetwork:
         return self._forward(input, observer)
 
     def _forward(self, input: SparseTensor, observer: LayerObserver | None = None) -> SparseTensor:
-        # The results hold the caches that padded convolutions' outputs start until the layers that run in them.
-        built = input.map_cache.build_maps(networks.requests_at(self._map_requests, input.tensor_stride))
+        # Every map of the network: over the input's coordinates before its first layer, the rest when a layer first
+        # needs one, while the GPU runs the layers before it. The build holds the caches that padded convolutions'
+        # outputs start until the layers that run in them.
+        built = input.map_cache.start_maps(networks.requests_at(self._map_requests, input.tensor_stride))
         output = self._run(self.network.root, "", input, {}, observer or LayerObserver())
         del built
         return output

@@ -619,6 +619,12 @@ def test_downsampling_every_level_up_front_gives_the_maps_of_level_by_level(devi
     )
 
 
+# A U-Net's maps: submanifold, strided, 1 x 1, transposed and dilated, over three levels.
+UNET_REQUESTS = [MapRequest((1, 1, 1), 3), MapRequest((1, 1, 1), 2, 2), MapRequest((2, 2, 2), (3, 3, 3)),
+                 MapRequest((2, 2, 2), 3, 2), MapRequest((4, 4, 4), 1), MapRequest((4, 4, 4), 3, 2, transposed=True),
+                 MapRequest((2, 2, 2), 2, 2, transposed=True), MapRequest((1, 1, 1), 5, dilation=2)]
+
+
 @pytest.mark.parametrize("device", ON_DEVICES)
 @pytest.mark.parametrize("with_reversed", [False, True])
 def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_reversed):
@@ -630,9 +636,7 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
     coords = np.unique(coords, axis=0)[rng.permutation(len(np.unique(coords, axis=0)))]
     if device == "cuda":
         coords = cupy_module().asarray(coords)
-    requests = [MapRequest((1, 1, 1), 3), MapRequest((1, 1, 1), 2, 2), MapRequest((2, 2, 2), (3, 3, 3)),
-                MapRequest((2, 2, 2), 3, 2), MapRequest((4, 4, 4), 1), MapRequest((4, 4, 4), 3, 2, transposed=True),
-                MapRequest((2, 2, 2), 2, 2, transposed=True), MapRequest((1, 1, 1), 5, dilation=2)]
+    requests = UNET_REQUESTS
     lazy, up_front = KernelMapCache(coords, (1, 1, 1)), KernelMapCache(coords, (1, 1, 1))
     built = up_front.build_maps(requests, with_reversed=with_reversed)
     host = (lambda array: array) if device == "cpu" else (lambda array: array.get())
@@ -652,6 +656,50 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
             if device == "cuda":
                 assert "_mask_sorted_order" in ahead.__dict__  # computed by the one sort, not on demand
             np.testing.assert_array_equal(host(ahead.mask_sorted_order()), host(step.mask_sorted_order()))
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+@pytest.mark.parametrize("with_reversed", [False, True])
+def test_maps_started_are_built_in_two_steps_and_equal_those_built_at_once(device, with_reversed):
+    """`start_maps` builds the input's submanifold and 1 x 1 maps now, with their orders, and on the GPU leaves
+    the rest under way until a layer asks for a map it lacks: then every map is built, the same as
+    `build_maps`'. On the CPU the levels are known at once, and so is everything else."""
+    rng = np.random.default_rng(7)
+    coords = np.unique(np.concatenate([rng.integers(0, 2, (5000, 1)), rng.integers(-25, 25, (5000, 3))], axis=1)
+                       .astype(np.int32), axis=0)
+    coords = on_device(coords[rng.permutation(len(coords))], device)
+    at_once, started = KernelMapCache(coords, (1, 1, 1)), KernelMapCache(coords, (1, 1, 1))
+    expected = at_once.build_maps(UNET_REQUESTS, with_reversed=with_reversed)
+    underway = started.start_maps(UNET_REQUESTS, with_reversed=with_reversed)
+    submanifold = started.lookup((1, 1, 1), 3)
+    assert submanifold is not None and started.lookup((1, 1, 1), 5, dilation=2) is not None
+    if device == "cuda":
+        assert started._underway is underway
+        assert "_mask_sorted_order" in submanifold.kernel_map.__dict__
+        assert started.lookup((1, 1, 1), 2, 2) is None  # its level's count is still on its way
+        first_strided = started.kernel_map((1, 1, 1), 2, 2)  # a layer asks: the rest is built
+        assert started._underway is None and first_strided is underway.results()[1]
+    assert started._underway is None
+    for request, result, reference in zip(UNET_REQUESTS, underway.results(), expected):
+        assert started.kernel_map(*request.arguments()) is result
+        np.testing.assert_array_equal(to_host(result.out_coordinates), to_host(reference.out_coordinates))
+        for built, wanted in [(result.kernel_map, reference.kernel_map)] + (
+                [(result.kernel_map.reversed(), reference.kernel_map.reversed())] if with_reversed else []):
+            np.testing.assert_array_equal(to_host(built.pair_table), to_host(wanted.pair_table))
+            np.testing.assert_array_equal(to_host(built.mask_sorted_order()), to_host(wanted.mask_sorted_order()))
+
+
+@pytest.mark.gpu
+def test_a_level_asked_for_finishes_the_maps_under_way_and_a_cache_gone_has_none_to_finish():
+    coords = on_device(np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 4, 4, 4], [1, 2, 3, 5]], np.int32), "cuda")
+    cache = KernelMapCache(coords, (1, 1, 1))
+    underway = cache.start_maps(UNET_REQUESTS)
+    np.testing.assert_array_equal(to_host(cache.coordinates((2, 2, 2))),
+                                  [[0, 0, 0, 0], [0, 2, 2, 2], [1, 1, 1, 2]])
+    assert cache._underway is None and len(underway.results()) == len(UNET_REQUESTS)
+    gone = KernelMapCache(coords, (1, 1, 1)).start_maps(UNET_REQUESTS)
+    with pytest.raises(RuntimeError, match="map cache of this build is gone"):
+        gone.results()
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)

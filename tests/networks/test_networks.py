@@ -118,8 +118,9 @@ def test_map_requests_of_a_padded_network_name_the_caches_its_padded_convolution
                          ids=["minkunet14", "centerpoint", "padded centerpoint"])
 @pytest.mark.parametrize("runner", ["core", "torch"])
 def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description, runner):
-    """The network builds its `map_requests` before its first layer; its layers then build none of their own,
-    and ask for each with the very arguments of its request (found at once, nothing normalised again)."""
+    """The network builds its `map_requests` (`start_maps`: on the CPU all before its first layer); its layers
+    then build none of their own, and ask for each with the very arguments of its request (found at once,
+    nothing normalised again)."""
     tensor = _voxels("outdoor", 3000, 4)
     if runner == "core":
         network = InferenceNetwork(description, networks.random_weights(description), device="cpu", dtype="float32")
@@ -128,16 +129,17 @@ def test_a_forward_runs_over_the_maps_built_up_front_and_no_other(description, r
         network = lambda core: model(cst.SparseTensor(torch.from_numpy(core.coordinates),  # noqa: E731
                                                       torch.from_numpy(core.features)))
     built, caches = [], []
-    original = type(tensor.map_cache).build_maps
+    original = type(tensor.map_cache).start_maps
 
     def recording(cache, requests, with_reversed=False):
-        results = original(cache, requests, with_reversed)
+        underway = original(cache, requests, with_reversed)
+        results = underway.results()
         caches.extend({id(c): c for c in [cache, *(result.out_map_cache for result in results)]}.values())
         built.append(sum(len(c) for c in caches))
-        return results
+        return underway
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(tensor.map_cache), "build_maps", recording)
+        patch.setattr(type(tensor.map_cache), "start_maps", recording)
         network(tensor)
     assert built == [len(networks.map_requests(description))] == [sum(len(cache) for cache in caches)]
     assert sum(len(cache._by_arguments) for cache in caches) == len(networks.map_requests(description))
