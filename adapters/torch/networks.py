@@ -262,11 +262,16 @@ class SparseNetwork(SparseSequential):
         return self._forward(input)
 
     def _forward(self, input: SparseTensor) -> SparseTensor:
-        # Every map of the network (those of a backward pass too where one will run): over the input's coordinates
-        # before its first layer, the rest when a layer first needs one, while the GPU runs the layers before it.
-        # The build holds the caches that padded convolutions' outputs start until the layers that run in them.
-        built = input.start_maps(networks.requests_at(self._map_requests, input.tensor_stride),
-                                 with_reversed=self.training and torch.is_grad_enabled())
+        # Every map of the network. In inference, over the input's coordinates before its first layer, the rest
+        # when a layer first needs one, while the GPU runs the layers before it; in training, with those of the
+        # backward pass, all before the first layer: there the host lags behind the GPU, so two steps would only
+        # cost it more (`start_maps`). The build holds the caches that padded convolutions' outputs start until the
+        # layers that run in them.
+        requests = networks.requests_at(self._map_requests, input.tensor_stride)
+        if self.training and torch.is_grad_enabled():
+            built = input.build_maps(requests, with_reversed=True)
+        else:
+            built = input.start_maps(requests)
         output = super().forward(input)
         del built
         return output

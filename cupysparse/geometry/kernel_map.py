@@ -680,24 +680,22 @@ class KernelMapCache:
         mask-sorted orders of all of them in one sort (and, `with_reversed`, of the reversed maps a backward pass
         runs over: those of the maps that are not mirror-symmetric, since the GPU's dgrad reads a
         mirror-symmetric map's own table with its offsets flipped)."""
-        return self.start_maps(requests, with_reversed).results()
+        return self._underway_build(requests, with_reversed).results()
 
     def start_maps(self, requests, with_reversed: bool = False) -> MapsUnderway:
-        """`build_maps` in two steps, as a network calls it before its first layer. Now: the launches of this
-        cache's levels up to their counts, then the maps between the coordinates known already (the input's
-        submanifold and 1 x 1 maps) with their mask-sorted orders. The rest when this cache is first asked for a
-        map it lacks or for the coordinates of a level (or at `results()`): its one synchronisation then waits
-        for the counts, not for the layers queued since over the maps built now, which the GPU runs while the
-        host builds the rest."""
-        self._finish_maps()
-        requests = list(requests)
-        own = [request for request in requests if request.cache == 0]
-        levels = self._start_levels(self._reached_levels(own))
-        underway = MapsUnderway(self, requests, with_reversed, levels)
-        if not levels[0] or not is_cupy_array(self._coordinates[self._input_stride]):  # nothing to wait for
+        """`build_maps` in two steps, as a network's inference calls it before its first layer. Now: the launches
+        of this cache's levels up to their counts, then the maps between the coordinates known already (the
+        input's submanifold and 1 x 1 maps) with their mask-sorted orders. The rest when this cache is first asked
+        for a map it lacks or for the coordinates of a level (or at `results()`): its one synchronisation then
+        waits for the counts, not for the layers queued since over the maps built now, which the GPU runs while
+        the host builds the rest. Two steps cost the host more than one (two sorts, two queries): they pay where
+        the GPU has layers queued to run meanwhile, not where the host lags behind it (a training step's)."""
+        underway = self._underway_build(requests, with_reversed)
+        if not underway.levels[0] or not is_cupy_array(self._coordinates[self._input_stride]):  # nothing to wait for
             underway.results()
             return underway
         spatial_dims = len(self._input_stride)
+        own = [request for request in underway.requests if request.cache == 0]
         known = [request for request in own if request.padding is None and not request.generative
                  and not request.transposed and tuple(request.tensor_stride) in self._coordinates
                  and all(s == 1 for s in as_tuple(request.stride, spatial_dims, "stride"))]
@@ -705,6 +703,13 @@ class KernelMapCache:
         derive_mask_orders(result.kernel_map for result in self._build_together(known))
         self._underway = underway
         return underway
+
+    def _underway_build(self, requests, with_reversed: bool) -> MapsUnderway:
+        """The build of `requests`, its levels' launches queued up to their counts."""
+        self._finish_maps()
+        requests = list(requests)
+        levels = self._start_levels(self._reached_levels([request for request in requests if request.cache == 0]))
+        return MapsUnderway(self, requests, with_reversed, levels)
 
     def _finish_maps(self) -> None:
         """`start_maps`' second step, where one is under way."""
