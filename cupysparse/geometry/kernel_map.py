@@ -33,9 +33,9 @@ from cupysparse.cuda.backend import array_module, is_cupy_array
 from cupysparse.geometry.hashing import (
     Query,
     SortedKeyIndex,
+    UniqueCoordinates,
     build_index,
     build_indices,
-    UniqueCoordinates,
     pair_tables,
     start_unique_coordinates_by,
     unique_coordinates,
@@ -717,7 +717,7 @@ class KernelMapCache:
             self._underway.results()
 
     def _build_all(self, underway: MapsUnderway) -> list[MapResult]:
-        """`start_maps`' second step (`build_maps`, the levels under way)."""
+        """`underway`'s build from its levels on: all of `build_maps`, the second step of `start_maps`."""
         self._underway = None
         with self.derive_in():
             self._set_levels(underway.levels)
