@@ -16,8 +16,8 @@ __device__ __forceinline__ int job_of(const long long* row_starts, int count, lo
 // The job of this block, where the launch starts each job at a block boundary (`launch_batches`'
 // `block_aligned`; the job's own row count then bounds its last block). The same for every thread of the
 // block, so the compiler keeps the job's values in the block's uniform registers: indexed by a per-thread job,
-// each takes a register of every thread (a pair-table query took 78 registers a thread where it takes 42, and
-// ran 40% longer for it).
+// each takes a register of every thread (a pair-table query took 78 registers a thread where it takes 38-48,
+// and ran about a quarter longer for it).
 __device__ __forceinline__ int job_of_block(const long long* row_starts, int count) {
   return job_of(row_starts, count, (long long)blockIdx.x * blockDim.x);
 }
