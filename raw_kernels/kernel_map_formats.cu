@@ -270,19 +270,44 @@ __global__ void rows_within_segments(SortSegments segments) {
 }
 
 // --- per-offset CSR lists ---------------------------------------------------------------------------
-// Block b handles rows [chunk * BLOCK * ITEMS, +BLOCK * ITEMS) of offset k, b = k * num_chunks + chunk:
-// the order in which the lists hold the pairs, so the scan of the per-block counts gives every
-// block the position of its first pair. Thread t reads rows t, t + BLOCK, ... of its chunk
-// (coalesced); a step is one such row per thread.
+// The lists of several maps, each kernel one launch for all (job j is map j). A map's block b handles rows
+// [chunk * BLOCK * ITEMS, +BLOCK * ITEMS) of offset k, b = k * num_chunks + chunk: the order in which the lists
+// hold the pairs, so the scan of the per-block counts gives every block the position of its first pair.
+// Thread t reads rows t, t + BLOCK, ... of its chunk (coalesced); a step is one such row per thread. Jobs start
+// at block boundaries (`job_of_block`): the counting and filling launches give job j num_chunks[j] blocks
+// per offset, the scan one block per offset.
+struct PairLists {
+  long long row_starts[MAX_JOBS + 1];
+  const int* pair_table[MAX_JOBS];            // [K, num_out]
+  unsigned long long* chunk_counts[MAX_JOBS];  // [K * num_chunks]: each block's pairs, then where they start
+  unsigned long long* offset_totals[MAX_JOBS];  // [K], zeroed by the caller: each offset's pairs
+  long long* offsets[MAX_JOBS];               // [K + 1]: where each offset's pairs start, then their number
+  long long* total[MAX_JOBS];                 // the number of pairs again, beside the other maps' for one copy
+  int* in_idx[MAX_JOBS];
+  int* out_idx[MAX_JOBS];
+  int num_out[MAX_JOBS];
+  int num_chunks[MAX_JOBS];
+  int count;
+};
+
+// This block's job and its block within the job; false for a block past every job's (a launch whose jobs
+// have no blocks still has one).
+__device__ __forceinline__ bool job_block(const PairLists& lists, int& job, int& block) {
+  if ((long long)blockIdx.x * blockDim.x >= lists.row_starts[lists.count]) return false;
+  job = job_of_block(lists.row_starts, lists.count);
+  block = (int)(blockIdx.x - lists.row_starts[job] / blockDim.x);
+  return true;
+}
 
 template <int BLOCK, int ITEMS>
-__global__ void __launch_bounds__(BLOCK)
-    count_pairs(const int* __restrict__ pair_table, int num_out, int num_chunks,
-                unsigned long long* __restrict__ chunk_counts, unsigned long long* __restrict__ offset_totals) {
+__global__ void __launch_bounds__(BLOCK) count_pairs(PairLists lists) {
   __shared__ unsigned int warp_counts[BLOCK / WARP_SIZE];
-  const int block = blockIdx.x, k = block / num_chunks;
+  int job, block;
+  if (!job_block(lists, job, block)) return;
+  const int num_chunks = lists.num_chunks[job], num_out = lists.num_out[job];
+  const int k = block / num_chunks;
   const long long chunk_start = (long long)(block - k * num_chunks) * (BLOCK * ITEMS);
-  const int* row = pair_table + (long long)k * num_out;
+  const int* row = lists.pair_table[job] + (long long)k * num_out;
   unsigned int count = 0;
 #pragma unroll
   for (int step = 0; step < ITEMS; ++step) {
@@ -295,29 +320,59 @@ __global__ void __launch_bounds__(BLOCK)
   if (threadIdx.x == 0) {
     unsigned long long total = 0;
     for (int w = 0; w < BLOCK / WARP_SIZE; ++w) total += warp_counts[w];
-    chunk_counts[block] = total;
-    if (total) atomicAdd(&offset_totals[k], total);
+    lists.chunk_counts[job][block] = total;
+    if (total) atomicAdd(&lists.offset_totals[job][k], total);
   }
 }
 
-// Writes the pairs of one chunk per block from chunk_starts[b] on, by ascending output row: a
-// warp's pairs of one step follow its lower lanes' (ballot), and (step, warp) groups follow each
-// other in that order (one block scan over their counts).
+// One block per offset k of a map: its blocks' counts become, in place, where their pairs start, after the
+// earlier offsets' pairs (their totals, which `count_pairs` accumulated, so no block scans everything).
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK) scan_pair_counts(PairLists lists) {
+  __shared__ unsigned long long warp_sums[BLOCK / WARP_SIZE];
+  int job, k;
+  if (!job_block(lists, job, k)) return;
+  const int num_chunks = lists.num_chunks[job];
+  const unsigned long long* totals = lists.offset_totals[job];
+  unsigned long long earlier = 0;
+  for (int r = threadIdx.x; r < k; r += BLOCK) earlier += totals[r];
+  const unsigned long long start = block_exclusive_scan<unsigned long long, BLOCK>(earlier, warp_sums).total;
+  unsigned long long* counts = lists.chunk_counts[job] + (long long)k * num_chunks;
+  unsigned long long next = start;
+  for (int base = 0; base < num_chunks; base += BLOCK) {
+    const int j = base + threadIdx.x;
+    const BlockScan<unsigned long long> scan =
+        block_exclusive_scan<unsigned long long, BLOCK>(j < num_chunks ? counts[j] : 0ull, warp_sums);
+    if (j < num_chunks) counts[j] = next + scan.before;
+    next += scan.total;
+  }
+  if (threadIdx.x == 0) {
+    lists.offsets[job][k] = (long long)start;
+    const int kernel_volume = (int)((lists.row_starts[job + 1] - lists.row_starts[job]) / BLOCK);
+    if (k == kernel_volume - 1) lists.offsets[job][kernel_volume] = *lists.total[job] = (long long)next;
+  }
+}
+
+// Writes the pairs of one chunk per block from its start on, by ascending output row: a warp's pairs of one
+// step follow its lower lanes' (ballot), and (step, warp) groups follow each other in that order (one block
+// scan over their counts).
 template <int BLOCK, int ITEMS>
-__global__ void __launch_bounds__(BLOCK)
-    fill_pairs(const int* __restrict__ pair_table, int num_out, int num_chunks,
-               const unsigned long long* __restrict__ chunk_starts, int* __restrict__ in_idx,
-               int* __restrict__ out_idx) {
+__global__ void __launch_bounds__(BLOCK) fill_pairs(PairLists lists) {
   constexpr int WARPS = BLOCK / WARP_SIZE;
   static_assert(ITEMS * WARPS <= BLOCK, "the scan over (step, warp) groups takes one thread per group");
   __shared__ unsigned int group_starts[ITEMS * WARPS];  // pair counts, then starts, of (step, warp) groups
   __shared__ unsigned int warp_sums[WARPS];
-  const int block = blockIdx.x, k = block / num_chunks;
+  int job, block;
+  if (!job_block(lists, job, block)) return;
+  const int num_chunks = lists.num_chunks[job], num_out = lists.num_out[job];
+  const int k = block / num_chunks;
   const int warp = threadIdx.x / WARP_SIZE;
   const unsigned int lanes_below = (1u << (threadIdx.x % WARP_SIZE)) - 1;
   const long long chunk_start = (long long)(block - k * num_chunks) * (BLOCK * ITEMS);
-  const int* row = pair_table + (long long)k * num_out;
-  const unsigned long long chunk_position = chunk_starts[block];
+  const int* row = lists.pair_table[job] + (long long)k * num_out;
+  const unsigned long long chunk_position = lists.chunk_counts[job][block];
+  int* __restrict__ in_idx = lists.in_idx[job];
+  int* __restrict__ out_idx = lists.out_idx[job];
   int inputs[ITEMS];
 #pragma unroll
   for (int step = 0; step < ITEMS; ++step) {

@@ -63,6 +63,7 @@ from cupysparse.geometry.map_formats import (
     PairCounts,
     WgradShares,
     count_pairs,
+    count_pairs_of,
     csr_pairs,
     identity_pairs,
     identity_pairs_of,
@@ -287,6 +288,22 @@ def derive_mask_orders(kernel_maps) -> None:
         orders = mask_sorted_orders(masks, [kernel_map.kernel_volume for kernel_map in pending])
     for kernel_map, order in zip(pending, orders):
         kernel_map._mask_sorted_order = order
+
+
+def derive_pair_counts(kernel_maps) -> None:
+    """Count the pairs of each GPU map of `kernel_maps` that has neither CSR lists nor counts yet, together
+    (`map_formats.count_pairs_of`), without waiting: the first of them whose lists are asked for (a weight
+    gradient's, in the backward pass) then fills the lists of all of them in one launch. A network's maps before
+    a training step; `count_pairs_ahead` would count them one by one."""
+    pending = [kernel_map for kernel_map in dict.fromkeys(kernel_maps)
+               if is_cupy_array(kernel_map.pair_table) and "_csr" not in kernel_map.__dict__
+               and "_pair_counts" not in kernel_map.__dict__]
+    if not pending:
+        return
+    with pending[0].derive_in():
+        counts = count_pairs_of([kernel_map.pair_table for kernel_map in pending])
+    for kernel_map, counted in zip(pending, counts):
+        kernel_map._pair_counts = counted
 
 
 def derive_reverses(kernel_maps) -> None:
@@ -679,7 +696,8 @@ class KernelMapCache:
         (`_prepare_levels`), then the maps that query them, together (`_build_together`), then each map; last the
         mask-sorted orders of all of them in one sort (and, `with_reversed`, of the reversed maps a backward pass
         runs over: those of the maps that are not mirror-symmetric, since the GPU's dgrad reads a
-        mirror-symmetric map's own table with its offsets flipped)."""
+        mirror-symmetric map's own table with its offsets flipped). `with_reversed` also starts counting the pairs
+        of the maps' CSR lists, which their weight gradients read, together (`derive_pair_counts`)."""
         return self._underway_build(requests, with_reversed).results()
 
     def start_maps(self, requests, with_reversed: bool = False) -> MapsUnderway:
@@ -741,6 +759,7 @@ class KernelMapCache:
                 results.append(result)
             kernel_maps = [result.kernel_map for result in results]
             if underway.with_reversed:
+                derive_pair_counts(kernel_maps)
                 derive_reverses(kernel_maps)
                 kernel_maps += [kernel_map.reversed() for kernel_map in kernel_maps
                                 if not kernel_map.mirror_symmetric]

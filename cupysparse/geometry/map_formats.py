@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import MAX_JOBS, KernelSource
+from cupysparse.cuda.compile import MAX_JOBS, ROW_BLOCK, KernelSource
 
 # The mask sort is a radix sort over 8-bit digits (RADIX_BITS in the kernels): blocks of _RADIX
 # threads, each over a tile of _RADIX_CHUNKS chunks of _RADIX rows.
@@ -24,16 +24,22 @@ _RADIX = 1 << _RADIX_BITS
 _RADIX_CHUNKS = 8
 # Where a radix pass reads its keys (ROWS_IN_ORDER, CARRIED_KEYS, GATHERED_KEYS in the kernels).
 _ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS = 0, 1, 2
-# The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset.
-_PAIR_BLOCK, _PAIR_ITEMS = 256, 16
+# The CSR lists: blocks of _PAIR_BLOCK threads over chunks of _PAIR_BLOCK * _PAIR_ITEMS rows of one offset, launched
+# as jobs (`KernelSource.launch_batches`, whose blocks have ROW_BLOCK threads).
+_PAIR_BLOCK, _PAIR_ITEMS = ROW_BLOCK, 16
 _SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row`
-# Mirror `struct IdentityMaps`, `struct SortSegments` and `struct PairTableInversions` in
+# Mirror `struct IdentityMaps`, `struct SortSegments`, `struct PairLists` and `struct PairTableInversions` in
 # raw_kernels/kernel_map_formats.cu.
 _IDENTITY_MAPS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("rows", np.uint64, (MAX_JOBS,)),
                                  ("bounds", np.uint64, (MAX_JOBS,)), ("count", np.int32)], align=True)
 _SORT_SEGMENTS_DTYPE = np.dtype([("row_starts", np.int64, (MAX_JOBS + 1,)), ("mask", np.uint64, (MAX_JOBS,)),
                                  ("keys", np.uint64), ("order", np.uint64), ("key_shift", np.int32),
                                  ("count", np.int32)], align=True)
+_PAIR_LISTS_DTYPE = np.dtype(
+    [("row_starts", np.int64, (MAX_JOBS + 1,)),
+     *((name, np.uint64, (MAX_JOBS,)) for name in ("pair_table", "chunk_counts", "offset_totals", "offsets", "total",
+                                                    "in_idx", "out_idx")),
+     ("num_out", np.int32, (MAX_JOBS,)), ("num_chunks", np.int32, (MAX_JOBS,)), ("count", np.int32)], align=True)
 _PAIR_TABLE_INVERSIONS_DTYPE = np.dtype(
     [("row_starts", np.int64, (MAX_JOBS + 1,)), ("pair_table", np.uint64, (MAX_JOBS,)), ("inverse", np.uint64, (MAX_JOBS,)),
      ("kernel_volume", np.int32, (MAX_JOBS,)), ("num_in", np.int32, (MAX_JOBS,)), ("count", np.int32)], align=True)
@@ -48,8 +54,8 @@ def _radix_scatter(source: int, write_keys: bool) -> str:
 
 
 _SCAN_32 = f"scan_counts_by_row<unsigned int, {_SCAN_BLOCK}>"
-_SCAN_64 = f"scan_counts_by_row<unsigned long long, {_SCAN_BLOCK}>"
 _COUNT_PAIRS = f"count_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
+_SCAN_PAIRS = f"scan_pair_counts<{_PAIR_BLOCK}>"
 _FILL_PAIRS = f"fill_pairs<{_PAIR_BLOCK}, {_PAIR_ITEMS}>"
 _FORMAT_KERNELS = KernelSource(
     "kernel_map_formats.cu",
@@ -58,8 +64,8 @@ _FORMAT_KERNELS = KernelSource(
         "identity_pairs",
         "invert_pair_tables",
         _SCAN_32,
-        _SCAN_64,
         _COUNT_PAIRS,
+        _SCAN_PAIRS,
         _FILL_PAIRS,
         *(_radix_count(source) for source in (_ROWS_IN_ORDER, _CARRIED_KEYS, _GATHERED_KEYS)),
         _radix_scatter(_ROWS_IN_ORDER, False),
@@ -97,52 +103,93 @@ class WgradShares:
 
 @dataclass(frozen=True)
 class PairCounts:
-    """The counts behind a GPU pair table's CSR lists: per-offset `offsets` `[K + 1]` and the position
-    of each chunk's first pair on the device, and the pair count on its way to pinned host memory
-    (`total`, valid once the event `copied` has completed)."""
+    """The counts behind a GPU pair table's CSR lists: per-offset `offsets` `[K + 1]` on the device, and `index`,
+    the table's place among those counted with it (`together`, which knows the rest and fills their lists)."""
 
     offsets: object
-    chunk_starts: object
-    num_chunks: int
-    total: np.ndarray
-    copied: object
+    index: int
+    together: CountedTogether
 
 
 def count_pairs(pair_table) -> PairCounts:
     """Count a GPU pair table's pairs per offset and chunk of rows, and start copying the total to the
     host, without waiting for either."""
+    return count_pairs_of([pair_table])[0]
+
+
+def count_pairs_of(pair_tables) -> list[PairCounts]:
+    """`count_pairs` of each of several GPU pair tables: one allocation, one memset, one launch of each kernel
+    for up to `MAX_JOBS` tables, one copy of the totals to the host and one event for all of them."""
     import cupy
     import cupyx
 
-    kernel_volume, num_out = pair_table.shape
-    num_chunks = -(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS))
-    num_blocks = kernel_volume * num_chunks  # block k * num_chunks + c: chunk c of offset k
-    # One allocation: the chunk counts (which the scan turns into the chunks' first pairs), the
-    # offsets' totals and the CSR offsets, written by the scan (as unsigned: never negative).
-    scratch = cupy.empty(num_blocks + 2 * kernel_volume + 1, dtype=np.uint64)
-    chunk_counts, offset_totals = scratch[:num_blocks], scratch[num_blocks : num_blocks + kernel_volume]
-    offsets = scratch[num_blocks + kernel_volume :].view(np.int64)
-    total = cupyx.empty_pinned(1, dtype=np.int64)
+    shapes = [pair_table.shape for pair_table in pair_tables]
+    chunks = [-(-num_out // (_PAIR_BLOCK * _PAIR_ITEMS)) for _, num_out in shapes]
+    # One allocation, zeroed for the offsets' totals: per table its chunk counts (which the scan turns into the
+    # chunks' first pairs), its offsets' totals and its CSR offsets; then the tables' pair counts.
+    sizes = [kernel_volume * num_chunks + 2 * kernel_volume + 1 for (kernel_volume, _), num_chunks in zip(shapes, chunks)]
+    scratch = cupy.empty(sum(sizes) + len(shapes), dtype=np.uint64)
     stream = cupy.cuda.get_current_stream()
-    if num_blocks:
-        cupy.cuda.runtime.memsetAsync(offset_totals.data.ptr, 0, offset_totals.nbytes, stream.ptr)
-        _FORMAT_KERNELS.prepared(_COUNT_PAIRS, _PAIR_BLOCK, 5).launch(
-            stream.ptr, pair_table.data.ptr, num_out, num_chunks, chunk_counts.data.ptr, offset_totals.data.ptr,
-            grid=(num_blocks, 1, 1),
-        )
-        # Each block's count becomes the position of its first pair.
-        _FORMAT_KERNELS.prepared(_SCAN_64, _SCAN_BLOCK, 5).launch(
-            stream.ptr, chunk_counts.data.ptr, num_chunks, offset_totals.data.ptr, kernel_volume, offsets.data.ptr,
-            grid=(kernel_volume, 1, 1),
-        )
-        cupy.cuda.runtime.memcpyAsync(total.ctypes.data, offsets.data.ptr + 8 * kernel_volume, 8,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
-    else:
-        offsets.fill(0)
-        total[0] = 0
+    cupy.cuda.runtime.memsetAsync(scratch.data.ptr, 0, scratch.nbytes, stream.ptr)
+    totals = scratch[sum(sizes) :]
+    chunk_starts, offset_totals, offsets = [], [], []
+    for start, (kernel_volume, _), num_chunks in zip(itertools.accumulate(sizes, initial=0), shapes, chunks):
+        blocks = kernel_volume * num_chunks
+        chunk_starts.append(scratch[start : start + blocks])
+        offset_totals.append(scratch[start + blocks : start + blocks + kernel_volume])
+        offsets.append(scratch[start + blocks + kernel_volume : start + blocks + 2 * kernel_volume + 1].view(np.int64))
+    jobs = {"pair_table": [pair_table.data.ptr for pair_table in pair_tables],
+            "chunk_counts": [array.data.ptr for array in chunk_starts],
+            "offset_totals": [array.data.ptr for array in offset_totals],
+            "offsets": [array.data.ptr for array in offsets],
+            "total": [totals.data.ptr + totals.itemsize * j for j in range(len(shapes))],
+            "num_out": [num_out for _, num_out in shapes], "num_chunks": chunks}
+    _FORMAT_KERNELS.launch_batches(
+        _COUNT_PAIRS, _PAIR_LISTS_DTYPE,
+        [kernel_volume * num_chunks * _PAIR_BLOCK for (kernel_volume, _), num_chunks in zip(shapes, chunks)], jobs,
+        block_aligned=True)
+    # Each block's count becomes the position of its first pair; the offsets and the totals are written.
+    _FORMAT_KERNELS.launch_batches(_SCAN_PAIRS, _PAIR_LISTS_DTYPE,
+                                   [kernel_volume * _PAIR_BLOCK for kernel_volume, _ in shapes], jobs, block_aligned=True)
+    host_totals = cupyx.empty_pinned(len(shapes), dtype=np.int64)
+    cupy.cuda.runtime.memcpyAsync(host_totals.ctypes.data, totals.data.ptr, totals.nbytes,
+                                  cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
     copied = cupy.cuda.Event(block=False, disable_timing=True)
     copied.record(stream)
-    return PairCounts(offsets, chunk_counts, num_chunks, total, copied)
+    together = CountedTogether(pair_tables, jobs, host_totals, copied)
+    return [PairCounts(offsets[j], j, together) for j in range(len(shapes))]
+
+
+class CountedTogether:
+    """Pair tables counted together (`count_pairs_of`), their fields of the kernels' `PairLists` (`jobs`, on
+    device addresses: the tables are held until their lists are filled), and `totals`, their pair counts on their
+    way to pinned host memory (valid once the event `copied` has completed). The first table whose lists are
+    asked for fills them all (`lists`)."""
+
+    def __init__(self, pair_tables, jobs: dict, totals: np.ndarray, copied):
+        self._pair_tables, self.jobs, self.totals, self.copied = list(pair_tables), jobs, totals, copied
+        self._lists: list[tuple] | None = None
+
+    def lists(self) -> list[tuple]:
+        """Each table's (in_idx, out_idx): the first call waits for the totals, which size them, then fills them
+        in one allocation and one launch for up to `MAX_JOBS` tables."""
+        if self._lists is None:
+            import cupy
+
+            self.copied.synchronize()
+            pair_counts = [int(count) for count in self.totals]
+            storage = cupy.empty(2 * sum(pair_counts), dtype=np.int32)
+            starts = list(itertools.accumulate((2 * count for count in pair_counts), initial=0))
+            self._lists = [(storage[start : start + count], storage[start + count : start + 2 * count])
+                           for start, count in zip(starts, pair_counts)]
+            filled = [j for j, count in enumerate(pair_counts) if count]
+            jobs = {name: [values[j] for j in filled] for name, values in self.jobs.items()}
+            jobs["in_idx"] = [self._lists[j][0].data.ptr for j in filled]
+            jobs["out_idx"] = [self._lists[j][1].data.ptr for j in filled]
+            rows = [self.jobs["num_chunks"][j] * _PAIR_BLOCK * self._pair_tables[j].shape[0] for j in filled]
+            _FORMAT_KERNELS.launch_batches(_FILL_PAIRS, _PAIR_LISTS_DTYPE, rows, jobs, block_aligned=True)
+            self._pair_tables = self.jobs = None
+        return self._lists
 
 
 def identity_pairs(num_rows: int, like) -> CsrPairs:
@@ -180,8 +227,9 @@ def identity_pairs_of(row_counts, like) -> list[CsrPairs]:
 def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
     """The per-offset pair lists of a pair table; see `KernelMap.csr`.
 
-    On the GPU: per-chunk pair counts and their scan (`count_pairs`, or `counts` made earlier by it),
-    then a fill kernel; the host waits for the pair count, which sizes the lists, and for nothing else.
+    On the GPU: per-chunk pair counts and their scan (`count_pairs`, or `counts` made earlier by it or by
+    `count_pairs_of`), then a fill kernel (the lists of every table counted with it); the host waits for the
+    pair counts, which size the lists, and for nothing else.
     """
     kernel_volume, num_out = pair_table.shape
     if not is_cupy_array(pair_table):
@@ -194,19 +242,8 @@ def csr_pairs(pair_table, counts: PairCounts | None = None) -> CsrPairs:
             out_idx=(flat % max(num_out, 1)).astype(np.int32),
             offsets=offsets,
         )
-    import cupy
-
     counts = counts or count_pairs(pair_table)
-    counts.copied.synchronize()
-    num_pairs = int(counts.total[0])
-    lists = cupy.empty((2, num_pairs), dtype=np.int32)  # one allocation for both
-    in_idx, out_idx = lists
-    if num_pairs:
-        _FORMAT_KERNELS.prepared(_FILL_PAIRS, _PAIR_BLOCK, 6).launch(
-            cupy.cuda.get_current_stream().ptr, pair_table.data.ptr, num_out, counts.num_chunks,
-            counts.chunk_starts.data.ptr, in_idx.data.ptr, out_idx.data.ptr,
-            grid=(kernel_volume * counts.num_chunks, 1, 1),
-        )
+    in_idx, out_idx = counts.together.lists()[counts.index]
     return CsrPairs(in_idx=in_idx, out_idx=out_idx, offsets=counts.offsets)
 
 

@@ -630,7 +630,8 @@ UNET_REQUESTS = [MapRequest((1, 1, 1), 3), MapRequest((1, 1, 1), 2, 2), MapReque
 def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_reversed):
     """`build_maps` with a U-Net's requests gives the maps, coordinates and mask-sorted orders (on the GPU, from
     one sort) that a cache building each map as its layer meets it gives; `with_reversed`, those of the reversed
-    maps too, except a mirror-symmetric map's, whose own table the GPU's dgrad reads."""
+    maps too, except a mirror-symmetric map's, whose own table the GPU's dgrad reads, and the CSR pair lists (on
+    the GPU, counted together)."""
     rng = np.random.default_rng(6)
     coords = np.concatenate([rng.integers(0, 2, (5000, 1)), rng.integers(-25, 25, (5000, 3))], axis=1).astype(np.int32)
     coords = np.unique(coords, axis=0)[rng.permutation(len(np.unique(coords, axis=0)))]
@@ -641,6 +642,7 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
     built = up_front.build_maps(requests, with_reversed=with_reversed)
     host = (lambda array: array) if device == "cpu" else (lambda array: array.get())
     assert len(built) == len(requests)
+    counted_together = set()
     for request, result in zip(requests, built):
         expected = lazy.kernel_map(*request.arguments())
         assert up_front.kernel_map(*request.arguments()) is result
@@ -656,6 +658,14 @@ def test_maps_built_up_front_equal_those_built_layer_by_layer(device, with_rever
             if device == "cuda":
                 assert "_mask_sorted_order" in ahead.__dict__  # computed by the one sort, not on demand
             np.testing.assert_array_equal(host(ahead.mask_sorted_order()), host(step.mask_sorted_order()))
+        if with_reversed and device == "cuda" and result.kernel_map.kernel_volume > 1:
+            # Counted together with the other maps' (`derive_pair_counts`): their lists are filled together too.
+            counted_together.add(id(result.kernel_map.__dict__["_pair_counts"].together))
+        if with_reversed:
+            for name in ("in_idx", "out_idx", "offsets"):
+                np.testing.assert_array_equal(host(getattr(result.kernel_map.csr(), name)),
+                                              host(getattr(expected.kernel_map.csr(), name)))
+    assert len(counted_together) == (1 if with_reversed and device == "cuda" else 0)
 
 
 @pytest.mark.parametrize("device", ON_DEVICES)

@@ -192,6 +192,28 @@ def test_tables_inverted_together_equal_each_inverted_by_brute_force(device):
         np.testing.assert_array_equal(to_host(inverse), expected, strict=True)
 
 
+@pytest.mark.gpu
+def test_tables_counted_together_give_each_its_own_pair_lists_filled_in_one_go(monkeypatch):
+    """`count_pairs_of` more tables than one launch takes (`MAX_JOBS`), of several kernel volumes and sizes (over
+    several chunks of rows), an empty one, one without offsets and one without pairs among them: each table's CSR
+    lists are the NumPy reference's; the first asked for fills every table's, after which none waits again."""
+    rng = np.random.default_rng(5)
+    cases = [(int(rng.choice([1, 8, 27, 125])), int(rng.integers(0, 9000))) for _ in range(MAX_JOBS + 4)]
+    cases[1], cases[3] = (27, 0), (0, 40)
+    tables = [pair_table_with_every_density(volume, num_out, num_out + 7, seed=i)
+              for i, (volume, num_out) in enumerate(cases)]
+    tables[6][:] = -1
+    counts = kernel_map_module.count_pairs_of([on_device(table, "cuda") for table in tables])
+    assert len({id(counted.together) for counted in counts}) == 1
+    gpu_lists = [kernel_map_module.csr_pairs(on_device(table, "cuda"), counted) for table, counted in zip(tables, counts)]
+    monkeypatch.setattr(counts[0].together, "copied", None)  # waiting again would raise
+    assert kernel_map_module.csr_pairs(on_device(tables[0], "cuda"), counts[0]).in_idx is gpu_lists[0].in_idx
+    for table, csr in zip(tables, gpu_lists):
+        expected = kernel_map_module.csr_pairs(table)
+        for name in ("in_idx", "out_idx", "offsets"):
+            np.testing.assert_array_equal(to_host(getattr(csr, name)), getattr(expected, name), strict=True)
+
+
 @pytest.mark.parametrize("device", ON_DEVICES)
 def test_identity_maps_made_together_are_each_their_rows(device):
     """`identity_pairs_of` more maps than one launch takes (`MAX_JOBS`), an empty one among them: each map's
