@@ -6,7 +6,10 @@ For each voxel count it times, with CUDA events (median of --repeats after --war
   mask-sorted order); strided 2³ stride 2: downsampling (unique), query, the whole map.
 When spconv is importable the same maps are built by spconv's implicit-GEMM pair generation
 (pair table + masks + mask argsort, inference mode) and the ratio spconv / cupysparse is printed.
-Without a GPU it times the NumPy reference path with the host clock.
+Then every map of a whole MinkUNet18, built from scratch for a batch of two scenes of --network-voxels each
+(`KernelMapCache.build_maps`, one synchronisation included, so the time is the build's wall time): as its
+inference builds them, and as its training step does, with the reversed maps and the pair counts of its
+weight gradients. Without a GPU it times the NumPy reference path with the host clock.
 
     cupysparse-benchmark-kernel-map --num-voxels 100000,1000000 --csv kernel_map.csv
 """
@@ -21,6 +24,7 @@ import numpy as np
 from cupysparse.cuda import backend
 from cupysparse.geometry.hashing import Query, build_index
 from cupysparse.geometry.kernel_map import (
+    KernelMapCache,
     csr_pairs,
     downsample_coordinates,
     mask_sorted_order,
@@ -29,11 +33,13 @@ from cupysparse.geometry.kernel_map import (
     submanifold_map,
 )
 from cupysparse.data.scenes import make_scene
+from cupysparse.networks import descriptions as networks
 from cupysparse.scripts import arguments
 from cupysparse.scripts.benchmarking import make_timer, write_csv
 
 SUBMANIFOLD = ((3, 3, 3), (1, 1, 1))
 STRIDED = ((2, 2, 2), (2, 2, 2))
+NETWORK_SCENES = 2  # the network benchmark's batch
 
 
 def cupysparse_stages(coords):
@@ -60,6 +66,24 @@ def cupysparse_stages(coords):
             1
         ].mask_sorted_order(),
     }
+
+
+def network_map_stages(coords):
+    """(case, stage) → every map of a whole MinkUNet18 built from scratch over `coords` (a new cache each call):
+    those its inference runs over, and those of its training step (with the reversed maps and pair counts)."""
+    requests = networks.map_requests(networks.minkunet(18))
+
+    def build(with_reversed: bool):
+        return lambda: KernelMapCache(coords, (1, 1, 1)).build_maps(requests, with_reversed)
+
+    return {("MinkUNet18", "inference maps"): build(False), ("MinkUNet18", "training maps"): build(True)}
+
+
+def batch_coordinates(kind: str, num_voxels: int, num_scenes: int) -> np.ndarray:
+    """`[N, 4]` (batch, x, y, z) coordinates of the scenes of `kind` of seeds 0 .. num_scenes - 1."""
+    scenes = [make_scene(kind, num_voxels, seed=seed).voxel_coordinates() for seed in range(num_scenes)]
+    return np.concatenate([np.concatenate([np.full((len(voxels), 1), seed, np.int32), voxels], axis=1)
+                           for seed, voxels in enumerate(scenes)])
 
 
 def spconv_stages(coords_numpy):
@@ -98,6 +122,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="indoor rooms or outdoor LiDAR sweeps (cupysparse.data.scenes)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                         help="where to run: auto (the GPU if there is one), cuda or cpu")
+    parser.add_argument("--network-voxels", type=arguments.count, default=None,
+                        help="voxels per scene of the whole network's maps, two scenes (default: 200000 on a GPU, "
+                             "20000 on the CPU)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before the timed ones")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs (the median is reported)")
     parser.add_argument("--no-spconv", action="store_true", help="skip the spconv comparison")
@@ -112,6 +139,8 @@ def parse_args(argv=None, prog: str | None = None):
         args.device = backend.default_device()
     if args.num_voxels is None:
         args.num_voxels = (100_000, 1_000_000) if args.device == "cuda" else (100_000,)
+    if args.network_voxels is None:
+        args.network_voxels = 200_000 if args.device == "cuda" else 20_000
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
     return args
@@ -123,19 +152,22 @@ def main(argv=None, prog: str | None = None) -> int:
     print(f"kernel-map build, {args.scene} scene, on {backend.describe_device(args.device)}; "
           f"median of {args.repeats} after {args.warmup} warm-up runs")
     rows = []
-    for num_voxels in args.num_voxels:
-        scene = make_scene(args.scene, num_voxels, seed=0)
-        voxels = scene.voxel_coordinates()
-        coords_numpy = np.concatenate([np.zeros((len(voxels), 1), np.int32), voxels], axis=1)
-        coords = backend.to_device(coords_numpy, args.device)
-        ours = cupysparse_stages(coords)
-        theirs = {} if args.no_spconv or args.device == "cpu" else spconv_stages(coords_numpy)
+    for num_voxels in (*args.num_voxels, None):
+        if num_voxels is None:  # the whole network's maps
+            coords_numpy = batch_coordinates(args.scene, args.network_voxels, NETWORK_SCENES)
+            coords = backend.to_device(coords_numpy, args.device)
+            ours, theirs = network_map_stages(coords), {}
+        else:
+            coords_numpy = batch_coordinates(args.scene, num_voxels, 1)
+            coords = backend.to_device(coords_numpy, args.device)
+            ours = cupysparse_stages(coords)
+            theirs = {} if args.no_spconv or args.device == "cpu" else spconv_stages(coords_numpy)
         for (case, stage), fn in ours.items():
             ours_ms = measure(fn, args.warmup, args.repeats)
             theirs_ms = measure(theirs[(case, stage)], args.warmup, args.repeats) if (case, stage) in theirs else None
             rows.append({
                 "device": args.device,
-                "num_voxels": len(voxels),
+                "num_voxels": len(coords_numpy),
                 "case": case,
                 "stage": stage,
                 "cupysparse_ms": round(ours_ms, 4),

@@ -8,13 +8,18 @@ from cupysparse.scripts import benchmark_conv, benchmark_kernel_map
 def test_kernel_map_benchmark_writes_its_table(tmp_path, capsys):
     output = tmp_path / "maps.csv"
     status = benchmark_kernel_map.main(
-        ["--device", "cpu", "--num-voxels", "2000", "--repeats", "1", "--warmup", "0", "--csv", str(output)]
+        ["--device", "cpu", "--num-voxels", "2000", "--network-voxels", "1500", "--repeats", "1", "--warmup", "0",
+         "--csv", str(output)]
     )
     assert status == 0
     with open(output) as handle:
         rows = list(csv.DictReader(handle))
     stages = {(row["case"], row["stage"]) for row in rows}
     assert ("subm 3^3", "map + mask + order") in stages and ("strided 2^3/2", "downsample (unique)") in stages
+    network = [row for row in rows if row["case"] == "MinkUNet18"]
+    assert [row["stage"] for row in network] == ["inference maps", "training maps"]
+    # Two scenes of about 1500 voxels each (the scenes hit their count within 5%).
+    assert all(2 * 1425 <= int(row["num_voxels"]) <= 2 * 1575 for row in network)
     assert all(float(row["cupysparse_ms"]) > 0 and row["spconv_ms"] == "" for row in rows)
     assert "CPU" in capsys.readouterr().out
 
