@@ -27,6 +27,7 @@ from cupysparse.adapters.torch.bridge import core_dtype, to_core
 from cupysparse.adapters.torch.convolution import SpatiallySparseConv
 from cupysparse.adapters.torch.pointwise import SparseBatchNorm, SparseReLU
 from cupysparse.adapters.torch.tensor import SparseTensor
+from cupysparse.adapters.torch.training_step import TrainingProgram
 
 
 class _Skips:
@@ -145,7 +146,7 @@ class SparseSequential(nn.Module):
 
 
 def _concatenate(current: SparseTensor, skip: SparseTensor, skip_name: str) -> SparseTensor:
-    if current.core.coordinates is not skip.core.coordinates:
+    if not current.shares_coordinates(skip):
         raise ValueError(f"the tensor saved as {skip_name!r} has other coordinates than the one it is appended to; "
                          "a skip must come from the level a transposed convolution returns to")
     return current.replace_feature(torch.cat([current.features, skip.features], dim=1))
@@ -193,6 +194,11 @@ class ResidualBlock(nn.Module):
         return output.replace_feature(torch.relu(output.features + identity.features))
 
 
+# What `build_module` builds (a `SparseReLU` holds an `nn.ReLU`): a network of these alone may run its training
+# step as a `TrainingProgram`.
+_PROGRAM_MODULES = (SparseSequential, ResidualBlock, SpatiallySparseConv, SparseBatchNorm, SparseReLU, nn.ReLU)
+
+
 def build_module(layer, fwd_algo=None, bwd_algo=None) -> nn.Module:
     """The torch module of one layer description (see `cupysparse.networks.descriptions`)."""
     return networks.build_layer(layer, "torch", {
@@ -213,7 +219,15 @@ class SparseNetwork(SparseSequential):
     evaluation there, it starts loading the kernels the tuning caches say its convolutions will run, in
     the background (`cupysparse.networks.prefetch`: the forward's, and in training the backward's); in evaluation
     it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None;
-    starting one stops the one before. A call stops what is left of it; copies and pickles carry none."""
+    starting one stops the one before. A call stops what is left of it; copies and pickles carry none.
+
+    In training, a step is one autograd node (`adapters.torch.training_step`: the same results, a fraction of
+    the host time) where `one_autograd_node` is true, the default, and nothing of the modules' would be
+    missed (a hook on any of them sends the step through them, layer by layer). Its parameters' gradients
+    then all arrive as its backward ends: under DistributedDataParallel, whose all-reduce of a bucket starts
+    when the bucket's gradients are in, set it to False to overlap the all-reduce with the backward."""
+
+    one_autograd_node = True  # a class default: a network pickled before it existed has it too
 
     def __init__(self, description: networks.Network, fwd_algo=None, bwd_algo=None):
         super().__init__(description.root, fwd_algo, bwd_algo)
@@ -223,7 +237,8 @@ class SparseNetwork(SparseSequential):
         self.prefetched = None
 
     def __getstate__(self):
-        return {**self.__dict__, "prefetched": None}  # a thread's handle: nothing to copy or pickle
+        # A thread's handle: nothing to copy or pickle; the training program is compiled again where needed.
+        return {**self.__dict__, "prefetched": None, "_program": None}
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -270,11 +285,24 @@ class SparseNetwork(SparseSequential):
         requests = networks.requests_at(self._map_requests, input.tensor_stride)
         if self.training and torch.is_grad_enabled():
             built = input.build_maps(requests, with_reversed=True)
+            program = self._training_program() if self.one_autograd_node else None
+            output = program(input) if program is not None and program.runs(input) else super().forward(input)
         else:
             built = input.start_maps(requests)
-        output = super().forward(input)
+            output = super().forward(input)
         del built
         return output
+
+    def _training_program(self) -> TrainingProgram | None:
+        """The program of the network's modules as they are, compiled again after one was replaced (a
+        `convert_sync_batchnorm`, say); None where a module is not of a type the description builds."""
+        modules = list(self.modules())[1:]
+        program = self.__dict__.get("_program")
+        if program is None or program.modules != modules:
+            if any(type(module) not in _PROGRAM_MODULES for module in modules):
+                return None
+            program = self.__dict__["_program"] = TrainingProgram(self, self.description, modules)
+        return program
 
     def extra_repr(self) -> str:
         return f"{self.description.name}: {self.description.in_channels} → {self.description.out_channels} channels"

@@ -221,6 +221,11 @@ class SparseTensor:
                                                  validate=False, map_cache=self._map_cache)
         return self._core
 
+    def shares_coordinates(self, other: SparseTensor) -> bool:
+        """Whether `other` has this tensor's very coordinates (the same array, as convolutions hand them on),
+        not only equal ones; without building either's core tensor."""
+        return self._core_coordinates is other._core_coordinates
+
     @property
     def map_cache(self):
         """The kernel-map cache shared by every tensor derived from the same input."""

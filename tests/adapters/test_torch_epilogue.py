@@ -345,12 +345,14 @@ def test_training_on_cuda_equals_torch_batch_norm_relu_and_sum(dtype, parameter_
 
 @gpu_test
 def test_a_minkunet_in_training_on_cuda_fuses_its_norms_and_equals_torchs_modules(monkeypatch):
-    """Every norm of a MinkUNet in training on CUDA runs the core's training norm (with its ReLU or its
-    block's residual sum and ReLU); outputs, gradients, running statistics and counts of batches equal the same
-    model's through torch's modules."""
+    """Every norm of a MinkUNet stepping layer by layer in training on CUDA runs the core's training norm (with
+    its ReLU or its block's residual sum and ReLU); outputs, gradients, running statistics and counts of
+    batches equal the same model's through torch's modules. (The step as one autograd node, which runs the same
+    norms, is compared with this one in tests/networks.)"""
     coords = coordinates(num_per_item=600)
     features = torch.randn(len(coords), 3, generator=torch.Generator().manual_seed(2), dtype=torch.float32)
     fused, unfused = (minkunet18(torch.float32, "cuda").train() for _ in range(2))
+    fused.one_autograd_node = unfused.one_autograd_node = False
     calls = []
     apply = torch_pointwise._TrainingNorm.apply
     monkeypatch.setattr(torch_pointwise._TrainingNorm, "apply", lambda *args: calls.append(1) or apply(*args))

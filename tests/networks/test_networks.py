@@ -278,6 +278,9 @@ def test_a_skip_from_other_coordinates_is_refused():
     model = torch_networks.SparseNetwork(description)
     with pytest.raises(ValueError, match="other coordinates"):
         _torch_output(model, tensor, torch.float32)
+    x = cst.SparseTensor(torch.from_numpy(tensor.coordinates), torch.from_numpy(tensor.features))
+    with pytest.raises(ValueError, match="other coordinates"):  # a training step as one autograd node too
+        model.train()(x)
 
 
 def test_every_parameter_of_a_minkunet_gets_a_finite_gradient():

@@ -1,0 +1,394 @@
+"""A `SparseNetwork`'s training step as one autograd node: its layers compiled once into a flat list of
+operations (`TrainingProgram`), which the forward runs in order and the backward in reverse.
+
+Layer by layer, a MinkUNet18 step is about a hundred autograd nodes and a hundred and fifty module calls,
+each tens of microseconds of Python around the launches of a layer that, on the coarse levels, takes the
+GPU a few microseconds: the step was bound by the host. Here the forward calls the core's launches
+directly (`execution.forward`, `training_norm.run_forward`) and keeps what each operation's backward
+reads; the backward calls the core's backward launches (`execution.backward`, `training_norm.run_backward`)
+and adds up the gradients of tensors two operations read (a residual's input, a skip). A batch norm runs
+with the ReLU after it and the residual sum before that, as in the modules' fused path. The results are
+those of the modules, which remain the path of everything the program does not take (`TrainingProgram.runs`):
+hooks on any of the network's modules, `torch.compile`, batch norms without running statistics or momentum,
+dtypes the kernels do not take, and on the CPU anything but float32 or float64 without autocast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as module_hooks
+
+from cupysparse.functional import execution, training_norm
+from cupysparse.networks import descriptions as networks
+
+from cupysparse.adapters.torch.bridge import core_dtype, from_core, to_core
+from cupysparse.adapters.torch.convolution import TORCH_ARRAYS, SpatiallySparseConv
+from cupysparse.adapters.torch.pointwise import SparseBatchNorm
+from cupysparse.adapters.torch.tensor import SparseTensor
+from cupysparse.algorithms import CONV
+from cupysparse.tuning.search_space import algorithm_argument
+
+
+def _argument(algorithm, phase: str) -> str:
+    return "" if algorithm is None else algorithm_argument(algorithm, CONV, phase)
+
+
+def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
+    kept = grads.get(slot)
+    grads[slot] = grad if kept is None else kept + grad
+
+
+class _Step:
+    """One call's state: the feature dtype, whether it runs on the GPU, which slots need gradients, what each
+    operation keeps for its backward, and the parameters' gradients."""
+
+    def __init__(self, dtype: torch.dtype, on_gpu: bool, parameters: list):
+        self.dtype, self.on_gpu, self.parameters = dtype, on_gpu, parameters
+        self.requires: list[bool] = []
+        self.saved: list = []
+        self.parameter_grads: dict[int, torch.Tensor] = {}  # by the parameter's id
+
+
+class _Conv:
+    """A convolution (and its bias) from slot `source` to slot `target`."""
+
+    def __init__(self, module: SpatiallySparseConv, source: int, target: int):
+        self.module, self.source, self.target = module, source, target
+        self.sources = (source,)
+
+    def parameters(self) -> tuple:
+        module = self.module
+        return (module.weight,) if module.bias is None else (module.weight, module.bias)
+
+    def forward(self, step: _Step, values: list):
+        place, features = values[self.source]
+        conv, dtype = self.module, step.dtype
+        weight = conv.weight if conv.weight.dtype == dtype else conv.weight.to(dtype)
+        if features.dtype != dtype:
+            features = features.to(dtype)
+        result = place.kernel_map(conv.kernel_size, conv.stride, conv.dilation, conv.transposed, conv.generative,
+                                  conv.padding)
+        kernel_map = result.kernel_map
+        weight = weight.contiguous()
+        out = execution.forward(TORCH_ARRAYS, features, weight, kernel_map, _argument(conv.fwd_algo, "forward"))
+        if conv.bias is not None:
+            out += conv.bias.to(dtype)
+        values[self.target] = (place.with_map_result(result, out), out)
+        return features, weight, kernel_map
+
+    def backward(self, step: _Step, saved, grads: dict) -> None:
+        features, weight, kernel_map = saved
+        grad = grads.pop(self.target).contiguous()
+        conv = self.module
+        needs_input, needs_weight = step.requires[self.source], conv.weight.requires_grad
+        if needs_input or needs_weight:
+            grad_input, grad_weight = execution.backward(TORCH_ARRAYS, grad, features, weight, kernel_map,
+                                                         _argument(conv.bwd_algo, "backward"), needs_input,
+                                                         needs_weight)
+            if needs_weight:
+                step.parameter_grads[id(conv.weight)] = grad_weight.to(conv.weight.dtype)
+            if needs_input:
+                _accumulate(grads, self.source, grad_input)
+        if conv.bias is not None and conv.bias.requires_grad:
+            step.parameter_grads[id(conv.bias)] = grad.sum(0, dtype=torch.promote_types(grad.dtype, torch.float32)).to(
+                conv.bias.dtype)
+
+
+class _Norm:
+    """A batch norm in training from slot `source` to slot `target`, with the sum of slot `residual` (None:
+    none) and a ReLU after it where `relu`."""
+
+    def __init__(self, module: SparseBatchNorm, source: int, target: int, residual: int | None, relu: bool):
+        self.module, self.source, self.target = module, source, target
+        self.residual, self.relu = residual, relu
+        self.sources = (source,) if residual is None else (source, residual)
+
+    def parameters(self) -> tuple:
+        return tuple(parameter for parameter in (self.module.weight, self.module.bias) if parameter is not None)
+
+    def forward(self, step: _Step, values: list):
+        place, features = values[self.source]
+        residual = None if self.residual is None else values[self.residual][1]
+        norm = self.module
+        if features.shape[0] < 2:  # torch's batch norm refuses it too
+            raise ValueError(f"a batch norm in training needs more than 1 value per channel, got "
+                             f"{tuple(features.shape)}")
+        if step.on_gpu:
+            out, saved = training_norm.run_forward(
+                TORCH_ARRAYS, features, residual, norm.weight, norm.bias, norm.running_mean, norm.running_var,
+                norm.momentum, norm.eps, self.relu, core_dtype(norm.running_mean.dtype), norm.num_batches_tracked)
+        else:
+            core = _core_or_none
+            out, mean, invstd = training_norm.training_batch_norm(
+                to_core(features), to_core(norm.running_mean), to_core(norm.running_var), core(norm.weight),
+                core(norm.bias), norm.momentum, norm.eps, residual=core(residual), relu=self.relu)
+            norm.num_batches_tracked.add_(1)
+            out, saved = from_core(out), (mean, invstd)
+        values[self.target] = (place, out)
+        return features, out if self.relu else None, saved
+
+    def backward(self, step: _Step, saved, grads: dict) -> None:
+        features, out, statistics = saved
+        grad = grads.pop(self.target).contiguous()
+        norm, with_residual = self.module, self.residual is not None
+        weight = norm.weight
+        wants_parameters = any(parameter.requires_grad for parameter in self.parameters())
+        if step.on_gpu:
+            grad_features, parameter_grads, grad_residual = training_norm.run_backward(
+                TORCH_ARRAYS, grad, features, out, statistics, weight, self.relu, with_residual,
+                core_dtype(norm.running_mean.dtype), wants_parameters)
+        else:
+            core = _core_or_none
+            grad_features, grad_weight, grad_bias, grad_residual = training_norm.training_batch_norm_backward(
+                to_core(grad), to_core(features), core(out), *statistics, core(weight), relu=self.relu,
+                with_residual=with_residual)
+            grad_features = from_core(grad_features)
+            grad_residual = None if grad_residual is None else from_core(grad_residual)
+            parameter_grads = (from_core(grad_weight), from_core(grad_bias))
+        if wants_parameters:
+            for parameter, parameter_grad in zip(self.parameters(), parameter_grads):
+                if parameter.requires_grad:
+                    step.parameter_grads[id(parameter)] = parameter_grad.to(parameter.dtype)
+        _accumulate(grads, self.source, grad_features)
+        if with_residual:
+            _accumulate(grads, self.residual, grad_residual)
+
+
+def _core_or_none(tensor):
+    return None if tensor is None else to_core(tensor)
+
+
+class _ReLU:
+    """`relu(source (+ residual))` with torch's kernels: a ReLU or a residual sum not after a batch norm."""
+
+    def __init__(self, source: int, target: int, residual: int | None = None):
+        self.source, self.target, self.residual = source, target, residual
+        self.sources = (source,) if residual is None else (source, residual)
+
+    def parameters(self) -> tuple:
+        return ()
+
+    def forward(self, step: _Step, values: list):
+        place, features = values[self.source]
+        if self.residual is not None:
+            features = features + values[self.residual][1]
+        out = torch.relu(features)
+        values[self.target] = (place, out)
+        return out
+
+    def backward(self, step: _Step, out, grads: dict) -> None:
+        grad = grads.pop(self.target) * (out > 0)
+        _accumulate(grads, self.source, grad)
+        if self.residual is not None:
+            _accumulate(grads, self.residual, grad)
+
+
+class _Concat:
+    """The features of slot `skip` appended to those of slot `source` (a U-Net's skip)."""
+
+    def __init__(self, source: int, skip: int, target: int, name: str):
+        self.source, self.skip, self.target, self.name = source, skip, target, name
+        self.sources = (source, skip)
+
+    def parameters(self) -> tuple:
+        return ()
+
+    def forward(self, step: _Step, values: list):
+        (place, features), (skip_place, skip_features) = values[self.source], values[self.skip]
+        if not place.shares_coordinates(skip_place):
+            raise ValueError(f"the tensor saved as {self.name!r} has other coordinates than the one it is appended "
+                             f"to; a skip must come from the level a transposed convolution returns to")
+        values[self.target] = (place, torch.cat([features, skip_features], dim=1))
+        return features.shape[1]
+
+    def backward(self, step: _Step, channels: int, grads: dict) -> None:
+        grad = grads.pop(self.target)
+        _accumulate(grads, self.source, grad[:, :channels])
+        _accumulate(grads, self.skip, grad[:, channels:])
+
+
+class TrainingProgram:
+    """The operations of a network's training step over numbered slots of features (slot 0 the input), compiled
+    from its description, each bound to the modules that hold its parameters (`modules`: the network's, whose
+    types its caller has checked to be those the description builds)."""
+
+    def __init__(self, network: torch.nn.Module, description: networks.Network, modules: list):
+        self._network = network  # while compiling
+        self.operations: list = []
+        self.slots = 1
+        self.output = self._compile(description.root, "", 0, {})
+        del self._network
+        # The network's modules (not itself, whose hooks run around the program) when it was compiled.
+        self.modules = modules
+
+    def _slot(self) -> int:
+        self.slots += 1
+        return self.slots - 1
+
+    def _module(self, path: str):
+        return self._network.get_submodule(path)
+
+    def _compile(self, layer, path: str, slot: int, skips: dict) -> int:
+        if isinstance(layer, networks.Residual):
+            body, final = layer.body, None
+            if body and isinstance(body[-1], networks.BatchNorm):
+                body, final = body[:-1], body[-1]
+            output = self._compile_sequence(body, path, slot, skips)
+            identity = slot if layer.shortcut is None else self._compile(layer.shortcut, f"{path}.shortcut", slot,
+                                                                         skips)
+            target = self._slot()
+            if final is None:
+                self.operations.append(_ReLU(output, target, identity))
+            else:
+                module = self._module(f"{path}.{final.name}")
+                self.operations.append(_Norm(module, output, target, identity, True))
+            return target
+        if isinstance(layer, networks.Sequential):
+            return self._compile_sequence(layer.layers, path, slot, skips)
+        raise TypeError(f"cannot compile {type(layer).__name__} on its own")
+
+    def _compile_sequence(self, layers, path: str, slot: int, skips: dict) -> int:
+        index = 0
+        while index < len(layers):
+            layer = layers[index]
+            child = f"{path}.{layer.name}" if path else layer.name
+            if isinstance(layer, networks.SaveSkip):
+                skips[layer.name] = slot
+            elif isinstance(layer, networks.ConcatSkip):
+                target = self._slot()
+                self.operations.append(_Concat(slot, skips.pop(layer.skip), target, layer.skip))
+                slot = target
+            elif isinstance(layer, networks.Conv):
+                target = self._slot()
+                self.operations.append(_Conv(self._module(child), slot, target))
+                slot = target
+            elif isinstance(layer, networks.BatchNorm):
+                relu = index + 1 < len(layers) and isinstance(layers[index + 1], networks.ReLU)
+                target = self._slot()
+                self.operations.append(_Norm(self._module(child), slot, target, None, relu))
+                slot = target
+                index += relu
+            elif isinstance(layer, networks.ReLU):
+                target = self._slot()
+                self.operations.append(_ReLU(slot, target))
+                slot = target
+            else:
+                slot = self._compile(layer, child, slot, skips)
+            index += 1
+        return slot
+
+    def runs(self, input: SparseTensor) -> bool:
+        """Whether this program may stand in for the modules' step on `input` (see the module docstring)."""
+        if torch.compiler.is_compiling() or module_hooks._has_any_global_hook() or any(
+                module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks for module in self.modules):
+            return False
+        features = input.features
+        dtype = self._dtype(features)
+        if features.is_cuda:
+            device = features.device
+            if device.index != torch.cuda.current_device() or core_dtype(dtype) not in training_norm.KERNEL_DTYPES:
+                return False
+        elif dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled("cpu"):
+            return False
+        else:
+            device = features.device
+        for operation in self.operations:
+            if isinstance(operation, _Conv):
+                conv = operation.module
+                if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or conv.weight.device != device \
+                        or not (conv.weight.dtype == dtype or self._autocast(features)):
+                    return False
+            elif isinstance(operation, _Norm) and not _norm_runs(operation.module, dtype, device):
+                return False
+        return True
+
+    @staticmethod
+    def _autocast(features: torch.Tensor) -> bool:
+        return torch.is_autocast_enabled(features.device.type)
+
+    def _dtype(self, features: torch.Tensor) -> torch.dtype:
+        if self._autocast(features):
+            return torch.get_autocast_dtype(features.device.type)
+        return features.dtype
+
+    def __call__(self, input: SparseTensor) -> SparseTensor:
+        """The network's output on `input`, differentiable as one node; its caller has checked `runs`."""
+        # Read each call: a module's parameters may have been replaced since the program was compiled.
+        parameters = [parameter for operation in self.operations for parameter in operation.parameters()]
+        step = _Step(self._dtype(input.features), input.features.is_cuda, parameters)
+        holder = []
+        features = _NetworkStep.apply(self, step, input, holder, input.features.contiguous(), *parameters)
+        return holder[0].replace_feature(features)
+
+    def forward(self, step: _Step, input: SparseTensor, features: torch.Tensor):
+        """Run the operations; returns the output slot's (tensor, features)."""
+        values = [None] * self.slots
+        values[0] = (input, features)
+        requires = [False] * self.slots
+        requires[0] = features.requires_grad
+        for operation in self.operations:
+            requires[operation.target] = (any(requires[source] for source in operation.sources)
+                                          or any(parameter.requires_grad for parameter in operation.parameters()))
+        step.requires = requires
+        step.saved = [operation.forward(step, values) for operation in self.operations]
+        return values[self.output]
+
+    def backward(self, step: _Step, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """Every gradient from the output's; returns the input's (None when it needs none)."""
+        grads = {self.output: grad_output}
+        saved = step.saved
+        for index in range(len(self.operations) - 1, -1, -1):
+            operation = self.operations[index]
+            if operation.target in grads:
+                operation.backward(step, saved[index], grads)
+            saved[index] = None  # freed as the modules' autograd nodes free theirs
+        return grads.get(0)
+
+
+def _norm_runs(norm: SparseBatchNorm, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a batch norm runs in the program: running statistics with a momentum and a count of batches on
+    `device`, parameters and statistics of one dtype, and on the GPU one the kernels take with `dtype`."""
+    if type(norm) is not SparseBatchNorm or norm.running_mean is None or norm.momentum is None:
+        return False
+    parameter_dtype = norm.running_mean.dtype
+    counter = norm.num_batches_tracked
+    if counter is None or counter.dtype != torch.int64 or counter.device != device or any(
+            tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != device)
+            for tensor in (norm.running_mean, norm.running_var, norm.weight, norm.bias)):
+        return False
+    if device.type != "cuda":
+        return parameter_dtype == dtype
+    core_parameter_dtype = core_dtype(parameter_dtype)
+    return core_parameter_dtype is not None and training_norm.kernel_runs(core_dtype(dtype), core_parameter_dtype,
+                                                                          norm.num_features)
+
+
+class _NetworkStep(torch.autograd.Function):
+    """`TrainingProgram` as one autograd node: the inputs are the features and every parameter."""
+
+    @staticmethod
+    def forward(ctx, program, step, input, holder, features, *parameters):
+        tensor, output = program.forward(step, input, features)
+        holder.append(tensor)  # the output's coordinates and maps, which autograd does not hand back
+        ctx.program, ctx.step, ctx.input_dtype = program, step, features.dtype
+        ctx.save_for_backward(output)  # so that autograd refuses a backward after the output changed in place
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        ctx.saved_tensors
+        step = ctx.step
+        if step is None:
+            raise RuntimeError("a network's training step frees what its backward reads as it runs: it goes backward "
+                               "once (retain_graph=True cannot repeat it)")
+        grad_input = ctx.program.backward(step, grad_output)
+        if grad_input is not None and ctx.needs_input_grad[4]:
+            grad_input = grad_input.to(ctx.input_dtype)
+        else:
+            grad_input = None
+        ctx.step = None
+        grads = step.parameter_grads
+        return (None, None, None, None, grad_input, *(grads.get(id(parameter)) for parameter in step.parameters))

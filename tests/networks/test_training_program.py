@@ -1,0 +1,177 @@
+"""A `SparseNetwork`'s training step as one autograd node (`adapters.torch.training_step`) against the modules'
+step, layer by layer through autograd and torch's batch norm, in float64 on the CPU: the outputs, every gradient
+and every batch-norm statistic. A forward hook on any module sends a step through the modules."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from cupysparse import SparseTensor
+from cupysparse.data.scenes import make_scene
+from cupysparse.networks import descriptions as networks
+
+torch = pytest.importorskip("torch")
+from cupysparse.adapters import torch as cst  # noqa: E402
+from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
+
+FP64_RTOL = 1e-10
+PROGRAM_NODE = "_NetworkStepBackward"
+
+
+def _odd_layers() -> networks.Network:
+    """What the reference networks do not have: a ReLU on its own, a residual sum without a batch norm before it,
+    a batch norm without a ReLU, a convolution with a bias inside the network, an identity shortcut."""
+    return networks.Network("odd", networks.Sequential("", (
+        networks.Conv("first", 3, 8, 3, bias=True),
+        networks.ReLU("relu"),
+        networks.SaveSkip("skip"),
+        networks.Conv("down", 8, 8, 2, stride=2),
+        networks.BatchNorm("down_norm", 8),
+        networks.Residual("plain", (networks.Conv("conv", 8, 8, 3), networks.ReLU("relu"))),
+        networks.Residual("normed", (networks.Conv("conv1", 8, 8, 3), networks.BatchNorm("norm1", 8),
+                                     networks.Conv("conv2", 8, 8, 3), networks.BatchNorm("norm2", 8))),
+        networks.Conv("up", 8, 6, 2, stride=2, transposed=True),
+        networks.ConcatSkip("concat", "skip"),
+        networks.Conv("classifier", 14, 4, 1, bias=True),
+    )), 3, 4)
+
+
+DESCRIPTIONS = {
+    "MinkUNet14": lambda: networks.minkunet(14, 3, 5, width=0.25),
+    "MinkUNet18": lambda: networks.minkunet(18, 3, 5, width=0.25),
+    "CenterPointBackbone": lambda: networks.centerpoint_backbone(3, width=0.5),
+    "odd": _odd_layers,
+}
+
+
+def _input(num_voxels: int = 1500, seed: int = 0) -> cst.SparseTensor:
+    scene = make_scene("indoor", num_voxels, seed=seed)
+    features = np.random.default_rng(seed).standard_normal((len(scene.points), 3))
+    voxels = SparseTensor.from_points(scene.points, scene.voxel_size, features=features, reduce="first")
+    return cst.SparseTensor(torch.from_numpy(voxels.coordinates), torch.from_numpy(voxels.features).double()
+                            .requires_grad_(True))
+
+
+def _step(model, x: cst.SparseTensor):
+    """(output features, its autograd node's name, input gradient, parameter gradients, state) of one step."""
+    output = model(x).features
+    weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).reshape(output.shape)
+    (output * weights).sum().backward()
+    grads = {name: parameter.grad for name, parameter in model.named_parameters()}
+    return output.detach(), output.grad_fn.name(), x.features.grad, grads, copy.deepcopy(model.state_dict())
+
+
+def _assert_close(got, expected, what: str) -> None:
+    scale = expected.abs().max().item() or 1.0
+    difference = (got - expected).abs().max().item()
+    assert difference <= FP64_RTOL * scale, f"{what}: {difference:.3g} against {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(DESCRIPTIONS))
+def test_a_training_step_as_one_node_equals_the_modules_step(name):
+    torch.manual_seed(0)
+    model = torch_networks.SparseNetwork(DESCRIPTIONS[name]()).double().train()
+    layered = copy.deepcopy(model)
+    hook = next(iter(layered.children())).register_forward_hook(lambda *arguments: None)
+    for step in range(2):  # the second with the running statistics and counts the first moved
+        x, x_layered = _input(seed=step), _input(seed=step)
+        output, node, grad_input, grads, state = _step(model, x)
+        expected, expected_node, expected_grad_input, expected_grads, expected_state = _step(layered, x_layered)
+        assert node == PROGRAM_NODE and expected_node != PROGRAM_NODE
+        _assert_close(output, expected, "output")
+        _assert_close(grad_input, expected_grad_input, "input gradient")
+        assert grads.keys() == expected_grads.keys()
+        for key, grad in grads.items():
+            assert grad is not None and grad.dtype == torch.float64, key
+            _assert_close(grad, expected_grads[key], key)
+        for key, value in state.items():
+            _assert_close(value.double(), expected_state[key].double(), key)
+        model.zero_grad(set_to_none=True)
+        layered.zero_grad(set_to_none=True)
+    hook.remove()
+
+
+def test_a_frozen_part_gets_no_gradient_and_the_rest_the_modules_gradients():
+    torch.manual_seed(0)
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    for parameter in model.stem.parameters():
+        parameter.requires_grad_(False)
+    layered = copy.deepcopy(model)
+    layered.classifier.register_forward_hook(lambda *arguments: None)
+    x, x_layered = _input(), _input()
+    x.features.requires_grad_(False)
+    x_layered.features.requires_grad_(False)
+    _, node, grad_input, grads, _ = _step(model, x)
+    _, _, _, expected_grads, _ = _step(layered, x_layered)
+    assert node == PROGRAM_NODE and grad_input is None
+    for key, grad in grads.items():
+        if key.startswith("stem."):
+            assert grad is None, key
+        else:
+            _assert_close(grad, expected_grads[key], key)
+
+
+def test_hooks_on_any_module_are_called_through_the_modules_step():
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    called = []
+    model.encoder2.block0.conv1.register_forward_hook(lambda *arguments: called.append("after"))
+    model.decoder1.up_norm.register_forward_pre_hook(lambda *arguments: called.append("before"))
+    output = model(_input()).features
+    assert output.grad_fn.name() != PROGRAM_NODE
+    assert called == ["after", "before"]
+
+
+def test_replaced_parameters_get_their_gradients():
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    model(_input()).features.sum().backward()  # compiles the program
+    model.load_state_dict({key: value.clone() for key, value in model.state_dict().items()}, assign=True)
+    model.zero_grad(set_to_none=True)
+    output = model(_input()).features
+    assert output.grad_fn.name() == PROGRAM_NODE
+    output.sum().backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+def test_a_second_backward_through_the_step_is_refused_with_a_reason():
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    loss = model(_input()).features.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="goes backward once"):
+        loss.backward()
+
+
+def test_a_changed_output_is_refused_by_autograd():
+    model = torch_networks.CenterPointBackbone(3, width=0.5).double().train()
+    output = model(_input()).features
+    output.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        output.sum().backward()
+
+
+def test_a_network_told_so_steps_layer_by_layer():
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    model.one_autograd_node = False
+    assert model(_input()).features.grad_fn.name() != PROGRAM_NODE
+    model.one_autograd_node = True
+    assert model(_input()).features.grad_fn.name() == PROGRAM_NODE
+
+
+def test_a_replaced_module_is_the_one_that_runs():
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    model(_input())  # compiles the program
+    replaced = torch_networks.SparseBatchNorm(model.stem.first_norm.num_features).double()
+    model.stem.first_norm = replaced
+    model(_input())
+    assert replaced.num_batches_tracked.item() == 1
+
+
+def test_a_module_of_another_kind_sends_the_step_through_the_modules():
+    class LeakyReLU(torch.nn.Module):
+        def forward(self, input):
+            return input.replace_feature(torch.nn.functional.leaky_relu(input.features, 0.1))
+
+    model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
+    assert model(_input()).features.grad_fn.name() == PROGRAM_NODE
+    model.stem.first_relu = LeakyReLU()
+    assert model(_input()).features.grad_fn.name() != PROGRAM_NODE
