@@ -41,6 +41,7 @@ DESCRIPTIONS = {
     "MinkUNet14": lambda: networks.minkunet(14, 3, 5, width=0.25),
     "MinkUNet18": lambda: networks.minkunet(18, 3, 5, width=0.25),
     "CenterPointBackbone": lambda: networks.centerpoint_backbone(3, width=0.5),
+    "CenterPointBackbone padded": lambda: networks.centerpoint_backbone(3, width=0.5, padded=True),
     "odd": _odd_layers,
 }
 
