@@ -339,6 +339,11 @@ class TrainingProgram:
         """Every gradient from the output's; returns the input's (None when it needs none)."""
         grads = {self.output: grad_output}
         saved = step.saved
+        if step.on_gpu:  # the weight gradients' shares of every fresh map, in one allocation
+            execution.derive_backward_formats(TORCH_ARRAYS, [
+                (*saved[index], _argument(operation.module.bwd_algo, "backward"))
+                for index, operation in enumerate(self.operations)
+                if isinstance(operation, _Conv) and operation.module.weight.requires_grad])
         for index in range(len(self.operations) - 1, -1, -1):
             operation = self.operations[index]
             if operation.target in grads:

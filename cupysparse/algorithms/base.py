@@ -109,11 +109,14 @@ class BackwardPlan:
     the weight in `weight_shape` (as the forward's: `[K, C_in, C_out]` zero-padded at the end of both
     channel dimensions) and an fp32 workspace of `workspace_shape(kernel_map)` (no initialisation
     needed); a gradient whose address is 0 is not computed (nor are its operands read: `weight` for
-    dgrad, `features` and `workspace` for wgrad). Arrays row-major, in the features' dtype."""
+    dgrad, `features` and `workspace` for wgrad). Arrays row-major, in the features' dtype.
+    `wgrad_shares(kernel_map)`, where given, is the `(rounds, round_major)` of the wgrad shares its launch
+    derives from a map (`KernelMap.wgrad_shares`), so that a network's can be derived together beforehand."""
 
     weight_shape: tuple[int, int, int]
     workspace_shape: Callable[..., tuple[int, ...]]
     launch: Callable[..., None]
+    wgrad_shares: Callable[..., tuple[int, bool]] | None = None
 
 
 class Algorithm:

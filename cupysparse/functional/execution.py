@@ -36,6 +36,7 @@ from cupysparse.cuda.dtypes import FEATURE_DTYPES
 from cupysparse.cuda.out_of_memory import naming_sizes
 from cupysparse.functional import checks
 from cupysparse.functional.epilogue import ConvEpilogue
+from cupysparse.geometry.kernel_map import derive_wgrad_shares
 from cupysparse.tuning.search_space import Selection, algorithm_filter, candidates, parse_algorithm_filter
 from cupysparse.tuning.tuner import rehearsed_sizes, rehearsing, rehearsing_sizes, select_algorithm, size_bucket
 
@@ -274,10 +275,9 @@ def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kern
     where a plan cannot take its arrays or the selected algorithm has none. Every call checks what can
     change between calls of one signature (`Arrays.launch_device`, the shapes against the map); the plan
     is kept for the signature (`_plans`) until a setting a selection depends on changes."""
-    device = arrays.launch_device(features, weight, grad_output)
-    if device is None or not _shapes_fit(features.shape, weight.shape, kernel_map, grad_output):
+    key = _plan_key(arrays, phase, argument, features, weight, kernel_map, grad_output)
+    if key is None:
         return None
-    key = (phase, argument, features.dtype, weight.shape, device, kernel_map.derived(map_signature, map_signature))
     state = (settings.changes, *settings.selection_values())  # `settings.selection_state()`, without a call
     kept = _plans.get(key)
     if kept is not None and kept[0] == state:
@@ -288,6 +288,32 @@ def layer_plan(arrays: Arrays, phase: str, argument: str, features, weight, kern
     elif rehearsing_sizes():  # the few voxels' plan stays the rehearsal's; the real sizes' plans are kept
         _plan_ranked_sizes(arrays, phase, argument, features, weight, kernel_map, key, state)
     return plan
+
+
+def _plan_key(arrays: Arrays, phase: str, argument: str, features, weight, kernel_map, grad_output=None):
+    """The key of this call's plan in `_plans`, None where a plan cannot take its arrays (`layer_plan`)."""
+    device = arrays.launch_device(features, weight, grad_output)
+    if device is None or not _shapes_fit(features.shape, weight.shape, kernel_map, grad_output):
+        return None
+    return phase, argument, features.dtype, weight.shape, device, kernel_map.derived(map_signature, map_signature)
+
+
+def derive_backward_formats(arrays: Arrays, calls) -> None:
+    """Derive together what the backward calls to come, `(features, weight, kernel_map, argument)` each, would
+    derive from their fresh maps one by one on first use: the wgrad shares of those whose layer signature has a
+    kept plan (every step of a network but its first), in one allocation (`kernel_map.derive_wgrad_shares`).
+    Nothing is selected: a call without a kept plan derives its own."""
+    state = (settings.changes, *settings.selection_values())
+    requests, seen = [], set()
+    for features, weight, kernel_map, argument in calls:
+        signature = (kernel_map, argument, features.dtype, tuple(weight.shape))  # layers sharing a map and plan
+        if signature in seen:
+            continue
+        seen.add(signature)
+        kept = _plans.get(_plan_key(arrays, "backward", argument, features, weight, kernel_map))
+        if kept is not None and kept[0] == state and kept[1] is not None and kept[1].wgrad_shares is not None:
+            requests.append((kernel_map, *kept[1].wgrad_shares(kernel_map)))
+    derive_wgrad_shares(requests)
 
 
 # The plan of each layer signature: by phase, algorithm argument, dtype, weight shape, device and

@@ -73,6 +73,7 @@ from cupysparse.geometry.map_formats import (
     mask_sorted_orders,
     offset_mask,
     wgrad_shares,
+    wgrad_shares_of,
 )
 
 
@@ -304,6 +305,23 @@ def derive_pair_counts(kernel_maps) -> None:
         counts = count_pairs_of([kernel_map.pair_table for kernel_map in pending])
     for kernel_map, counted in zip(pending, counts):
         kernel_map._pair_counts = counted
+
+
+def derive_wgrad_shares(requests) -> None:
+    """`KernelMap.wgrad_shares` of each `(kernel_map, rounds, round_major)` of `requests` whose map is on the GPU
+    and has not derived them yet, together (`map_formats.wgrad_shares_of`: one allocation), each kept with its
+    map: the shares a backward pass's weight gradients would otherwise derive one map and plan at a time."""
+    pending = list(dict.fromkeys(
+        (kernel_map, rounds, round_major) for kernel_map, rounds, round_major in requests
+        if is_cupy_array(kernel_map.pair_table)
+        and (rounds, round_major) not in kernel_map.__dict__.get("_wgrad_shares", {})))
+    if not pending:
+        return
+    with pending[0][0].derive_in():
+        shares = wgrad_shares_of([(kernel_map.csr().offsets, rounds, round_major)
+                                  for kernel_map, rounds, round_major in pending])
+    for (kernel_map, rounds, round_major), derived in zip(pending, shares):
+        kernel_map.__dict__.setdefault("_wgrad_shares", {})[rounds, round_major] = derived
 
 
 def derive_reverses(kernel_maps) -> None:

@@ -258,15 +258,7 @@ def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
     kernel_volume = len(pair_offsets) - 1
     slots = kernel_volume * rounds
     if is_cupy_array(pair_offsets):
-        import cupy
-
-        storage = cupy.empty(4 * slots + kernel_volume + 1, dtype=np.int32)  # one allocation for both
-        table, slot_starts = storage[: 4 * slots].reshape(slots, 4), storage[4 * slots :]
-        threads = max(slots, kernel_volume + 1)
-        _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6).launch(
-            cupy.cuda.get_current_stream().ptr, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major),
-            table.data.ptr, slot_starts.data.ptr, grid=(-(-threads // _SHARE_TABLE_BLOCK), 1, 1))
-        return WgradShares(table, slot_starts)
+        return wgrad_shares_of([(pair_offsets, rounds, round_major)])[0]
     pairs = np.diff(np.asarray(pair_offsets, dtype=np.int64))
     shares = np.where(pairs > 0, 1 + pairs * (slots - kernel_volume) // max(int(pairs.sum()), 1), 0)
     slot_starts = np.zeros(kernel_volume + 1, dtype=np.int32)
@@ -281,6 +273,30 @@ def wgrad_shares(pair_offsets, rounds: int, round_major: bool) -> WgradShares:
     table[:, 0] = -1
     table[:used] = entries
     return WgradShares(table, slot_starts)
+
+
+def wgrad_shares_of(requests) -> list[WgradShares]:
+    """`wgrad_shares` of each `(pair_offsets, rounds, round_major)` of `requests`, GPU CSR offsets: one allocation
+    for every table (each starting on 16 bytes, as the GEMMs read its rows) and a launch each."""
+    import cupy
+
+    shapes = [(len(pair_offsets) - 1, rounds) for pair_offsets, rounds, _ in requests]
+    # Per request its table, then its slot starts, padded to whole rows of 4.
+    sizes = [4 * kernel_volume * rounds + -(-(kernel_volume + 1) // 4) * 4 for kernel_volume, rounds in shapes]
+    storage = cupy.empty(sum(sizes), dtype=np.int32)
+    stream = cupy.cuda.get_current_stream().ptr
+    kernel = _FORMAT_KERNELS.prepared("wgrad_share_table", _SHARE_TABLE_BLOCK, 6)
+    shares = []
+    for (pair_offsets, rounds, round_major), (kernel_volume, _), start in zip(
+            requests, shapes, itertools.accumulate(sizes, initial=0)):
+        slots = kernel_volume * rounds
+        table = storage[start : start + 4 * slots].reshape(slots, 4)
+        slot_starts = storage[start + 4 * slots : start + 4 * slots + kernel_volume + 1]
+        threads = max(slots, kernel_volume + 1)
+        kernel.launch(stream, pair_offsets.data.ptr, kernel_volume, rounds, int(round_major), table.data.ptr,
+                      slot_starts.data.ptr, grid=(-(-threads // _SHARE_TABLE_BLOCK), 1, 1))
+        shares.append(WgradShares(table, slot_starts))
+    return shares
 
 
 def offset_mask(pair_table):

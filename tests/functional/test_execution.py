@@ -173,3 +173,19 @@ def test_arrays_no_plan_takes_select_nothing(selections):
     features, weight = np.zeros((1500, 32), np.float16), np.zeros((27, 32, 32), np.float16)
     assert execution.layer_plan(execution.core_arrays(), "forward", "", features, weight, _map()) is None
     assert selections == [] and execution._plans == {}
+
+
+def test_backward_formats_are_derived_for_kept_plans_only_once_per_signature_and_select_nothing(selections,
+                                                                                               monkeypatch):
+    requested = []
+    monkeypatch.setattr(execution, "derive_wgrad_shares", requested.extend)
+    plan = types.SimpleNamespace(wgrad_shares=lambda kernel_map: (kernel_map.num_out // 100, False))
+    monkeypatch.setattr(execution, "_selected_plan", lambda *arguments: selections.append("backward") or plan)
+    kept_map, fresh_map, other_map = _map(1500), _map(1600), _map(40_000)
+    channels = (32, 32)
+    _plan(kept_map, phase="backward", channels=channels)  # selects and keeps the signature's plan
+    calls = [(_array((kernel_map.num_in, 32)), _array((27, *channels)), kernel_map, "")
+             for kernel_map in (fresh_map, fresh_map, other_map)]  # the last: another size bucket, no plan kept
+    execution.derive_backward_formats(PlannableArrays(), calls)
+    assert requested == [(fresh_map, 16, False)]
+    assert selections == ["backward"]

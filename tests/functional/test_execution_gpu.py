@@ -14,6 +14,7 @@ from cupysparse.algorithms import CONV, Algorithm, ConvProblem, get_algorithm
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import FLOAT32
 from cupysparse.cuda.precision import fp32_precision
+from cupysparse.tuning.search_space import algorithm_argument
 from cupysparse.tuning.tuner import default_tuner, size_bucket
 from gpu_cases import build_gpu_map, coordinates, gpu_map, inputs, reference_phase, supported
 from tolerances import assert_close
@@ -134,6 +135,28 @@ def test_only_the_gradients_asked_for_are_computed(name, dtype, selections):
     assert none is None and none_too is None
     np.testing.assert_array_equal(grad_input.get(), both[0].get())
     np.testing.assert_array_equal(grad_weight.get(), both[1].get())
+    assert selections == ["backward"]
+
+
+@pytest.mark.parametrize(("name", "dtype"), _planned_cases())
+def test_a_backward_over_shares_derived_beforehand_gives_the_same_gradients(name, dtype, selections):
+    """`derive_backward_formats` on a fresh map of a kept signature derives its plan's wgrad shares (and selects
+    nothing); the backward then reads them and gives, bitwise, what it gives deriving its own."""
+    coords = coordinates(seed=5)
+    first, fresh, again = (build_gpu_map("submanifold", coords) for _ in range(3))
+    x, w, dy = inputs(first, 32, 32, dtype, seed=71)
+    x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
+    functional.conv_backward(dy_gpu, x_gpu, w_gpu, first, name)  # selects and keeps the signature's plan
+    argument = algorithm_argument(name, CONV, "backward")
+    plan = execution.layer_plan(execution.core_arrays(), "backward", argument, x_gpu, w_gpu, first, dy_gpu)
+    if plan is None or plan.wgrad_shares is None:
+        pytest.skip(f"{name}'s backward plan derives no wgrad shares")
+    execution.derive_backward_formats(execution.core_arrays(), [(x_gpu, w_gpu, fresh, argument)])
+    assert plan.wgrad_shares(fresh) in fresh.__dict__["_wgrad_shares"]
+    derived = functional.conv_backward(dy_gpu, x_gpu, w_gpu, fresh, name)
+    own = functional.conv_backward(dy_gpu, x_gpu, w_gpu, again, name)
+    for got, expected in zip(derived, own):
+        np.testing.assert_array_equal(got.get().view(np.uint8), expected.get().view(np.uint8))
     assert selections == ["backward"]
 
 

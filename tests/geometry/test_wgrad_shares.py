@@ -12,6 +12,7 @@ import pytest
 
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.geometry.kernel_map import wgrad_shares
+from cupysparse.geometry.map_formats import wgrad_shares_of
 
 # (pairs per offset, rounds): a submanifold 3^3 layer's skew, empty offsets, a single offset, tiny lists.
 CASES = [
@@ -75,12 +76,24 @@ def test_round_major_blocks_go_by_the_stretch_of_their_list_then_by_offset(pairs
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("pairs, rounds", CASES)
 def test_the_gpu_table_is_the_numpy_one(pairs, rounds):
     cupy = cupy_module()
     for round_major in (False, True):
         expected = wgrad_shares(_offsets(pairs), rounds, round_major)
         got = wgrad_shares(cupy.asarray(_offsets(pairs)), rounds, round_major)
+        np.testing.assert_array_equal(got.table.get(), expected.table)
+        np.testing.assert_array_equal(got.slot_starts.get(), expected.slot_starts)
+
+
+@pytest.mark.gpu
+def test_tables_derived_together_are_each_the_numpy_one_and_start_on_16_bytes():
+    cupy = cupy_module()
+    requests = [(pairs, rounds, round_major) for pairs, rounds in CASES for round_major in (False, True)]
+    together = wgrad_shares_of([(cupy.asarray(_offsets(pairs)), rounds, round_major)
+                                for pairs, rounds, round_major in requests])
+    for (pairs, rounds, round_major), got in zip(requests, together):
+        expected = wgrad_shares(_offsets(pairs), rounds, round_major)
+        assert got.table.data.ptr % 16 == 0  # the GEMMs read a block's row as one int4
         np.testing.assert_array_equal(got.table.get(), expected.table)
         np.testing.assert_array_equal(got.slot_starts.get(), expected.slot_starts)

@@ -338,11 +338,15 @@ class WgradPlan:
         """The fp32 partials: one slot per block of the GEMM's grid z."""
         return kernel_map.derived(self, self._derive_map_values).workspace_shape
 
-    def _derive_map_values(self, kernel_map) -> _WgradMapValues:
+    def shares_of(self, kernel_map) -> tuple[int, bool]:
+        """The `(rounds, round_major)` of the shares of `kernel_map`'s pair lists that its launches read."""
         num_in, num_out = kernel_map.num_in, kernel_map.num_out
-        rounds = self.shares(num_in, num_out)
+        return self.shares(num_in, num_out), self.round_major(num_in, num_out)
+
+    def _derive_map_values(self, kernel_map) -> _WgradMapValues:
+        rounds, round_major = self.shares_of(kernel_map)
         pairs = kernel_map.csr()
-        shares = kernel_map.wgrad_shares(rounds, self.round_major(num_in, num_out))
+        shares = kernel_map.wgrad_shares(rounds, round_major)
         slot_groups = self.slot_groups(rounds)
         return _WgradMapValues(
             (pairs.in_idx.data.ptr, pairs.out_idx.data.ptr, pairs.offsets.data.ptr, shares.table.data.ptr),
@@ -474,7 +478,7 @@ def backward_plan(problem: ConvProblem, dgrad, wgrad: WgradPlan) -> BackwardPlan
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         dgrad.launch(table_map, grad_output, weight, grad_input, stream, reverse_weight_offsets, wgrad_sum)
 
-    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch)
+    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch, wgrad.shares_of)
 
 
 def fp32_as_tf32_unsupported_reason(algorithm, problem: ConvProblem) -> str | None:
