@@ -118,28 +118,36 @@ class SparseBatchNorm(nn.BatchNorm1d):
 
     def runs_training_norm(self, features: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
         """Whether `training_norm` may stand in for this module in training (and a residual sum or ReLU after
-        it): running statistics with a momentum, outside `torch.compile`, at least two rows, on the current
-        GPU, contiguous features (and a residual like them) of a dtype the kernels take, with parameters
-        and statistics of one dtype they take with it (`training_norm.kernel_runs`) and the count of batches in
-        int64 beside them."""
-        if (not self.training or rehearsing() or self.running_mean is None or self.momentum is None
-                or torch.compiler.is_compiling() or not features.is_cuda or features.dim() != 2
-                or features.shape[0] < 2 or not features.is_contiguous()
-                or features.device.index != torch.cuda.current_device()):
+        it): outside `torch.compile`, at least two rows of this module's channels, on the current GPU,
+        contiguous features (and a residual like them), and state the kernels take with them
+        (`training_norm_takes`)."""
+        if (not self.training or rehearsing() or torch.compiler.is_compiling() or not features.is_cuda
+                or features.dim() != 2 or features.shape[0] < 2 or features.shape[1] != self.num_features
+                or not features.is_contiguous() or features.device.index != torch.cuda.current_device()):
             return False
         if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype
                                      or not residual.is_contiguous() or residual.device != features.device):
             return False
+        return self.training_norm_takes(features.dtype, features.device)
+
+    def training_norm_takes(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this module's state takes the training norm of `dtype` features on `device`: running
+        statistics with a momentum, parameters and statistics of one dtype on `device` and the count of batches
+        in int64 beside them (the forward increments it); on a GPU, a dtype the kernels take with `dtype`
+        (`training_norm.kernel_runs`), elsewhere `dtype` itself (the core's reference)."""
+        if self.running_mean is None or self.momentum is None:
+            return False
         parameter_dtype = self.running_mean.dtype
-        if any(tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != features.device)
-               for tensor in (self.running_var, self.weight, self.bias)):
+        counter = self.num_batches_tracked
+        if counter is None or counter.dtype != torch.int64 or counter.device != device or any(
+                tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != device)
+                for tensor in (self.running_mean, self.running_var, self.weight, self.bias)):
             return False
-        counter = self.num_batches_tracked  # which the forward's kernel increments
-        if counter is None or counter.dtype != torch.int64 or counter.device != features.device:
-            return False
-        dtype, core_parameter_dtype = core_dtype(features.dtype), core_dtype(parameter_dtype)
-        return (dtype is not None and core_parameter_dtype is not None
-                and training_norm.kernel_runs(dtype, core_parameter_dtype, features.shape[1]))
+        if device.type != "cuda":
+            return parameter_dtype == dtype
+        features_dtype, core_parameter_dtype = core_dtype(dtype), core_dtype(parameter_dtype)
+        return (features_dtype is not None and core_parameter_dtype is not None
+                and training_norm.kernel_runs(features_dtype, core_parameter_dtype, self.num_features))
 
     def training_norm(self, input: SparseTensor, residual: torch.Tensor | None = None,
                       relu: bool = False) -> SparseTensor:

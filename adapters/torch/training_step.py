@@ -114,6 +114,8 @@ class _Norm:
         if features.shape[0] < 2:  # torch's batch norm refuses it too
             raise ValueError(f"a batch norm in training needs more than 1 value per channel, got "
                              f"{tuple(features.shape)}")
+        if features.shape[1] != norm.num_features:  # the kernels read `num_features` parameters a row
+            raise ValueError(f"a batch norm of {norm.num_features} channels got features of {features.shape[1]}")
         if step.on_gpu:
             out, saved = training_norm.run_forward(
                 TORCH_ARRAYS, features, residual, norm.weight, norm.bias, norm.running_mean, norm.running_var,
@@ -300,7 +302,8 @@ class TrainingProgram:
                 if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or conv.weight.device != device \
                         or not (conv.weight.dtype == dtype or self._autocast(features)):
                     return False
-            elif isinstance(operation, _Norm) and not _norm_runs(operation.module, dtype, device):
+            elif isinstance(operation, _Norm) and not (type(operation.module) is SparseBatchNorm
+                                                       and operation.module.training_norm_takes(dtype, device)):
                 return False
         return True
 
@@ -350,24 +353,6 @@ class TrainingProgram:
                 operation.backward(step, saved[index], grads)
             saved[index] = None  # freed as the modules' autograd nodes free theirs
         return grads.get(0)
-
-
-def _norm_runs(norm: SparseBatchNorm, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a batch norm runs in the program: running statistics with a momentum and a count of batches on
-    `device`, parameters and statistics of one dtype, and on the GPU one the kernels take with `dtype`."""
-    if type(norm) is not SparseBatchNorm or norm.running_mean is None or norm.momentum is None:
-        return False
-    parameter_dtype = norm.running_mean.dtype
-    counter = norm.num_batches_tracked
-    if counter is None or counter.dtype != torch.int64 or counter.device != device or any(
-            tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != device)
-            for tensor in (norm.running_mean, norm.running_var, norm.weight, norm.bias)):
-        return False
-    if device.type != "cuda":
-        return parameter_dtype == dtype
-    core_parameter_dtype = core_dtype(parameter_dtype)
-    return core_parameter_dtype is not None and training_norm.kernel_runs(core_dtype(dtype), core_parameter_dtype,
-                                                                          norm.num_features)
 
 
 class _NetworkStep(torch.autograd.Function):

@@ -131,7 +131,7 @@ def _layer_by_layer(model):
     return model
 
 
-def check_one_node_step(description, voxels, precision: str, device: str) -> None:
+def _check_one_node_step(description, voxels, precision: str, device: str) -> None:
     """The one-node step (`adapters.torch.training_step`) against the modules' step on `device`: the output and
     every batch-norm statistic within the dtype's network bound. In float32 also the gradients, each against the
     modules' step in float64 on the CPU, beside the modules' own float32 gradients: the one-node step's errors
@@ -168,4 +168,4 @@ def check_one_node_step(description, voxels, precision: str, device: str) -> Non
 @pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16", "autocast"])
 def test_a_training_step_as_one_node_on_cuda_equals_the_modules_step(case, precision):
     description, _, voxels, _ = case
-    check_one_node_step(description, voxels, precision, "cuda")
+    _check_one_node_step(description, voxels, precision, "cuda")

@@ -176,3 +176,23 @@ def test_a_module_of_another_kind_sends_the_step_through_the_modules():
     assert model(_input()).features.grad_fn.name() == PROGRAM_NODE
     model.stem.first_relu = LeakyReLU()
     assert model(_input()).features.grad_fn.name() != PROGRAM_NODE
+
+
+def test_a_batch_norm_takes_the_training_norm_where_its_state_fits_the_features():
+    norm = torch_networks.SparseBatchNorm(8).double()
+    cpu = torch.device("cpu")
+    assert norm.training_norm_takes(torch.float64, cpu)
+    assert not norm.training_norm_takes(torch.float32, cpu)  # on the CPU, the reference runs in the state's dtype
+    norm.weight.data = norm.weight.data.float()
+    assert not norm.training_norm_takes(torch.float64, cpu)  # parameters of two dtypes
+    norm = torch_networks.SparseBatchNorm(8, momentum=None).double()
+    assert not norm.training_norm_takes(torch.float64, cpu)  # torch's cumulative average
+
+
+def test_a_batch_norm_given_features_of_other_channels_is_refused_by_name():
+    description = networks.Network("mismatched", networks.Sequential("", (
+        networks.Conv("conv", 3, 8, 3), networks.BatchNorm("norm", 6),
+    )), 3, 6)
+    model = torch_networks.SparseNetwork(description).double().train()
+    with pytest.raises(ValueError, match="batch norm of 6 channels got features of 8"):
+        model(_input())
