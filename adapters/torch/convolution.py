@@ -64,14 +64,15 @@ class TorchArrays(Arrays):
         self._padded_weights = WeakIdKeyDictionary()
 
     def launch_device(self, features, weight, grad_output=None) -> int | None:
-        if not (features.is_cuda and features.is_contiguous() and features.dtype == weight.dtype
-                and features.device == weight.device):
+        # `get_device()` and torch's C getter of the current device: a `torch.device` made per read and
+        # `torch.cuda.current_device()`'s initialisation checks (a CUDA tensor exists) cost microseconds a call.
+        if not (features.is_cuda and features.is_contiguous() and features.dtype == weight.dtype):
             return None
-        device_index = features.device.index
-        if device_index != torch.cuda.current_device():
+        device_index = features.get_device()
+        if weight.get_device() != device_index or device_index != torch._C._cuda_getDevice():
             return None
         if grad_output is not None and not (grad_output.is_contiguous() and grad_output.dtype == features.dtype
-                                            and grad_output.device == features.device):
+                                            and grad_output.get_device() == device_index):
             return None
         return device_index
 

@@ -33,24 +33,28 @@ class _TrainingNorm(torch.autograd.Function):
     def forward(ctx, features, weight, bias, residual, running_mean, running_var, batches_tracked, momentum, eps,
                 relu):
         parameter_dtype = core_dtype(running_mean.dtype)
-        out, saved = training_norm.run_forward(TORCH_ARRAYS, features, residual, weight, bias, running_mean,
-                                               running_var, momentum, eps, relu, parameter_dtype, batches_tracked)
-        ctx.save_for_backward(features, out if relu else None, saved, weight)  # the ReLU's mask only
+        out, statistics, scratch = training_norm.run_forward(
+            TORCH_ARRAYS, features, residual, weight, bias, running_mean, running_var, momentum, eps, relu,
+            parameter_dtype, batches_tracked)
+        ctx.save_for_backward(features, out if relu else None, scratch, weight)  # the ReLU's mask only
+        ctx.statistics = statistics  # addresses in `scratch`
         ctx.relu, ctx.with_residual, ctx.has_bias = relu, residual is not None, bias is not None
         ctx.parameter_dtype = parameter_dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        features, out, saved, weight = ctx.saved_tensors
+        features, out, _, weight = ctx.saved_tensors
         wants_parameters = weight is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
         grad_features, grads, g = training_norm.run_backward(
-            TORCH_ARRAYS, grad_out.contiguous(), features, out, saved, weight, ctx.relu, ctx.with_residual,
+            TORCH_ARRAYS, grad_out.contiguous(), features, out, ctx.statistics, weight, ctx.relu, ctx.with_residual,
             ctx.parameter_dtype, wants_parameters)
-        grad_weight = None if grads is None else grads[0]
-        grad_bias = None if grads is None or not ctx.has_bias else grads[1]
+        grad_weight = grad_bias = None
+        if grads is not None:
+            grad_weight, grad_bias = grads.unbind()
         grad_residual = g if ctx.with_residual and ctx.needs_input_grad[3] else None
-        return grad_features, grad_weight, grad_bias, grad_residual, None, None, None, None, None, None
+        return (grad_features, grad_weight, grad_bias if ctx.has_bias else None, grad_residual, None, None, None,
+                None, None, None)
 
 
 class PerVoxel(nn.Module):

@@ -34,6 +34,10 @@ def _argument(algorithm, phase: str) -> str:
     return "" if algorithm is None else algorithm_argument(algorithm, CONV, phase)
 
 
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
     kept = grads.get(slot)
     grads[slot] = grad if kept is None else kept + grad
@@ -41,13 +45,22 @@ def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
 
 class _Step:
     """One call's state: the feature dtype, whether it runs on the GPU, which slots need gradients, what each
-    operation keeps for its backward, and the parameters' gradients."""
+    operation keeps for its backward, the parameters' gradients, and on the GPU the batch norms' fp32 scratch
+    (`TrainingProgram.scratch_floats`) with its base addresses forward and backward."""
 
     def __init__(self, dtype: torch.dtype, on_gpu: bool, parameters: list):
         self.dtype, self.on_gpu, self.parameters = dtype, on_gpu, parameters
-        self.requires: list[bool] = []
+        self.requires: list[bool] = []  # by slot
+        self.requires_by_operation: list[bool] = []  # whether any of an operation's parameters requires a gradient
         self.saved: list = []
         self.parameter_grads: dict[int, torch.Tensor] = {}  # by the parameter's id
+        self.scratch: list[torch.Tensor] = []
+        self.forward_scratch = self.backward_scratch = 0
+
+    def zeroed_scratch(self, floats: int, like: torch.Tensor) -> int:
+        """The address of `floats` fp32 zeros on `like`'s device, kept for the step."""
+        self.scratch.append(torch.zeros(floats, dtype=torch.float32, device=like.device))
+        return self.scratch[-1].data_ptr()
 
 
 class _Conv:
@@ -87,7 +100,7 @@ class _Conv:
                                                          _argument(conv.bwd_algo, "backward"), needs_input,
                                                          needs_weight)
             if needs_weight:
-                step.parameter_grads[id(conv.weight)] = grad_weight.to(conv.weight.dtype)
+                step.parameter_grads[id(conv.weight)] = _in_dtype(grad_weight, conv.weight.dtype)
             if needs_input:
                 _accumulate(grads, self.source, grad_input)
         if conv.bias is not None and conv.bias.requires_grad:
@@ -103,6 +116,7 @@ class _Norm:
         self.module, self.source, self.target = module, source, target
         self.residual, self.relu = residual, relu
         self.sources = (source,) if residual is None else (source, residual)
+        self.forward_offset = self.backward_offset = 0  # bytes into the step's scratch (`TrainingProgram`)
 
     def parameters(self) -> tuple:
         return tuple(parameter for parameter in (self.module.weight, self.module.bias) if parameter is not None)
@@ -117,9 +131,10 @@ class _Norm:
         if features.shape[1] != norm.num_features:  # the kernels read `num_features` parameters a row
             raise ValueError(f"a batch norm of {norm.num_features} channels got features of {features.shape[1]}")
         if step.on_gpu:
-            out, saved = training_norm.run_forward(
+            out, saved, _ = training_norm.run_forward(
                 TORCH_ARRAYS, features, residual, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                norm.momentum, norm.eps, self.relu, core_dtype(norm.running_mean.dtype), norm.num_batches_tracked)
+                norm.momentum, norm.eps, self.relu, core_dtype(norm.running_mean.dtype), norm.num_batches_tracked,
+                step.forward_scratch + self.forward_offset)
         else:
             core = _core_or_none
             out, mean, invstd = training_norm.training_batch_norm(
@@ -135,11 +150,14 @@ class _Norm:
         grad = grads.pop(self.target).contiguous()
         norm, with_residual = self.module, self.residual is not None
         weight = norm.weight
-        wants_parameters = any(parameter.requires_grad for parameter in self.parameters())
+        parameters = self.parameters()
+        wants_parameters = any(parameter.requires_grad for parameter in parameters)
         if step.on_gpu:
             grad_features, parameter_grads, grad_residual = training_norm.run_backward(
                 TORCH_ARRAYS, grad, features, out, statistics, weight, self.relu, with_residual,
-                core_dtype(norm.running_mean.dtype), wants_parameters)
+                core_dtype(norm.running_mean.dtype), wants_parameters, step.backward_scratch + self.backward_offset)
+            if wants_parameters:
+                parameter_grads = parameter_grads.unbind()
         else:
             core = _core_or_none
             grad_features, grad_weight, grad_bias, grad_residual = training_norm.training_batch_norm_backward(
@@ -149,9 +167,9 @@ class _Norm:
             grad_residual = None if grad_residual is None else from_core(grad_residual)
             parameter_grads = (from_core(grad_weight), from_core(grad_bias))
         if wants_parameters:
-            for parameter, parameter_grad in zip(self.parameters(), parameter_grads):
+            for parameter, parameter_grad in zip(parameters, parameter_grads):
                 if parameter.requires_grad:
-                    step.parameter_grads[id(parameter)] = parameter_grad.to(parameter.dtype)
+                    step.parameter_grads[id(parameter)] = _in_dtype(parameter_grad, parameter.dtype)
         _accumulate(grads, self.source, grad_features)
         if with_residual:
             _accumulate(grads, self.residual, grad_residual)
@@ -223,6 +241,20 @@ class TrainingProgram:
         del self._network
         # The network's modules (not itself, whose hooks run around the program) when it was compiled.
         self.modules = modules
+        self.scratch_floats = self._lay_out_scratch()
+
+    def _lay_out_scratch(self) -> tuple[int, int]:
+        """Place each batch norm's fp32 scratch (`training_norm`'s FORWARD_SCRATCH_ROWS and BACKWARD_SCRATCH_ROWS
+        rows of its channels, on 16 bytes) in a step's, which one zeroed allocation holds for all of them forward
+        and one backward: a MinkUNet's fifty would each allocate and zero their own. Returns the two sizes."""
+        forward = backward = 0
+        for operation in self.operations:
+            if isinstance(operation, _Norm):
+                channels = -(-operation.module.num_features // 4) * 4
+                operation.forward_offset, operation.backward_offset = 4 * forward, 4 * backward
+                forward += training_norm.FORWARD_SCRATCH_ROWS * channels
+                backward += training_norm.BACKWARD_SCRATCH_ROWS * channels
+        return forward, backward
 
     def _slot(self) -> int:
         self.slots += 1
@@ -319,8 +351,11 @@ class TrainingProgram:
     def __call__(self, input: SparseTensor) -> SparseTensor:
         """The network's output on `input`, differentiable as one node; its caller has checked `runs`."""
         # Read each call: a module's parameters may have been replaced since the program was compiled.
-        parameters = [parameter for operation in self.operations for parameter in operation.parameters()]
+        by_operation = [operation.parameters() for operation in self.operations]
+        parameters = [parameter for operation_parameters in by_operation for parameter in operation_parameters]
         step = _Step(self._dtype(input.features), input.features.is_cuda, parameters)
+        step.requires_by_operation = [any(parameter.requires_grad for parameter in operation_parameters)
+                                      for operation_parameters in by_operation]
         holder = []
         features = _NetworkStep.apply(self, step, input, holder, input.features.contiguous(), *parameters)
         return holder[0].replace_feature(features)
@@ -331,10 +366,11 @@ class TrainingProgram:
         values[0] = (input, features)
         requires = [False] * self.slots
         requires[0] = features.requires_grad
-        for operation in self.operations:
-            requires[operation.target] = (any(requires[source] for source in operation.sources)
-                                          or any(parameter.requires_grad for parameter in operation.parameters()))
+        for operation, parameters_require in zip(self.operations, step.requires_by_operation):
+            requires[operation.target] = parameters_require or any(requires[source] for source in operation.sources)
         step.requires = requires
+        if step.on_gpu:
+            step.forward_scratch = step.zeroed_scratch(self.scratch_floats[0], features)
         step.saved = [operation.forward(step, values) for operation in self.operations]
         return values[self.output]
 
@@ -343,6 +379,7 @@ class TrainingProgram:
         grads = {self.output: grad_output}
         saved = step.saved
         if step.on_gpu:  # the weight gradients' shares of every fresh map, in one allocation
+            step.backward_scratch = step.zeroed_scratch(self.scratch_floats[1], grad_output)
             execution.derive_backward_formats(TORCH_ARRAYS, [
                 (*saved[index], _argument(operation.module.bwd_algo, "backward"))
                 for index, operation in enumerate(self.operations)

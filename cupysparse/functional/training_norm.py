@@ -128,48 +128,61 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
         grad_features, grad_weight, grad_bias, grid=grid)
 
 
+FORWARD_SCRATCH_ROWS = 4  # fp32 rows of C a forward reads and writes: its two sums, then the saved mean and invstd
+BACKWARD_SCRATCH_ROWS = 2  # the backward's two sums
+
+
 def run_forward(arrays, features, residual, weight, bias, running_mean, running_var, momentum: float, eps: float,
-                relu: bool, parameter_dtype, batches_tracked=None):
+                relu: bool, parameter_dtype, batches_tracked=None, scratch: int | None = None):
     """The forward's kernels on a framework's arrays (`arrays`: its `execution.Arrays`), which its caller has
     found them to take as they are (`kernel_runs`, contiguous, on the current GPU; `residual`, `weight`,
-    `bias` may be None; `batches_tracked`, a module's int64 count of batches there, is incremented):
-    `(out, saved)`, `saved` fp32 `[2, C]` the batch's mean and invstd for `run_backward`."""
+    `bias` may be None; `batches_tracked`, a module's int64 count of batches there, is incremented).
+    `scratch`: the device address of fp32 `[FORWARD_SCRATCH_ROWS, C]` whose first two rows are zero, where a
+    caller running many batch norms zeroes theirs at once; None: allocated and zeroed here.
+    Returns `(out, statistics, kept)`: `statistics` the addresses of the batch's fp32 mean and invstd `[C]` for
+    `run_backward`, which live in `kept`, the scratch allocated here (None where given), until then."""
     num_rows, channels = features.shape
     out = arrays.empty(features, (num_rows, channels))
-    scratch = arrays.empty_float32(features, (4, channels))  # the sums (zeroed here), then the saved statistics
-    stream, address, row = arrays.stream(features), arrays.address(scratch), 4 * channels
-    _zero(address, 2 * row, stream)
+    stream, row, kept = arrays.stream(features), 4 * channels, None
+    if scratch is None:
+        kept = arrays.empty_float32(features, (FORWARD_SCRATCH_ROWS, channels))
+        scratch = arrays.address(kept)
+        _zero(scratch, 2 * row, stream)
     launch_forward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
                    arrays.address(features), _address(arrays, residual), _address(arrays, weight),
                    _address(arrays, bias), arrays.address(running_mean), arrays.address(running_var),
-                   _address(arrays, batches_tracked), momentum, eps, relu, address, address + 2 * row,
-                   address + 3 * row, arrays.address(out))
-    return out, scratch[2:]
+                   _address(arrays, batches_tracked), momentum, eps, relu, scratch, scratch + 2 * row,
+                   scratch + 3 * row, arrays.address(out))
+    return out, (scratch + 2 * row, scratch + 3 * row), kept
 
 
-def run_backward(arrays, grad_out, features, out, saved, weight, relu: bool, with_residual: bool, parameter_dtype,
-                 parameter_grads: bool):
-    """The backward's kernels on a framework's arrays (see `run_forward`; `saved` its mean and invstd, `out`
-    read only with the ReLU): `(grad_features, grads, g)`, `grads` `[2, C]` the gradients of weight and bias
-    in `weight`'s dtype (fp32 without one) where `parameter_grads`, else None, and g the masked output
-    gradient, the residual's gradient."""
+def run_backward(arrays, grad_out, features, out, statistics: tuple[int, int], weight, relu: bool,
+                 with_residual: bool, parameter_dtype, parameter_grads: bool, sums: int | None = None):
+    """The backward's kernels on a framework's arrays (see `run_forward`, whose `statistics` addresses it reads;
+    `out` read only with the ReLU). `sums`: the device address of fp32 `[BACKWARD_SCRATCH_ROWS, C]` zeros, or
+    None: allocated and zeroed here. Returns `(grad_features, grads, g)`, `grads` `[2, C]` the gradients of
+    weight and bias in `weight`'s dtype (fp32 without one) where `parameter_grads`, else None, and g the masked
+    output gradient, the residual's gradient."""
     num_rows, channels = features.shape
     grad_features = arrays.empty(features, (num_rows, channels))
     # g: grad_out itself without the ReLU; with it, a buffer of its own only where it is also the residual's
     # gradient, else grad_features, which the second pass overwrites element by element.
     g = grad_out if not relu else arrays.empty(features, (num_rows, channels)) if with_residual else grad_features
-    grads = None
+    stream = arrays.stream(features)
+    if sums is None:
+        kept = arrays.empty_float32(features, (BACKWARD_SCRATCH_ROWS, channels))
+        sums = arrays.address(kept)
+        _zero(sums, 8 * channels, stream)
+    grads, grad_weight, grad_bias = None, 0, 0
     if parameter_grads:
         shape = (2, channels)
         grads = arrays.empty_float32(features, shape) if weight is None else arrays.empty(weight, shape)
-    sums = arrays.empty_float32(features, (2, channels))
-    stream = arrays.stream(features)
-    _zero(arrays.address(sums), 8 * channels, stream)
+        grad_weight = arrays.address(grads)
+        grad_bias = grad_weight + channels * (4 if weight is None else arrays.core_dtype(weight.dtype).itemsize)
     launch_backward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
                     arrays.address(grad_out), arrays.address(features), _address(arrays, out if relu else None),
-                    _address(arrays, weight), arrays.address(saved[0]), arrays.address(saved[1]), relu,
-                    arrays.address(sums), arrays.address(g), arrays.address(grad_features),
-                    *((0, 0) if grads is None else (arrays.address(grads[0]), arrays.address(grads[1]))))
+                    _address(arrays, weight), *statistics, relu, sums, arrays.address(g),
+                    arrays.address(grad_features), grad_weight, grad_bias)
     return grad_features, grads, g
 
 
@@ -193,9 +206,9 @@ def training_batch_norm(features, running_mean, running_var, weight=None, bias=N
     parameter_dtype = _kernel_parameter_dtype(features, statistics.values(), (residual,))
     if parameter_dtype is None:
         return _forward_reference(features, weight, bias, running_mean, running_var, momentum, eps, residual, relu)
-    out, saved = run_forward(core_arrays(), features, residual, weight, bias, running_mean, running_var, momentum, eps,
-                             relu, parameter_dtype)
-    return out, saved[0], saved[1]
+    out, _, scratch = run_forward(core_arrays(), features, residual, weight, bias, running_mean, running_var,
+                                  momentum, eps, relu, parameter_dtype)
+    return out, scratch[2], scratch[3]
 
 
 def training_batch_norm_backward(grad_output, features, out, mean, invstd, weight=None, *, relu: bool = False,
@@ -211,8 +224,9 @@ def training_batch_norm_backward(grad_output, features, out, mean, invstd, weigh
     if parameter_dtype is None or any(np.dtype(array.dtype) != np.float32 or not array.flags.c_contiguous
                                       for array in (mean, invstd)):
         return _backward_reference(grad_output, features, out, mean, invstd, weight, relu, with_residual)
-    grad_features, grads, g = run_backward(core_arrays(), grad_output, features, out, (mean, invstd), weight, relu,
-                                           with_residual, parameter_dtype, parameter_grads=True)
+    grad_features, grads, g = run_backward(core_arrays(), grad_output, features, out,
+                                           (mean.data.ptr, invstd.data.ptr), weight, relu, with_residual,
+                                           parameter_dtype, parameter_grads=True)
     return grad_features, grads[0], grads[1], g if with_residual else None
 
 
