@@ -296,7 +296,7 @@ class SparseNetwork(SparseSequential):
     def _training_program(self) -> TrainingProgram | None:
         """The program of the network's modules as they are, compiled again after one was replaced (a
         `convert_sync_batchnorm`, say); None where a module is not of a type the description builds."""
-        modules = list(self.modules())[1:]
+        modules = _submodules(self, [])
         program = self.__dict__.get("_program")
         if program is None or program.modules != modules:
             if any(type(module) not in _PROGRAM_MODULES for module in modules):
@@ -306,6 +306,16 @@ class SparseNetwork(SparseSequential):
 
     def extra_repr(self) -> str:
         return f"{self.description.name}: {self.description.in_channels} → {self.description.out_channels} channels"
+
+
+def _submodules(module: nn.Module, found: list) -> list:
+    """Every submodule of `module`, depth first, as `modules()` lists them after `module` (one shared by two
+    parents twice), at a fraction of its cost: a training step checks its network's modules this way."""
+    for child in module._modules.values():
+        if child is not None:
+            found.append(child)
+            _submodules(child, found)
+    return found
 
 
 def MinkUNet14(in_channels: int = 3, num_classes: int = 20, width: float = 1.0, **algorithms) -> SparseNetwork:

@@ -119,7 +119,10 @@ class _Norm:
         self.forward_offset = self.backward_offset = 0  # bytes into the step's scratch (`TrainingProgram`)
 
     def parameters(self) -> tuple:
-        return tuple(parameter for parameter in (self.module.weight, self.module.bias) if parameter is not None)
+        weight, bias = self.module.weight, self.module.bias
+        if weight is not None and bias is not None:
+            return weight, bias
+        return tuple(parameter for parameter in (weight, bias) if parameter is not None)
 
     def forward(self, step: _Step, values: list):
         place, features = values[self.source]
@@ -149,9 +152,8 @@ class _Norm:
         features, out, statistics = saved
         grad = grads.pop(self.target).contiguous()
         norm, with_residual = self.module, self.residual is not None
-        weight = norm.weight
-        parameters = self.parameters()
-        wants_parameters = any(parameter.requires_grad for parameter in parameters)
+        weight, bias = norm.weight, norm.bias
+        wants_parameters = any(parameter is not None and parameter.requires_grad for parameter in (weight, bias))
         if step.on_gpu:
             grad_features, parameter_grads, grad_residual = training_norm.run_backward(
                 TORCH_ARRAYS, grad, features, out, statistics, weight, self.relu, with_residual,
@@ -166,9 +168,9 @@ class _Norm:
             grad_features = from_core(grad_features)
             grad_residual = None if grad_residual is None else from_core(grad_residual)
             parameter_grads = (from_core(grad_weight), from_core(grad_bias))
-        if wants_parameters:
-            for parameter, parameter_grad in zip(parameters, parameter_grads):
-                if parameter.requires_grad:
+        if wants_parameters:  # the weight's gradient, then the bias's
+            for parameter, parameter_grad in zip((weight, bias), parameter_grads):
+                if parameter is not None and parameter.requires_grad:
                     step.parameter_grads[id(parameter)] = _in_dtype(parameter_grad, parameter.dtype)
         _accumulate(grads, self.source, grad_features)
         if with_residual:

@@ -59,9 +59,11 @@ def _instantiations(dtype) -> tuple[str, ...]:
 _KERNELS = {dtype: KernelSource("batch_norm_training.cu", _instantiations(dtype)) for dtype in KERNEL_DTYPES}
 
 
-def _vector(dtype, channels: int, addresses) -> int:
+def _vector(dtype, channels: int, addresses: int) -> int:
+    """The channels per thread for rows at `addresses`, the bitwise or of their addresses (each on
+    VECTOR_BYTES, a power of two, exactly where their or is)."""
     vector = _widths(dtype)[0]
-    return vector if channels % vector == 0 and not any(address % VECTOR_BYTES for address in addresses) else 1
+    return vector if channels % vector == 0 and not addresses % VECTOR_BYTES else 1
 
 
 def kernel_runs(dtype, parameter_dtype, channels: int) -> bool:
@@ -100,7 +102,7 @@ def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_d
     of `parameter_dtype` (see `kernel_runs`; the statistics are updated in place); an int64 count of batches
     incremented by one (0: none); fp32 `sums` `[2, channels]` zeroed, and `saved_mean`, `saved_invstd`
     `[channels]` written for the backward. Nothing is checked."""
-    vector = _vector(dtype, channels, (features, residual, out))
+    vector = _vector(dtype, channels, features | residual | out)
     device = current_device()
     grid = _launch_shape(device, num_rows, channels, vector)
     statistics, normalise, _, _ = _launches(device, dtype, parameter_dtype, vector)
@@ -117,7 +119,7 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
     the ReLU), fp32 `sums` `[2, channels]` zeroed, `g` where g is written with the ReLU (the residual's
     gradient; without it, g is `grad_out` and this is not read); `grad_weight`, `grad_bias`: 0 where not
     wanted. Nothing is checked."""
-    vector = _vector(dtype, channels, (grad_out, features, out if relu else 0, g if relu else 0, grad_features))
+    vector = _vector(dtype, channels, grad_out | features | grad_features | (out | g if relu else 0))
     device = current_device()
     grid = _launch_shape(device, num_rows, channels, vector)
     _, _, gradient_sums, input_gradient = _launches(device, dtype, parameter_dtype, vector)

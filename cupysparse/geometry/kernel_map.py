@@ -534,7 +534,7 @@ def _same_types(given, accepted) -> bool:
     """Whether two equal sizes (an int, or a tuple of ints) have the same types element by element."""
     if type(given) is not type(accepted):
         return False
-    return type(given) is not tuple or all(type(a) is type(b) for a, b in zip(given, accepted))
+    return type(given) is not tuple or tuple(map(type, given)) == tuple(map(type, accepted))
 
 
 class _OutputCacheRef(weakref.ref):
