@@ -83,7 +83,7 @@ class TorchArrays(Arrays):
         return like.new_empty(shape)
 
     def empty_float32(self, like: torch.Tensor, shape: tuple) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.float32, device=like.device)
+        return like.new_empty(shape, dtype=torch.float32)  # `like.device` would make a torch.device per call
 
     # A C-level call, not a method: it costs no Python frame on the hot path.
     address = operator.methodcaller("data_ptr")
