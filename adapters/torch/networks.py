@@ -309,8 +309,8 @@ class SparseNetwork(SparseSequential):
 
 
 def _submodules(module: nn.Module, found: list) -> list:
-    """Every submodule of `module`, depth first, as `modules()` lists them after `module` (one shared by two
-    parents twice), at a fraction of its cost: a training step checks its network's modules this way."""
+    """Every submodule of `module`, depth first in `modules()`'s order (which lists a module shared by two
+    parents once, this twice), at a fraction of its cost: a training step checks its network's modules so."""
     for child in module._modules.values():
         if child is not None:
             found.append(child)

@@ -248,7 +248,7 @@ class TrainingProgram:
     def _lay_out_scratch(self) -> tuple[int, int]:
         """Place each batch norm's fp32 scratch (`training_norm`'s FORWARD_SCRATCH_ROWS and BACKWARD_SCRATCH_ROWS
         rows of its channels, on 16 bytes) in a step's, which one zeroed allocation holds for all of them forward
-        and one backward: a MinkUNet's fifty would each allocate and zero their own. Returns the two sizes."""
+        and one backward: a MinkUNet's fifty would each allocate and zero their own. Returns the two sizes in floats."""
         forward = backward = 0
         for operation in self.operations:
             if isinstance(operation, _Norm):
