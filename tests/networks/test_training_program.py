@@ -115,6 +115,20 @@ def test_a_frozen_part_gets_no_gradient_and_the_rest_the_modules_gradients():
             _assert_close(grad, expected_grads[key], key)
 
 
+def test_a_batch_norm_with_a_bias_and_no_weight_gets_the_modules_bias_gradient():
+    torch.manual_seed(0)
+    model = torch_networks.SparseNetwork(_odd_layers()).double().train()
+    model.down_norm.weight = None  # shifted, not scaled: its gradients are the weight's, then the bias's
+    layered = copy.deepcopy(model)
+    layered.first.register_forward_hook(lambda *arguments: None)
+    output, node, _, grads, _ = _step(model, _input())
+    expected, expected_node, _, expected_grads, _ = _step(layered, _input())
+    assert node == PROGRAM_NODE and expected_node != PROGRAM_NODE
+    _assert_close(output, expected, "output")
+    assert "down_norm.weight" not in grads
+    _assert_close(grads["down_norm.bias"], expected_grads["down_norm.bias"], "down_norm.bias")
+
+
 def test_hooks_on_any_module_are_called_through_the_modules_step():
     model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
     called = []
