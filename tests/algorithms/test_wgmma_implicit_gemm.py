@@ -56,8 +56,11 @@ def test_auto_grid_keeps_sorted_rows_and_tiles_no_wider_than_the_channels_need()
     narrow = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=64))
     assert {params["tile"] for params in narrow} == {(128, 64), (64, 64)}
     assert all(params["sort_rows"] for params in narrow)
+    # Between two widths, up to the tile that covers the channels (100 pad to 112: 128 columns).
     between = algorithm.auto_param_grid("forward", _problem(in_channels=256, out_channels=100))
-    assert {params["tile"] for params in between} == {(128, 64), (64, 64)}
+    assert {params["tile"] for params in between} == {(128, 64), (64, 64), (128, 128), (64, 128)}
+    assert {params["tile"] for params in algorithm.auto_param_grid("forward", _problem(out_channels=160))} == set(
+        wgmma_module.TILES)
     wide = algorithm.auto_param_grid("forward", _problem(in_channels=32, out_channels=256))
     assert {params["tile"] for params in wide} == set(wgmma_module.TILES)
     # dgrad's output channels are the layer's inputs.

@@ -449,6 +449,9 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
     # mma: tiles no wider than the padded channels of the phase's output.
     assert {p["tile"][1] for p in mma.auto_param_grid("forward", problem(64, 32))} == {32}
     assert {p["tile"][1] for p in mma.auto_param_grid("backward", problem(64, 32))} == {32, 64}
+    # Between two widths, up to the one that covers the channels.
+    assert {p["tile"][1] for p in mma.auto_param_grid("forward", problem(64, 96))} == {32, 64, 128}
+    assert {p["tile"][1] for p in mma.auto_param_grid("forward", problem(64, 48))} == {32, 64}
     forward = wmma.auto_param_grid("forward", problem(64, 32))
     assert {p["tile"] for p in forward} == {(128, 32)} and all(p["sort_rows"] for p in forward)
     assert {p["tile"] for p in wmma.auto_param_grid("backward", problem(64, 32))} == {(128, 64), (128, 32)}

@@ -95,6 +95,12 @@ def padded_channels(channels: int) -> int:
     return -(-channels // CHANNEL_MULTIPLE) * CHANNEL_MULTIPLE
 
 
+def covering_width(tiles, channels: int) -> int:
+    """The narrowest column count of `tiles` that covers `channels`, else their widest."""
+    widths = sorted({tile[1] for tile in tiles})
+    return next((width for width in widths if width >= channels), widths[-1])
+
+
 def padded_weight_shape(problem: ConvProblem, transposed: bool = False) -> tuple[int, int, int]:
     """`[K, C_in_pad, C_out_pad]`, or `[K, C_out_pad, C_in_pad]` when `transposed`."""
     channels = padded_channels(problem.in_channels), padded_channels(problem.out_channels)
