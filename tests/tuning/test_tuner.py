@@ -446,7 +446,7 @@ def test_auto_tries_the_tensor_core_kernels_with_channel_dependent_reduced_grids
             for pair in pairs:
                 grid = algorithm.auto_param_grid(phase, problem(*pair))
                 assert grid and all(params in full for params in grid) and len(grid) < len(full)
-    # mma: tiles no wider than the padded channels of the phase's output.
+    # mma: tiles no wider than the narrowest covering the padded channels of the phase's output.
     assert {p["tile"][1] for p in mma.auto_param_grid("forward", problem(64, 32))} == {32}
     assert {p["tile"][1] for p in mma.auto_param_grid("backward", problem(64, 32))} == {32, 64}
     # Between two widths, up to the one that covers the channels.
