@@ -52,7 +52,7 @@ FORWARD_OFFSET_BATCH = 27  # as in wgmma_implicit_gemm.cu
 # (rows, channels) of a block's output tile: rows / 64 warpgroups. 64 x 256 is left out: one warpgroup
 # holding 128 accumulators a thread spills (ptxas, 255 registers).
 TILES = ((128, 128), (128, 256), (128, 64), (64, 128), (64, 64))
-WGMMA_MIN_CHANNELS = 64  # `auto` tries it from its narrowest tile's width up (`auto_tiles`)
+NARROWEST_COLUMNS = min(columns for _, columns in TILES)  # `auto` tries it from this many channels up
 STAGES = (4, 3)
 # Tiles this wide stage each 128-byte channel chunk for every offset before the next chunk (chunk-major
 # steps, the kernel's CHUNK_MAJOR); narrower ones every chunk of an offset before the next offset. Side
@@ -210,7 +210,7 @@ class WgmmaImplicitGemm(TensorCoreImplicitGemm):
         the covering tile wins: on MinkUNet18's full-resolution layers (a 2 x 200K indoor batch, H100, fp16)
         128 x 128 in 3 stages ran 96 -> 96 in 0.45 ms and 128 -> 96 in 0.42, against 0.62 and 0.60 in the
         best tile of 64 columns or wmma's 64 x 128, and their dgrad in 0.45 ms against 0.52 or more."""
-        if channels < WGMMA_MIN_CHANNELS:
+        if channels < NARROWEST_COLUMNS:
             return []
         widest = covering_width(TILES, channels)
         return [tile for tile in TILES if tile[1] <= widest]
