@@ -134,7 +134,15 @@ def planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
     forward_weight = padded(w, forward.weight_shape, forward.weight_transposed)
     backward_weight = padded(w, backward.weight_shape)
     out = filled_with_nan((kernel_map.num_out, w.shape[2]), x.dtype)
-    forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream)
+
+    def staging(plan) -> dict:  # where a plan copies operands, NaN until it writes them
+        if plan.staging_shape is None:
+            return {}
+        buffers.append(filled_with_nan(plan.staging_shape(kernel_map), np.float32))
+        return {"staging": buffers[-1].data.ptr}
+
+    buffers = []
+    forward.launch(kernel_map, x_gpu.data.ptr, forward_weight.data.ptr, out.data.ptr, stream, **staging(forward))
     gradients = {}
     for wanted in (("dgrad", "wgrad"), ("dgrad",), ("wgrad",)):
         grad_input = filled_with_nan(x.shape, x.dtype)
@@ -142,7 +150,7 @@ def planned_phases(forward, backward, kernel_map, x, w, dy, misaligned: bool):
         grad_weight = filled_with_nan(w.shape, x.dtype)
         backward.launch(kernel_map, dy_gpu.data.ptr, x_gpu.data.ptr, backward_weight.data.ptr,
                         grad_input.data.ptr if "dgrad" in wanted else 0, workspace.data.ptr,
-                        grad_weight.data.ptr if "wgrad" in wanted else 0, stream)
+                        grad_weight.data.ptr if "wgrad" in wanted else 0, stream, **staging(backward))
         for phase, array in (("dgrad", grad_input), ("wgrad", grad_weight)):
             if phase in wanted:
                 gradients.setdefault(phase, []).append(array.get())

@@ -94,12 +94,15 @@ class ForwardPlan:
     padded likewise (a kernel that must read it K-major); `stream` is a raw CUDA stream handle. The
     kernels are those of the device the plan was made on; the map's derived formats are computed on
     first use and kept with the map. With `fuses_epilogue`, `launch` also takes `epilogue=` (scale,
-    shift, residual, relu: `functional.epilogue.ConvEpilogue`'s addresses) and applies it as it stores."""
+    shift, residual, relu: `functional.epilogue.ConvEpilogue`'s addresses) and applies it as it stores.
+    With `staging_shape`, `launch` also takes `staging=`: the address of fp32 memory of
+    `staging_shape(kernel_map)` (16-byte aligned, no initialisation needed) that it copies operands into."""
 
     weight_shape: tuple[int, int, int]
     launch: Callable[..., None]
     weight_transposed: bool = False
     fuses_epilogue: bool = False
+    staging_shape: Callable[..., tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,14 @@ class BackwardPlan:
     needed); a gradient whose address is 0 is not computed (nor are its operands read: `weight` for
     dgrad, `features` and `workspace` for wgrad). Arrays row-major, in the features' dtype.
     `wgrad_shares(kernel_map)`, where given, is the `(rounds, round_major)` of the wgrad shares its launch
-    derives from a map (`KernelMap.wgrad_shares`), so that a network's can be derived together beforehand."""
+    derives from a map (`KernelMap.wgrad_shares`), so that a network's can be derived together beforehand.
+    `staging_shape` as `ForwardPlan`'s, for either gradient."""
 
     weight_shape: tuple[int, int, int]
     workspace_shape: Callable[..., tuple[int, ...]]
     launch: Callable[..., None]
     wgrad_shares: Callable[..., tuple[int, bool]] | None = None
+    staging_shape: Callable[..., tuple[int, ...]] | None = None
 
 
 class Algorithm:

@@ -215,6 +215,9 @@ def _launch_forward(plan, arrays: Arrays, features, weight, kernel_map, reuse_we
     try:
         out = arrays.empty(features, (kernel_map.num_out, weight.shape[2]))
         padded = arrays.padded_weight(weight, plan.weight_shape, plan.weight_transposed, reuse_weight)
+        if plan.staging_shape is not None:
+            staging = arrays.empty_float32(features, plan.staging_shape(kernel_map))
+            launch_options["staging"] = arrays.address(staging)
         plan.launch(kernel_map, arrays.address(features), arrays.address(padded), arrays.address(out),
                     arrays.stream(features), **launch_options)
     except Exception as error:  # a `with naming_sizes` costs a microsecond on every call
@@ -262,8 +265,12 @@ def backward(arrays: Arrays, grad_output, features, weight, kernel_map, argument
             workspace = arrays.empty_float32(features, plan.workspace_shape(kernel_map))
             grad_weight = arrays.empty(weight, weight.shape)
             workspace_address, grad_weight_address = arrays.address(workspace), arrays.address(grad_weight)
+        staging = {}
+        if plan.staging_shape is not None and (needs_input_grad or needs_weight_grad):
+            staging_array = arrays.empty_float32(features, plan.staging_shape(kernel_map))
+            staging["staging"] = arrays.address(staging_array)
         plan.launch(kernel_map, arrays.address(grad_output), arrays.address(features), weight_address,
-                    grad_input_address, workspace_address, grad_weight_address, arrays.stream(features))
+                    grad_input_address, workspace_address, grad_weight_address, arrays.stream(features), **staging)
     except Exception as error:
         naming_sizes("backward", features, weight, kernel_map).name(error)
         raise

@@ -11,6 +11,7 @@ import pytest
 from cupysparse.cuda import compile as kernel_compile
 from cupysparse.tuning.search_space import AlgorithmFilter
 from cupysparse.algorithms import CONV, ConvProblem, get_algorithm, registered
+from cupysparse.algorithms.tensor_core import common as common_module
 from cupysparse.algorithms.tensor_core import wgmma as wgmma_module
 from cupysparse.algorithms.tensor_core.common import WgradPlan
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32
@@ -193,8 +194,8 @@ def test_the_tf32_forward_reads_the_weight_transposed_and_its_plan_asks_for_it(m
     assert not get_algorithm("mma_implicit_gemm").forward_weight_transposed(np.dtype(FLOAT32))
     problem = _problem(FLOAT32, in_channels=3, out_channels=40, tf32=True)
     for params in algorithm.auto_param_grid("forward", problem):
-        (source,) = algorithm.kernel_modules("forward", problem, params)
-        assert source.name_expressions[0].endswith(", true>")
+        copy, source = algorithm.kernel_modules("forward", problem, params)  # 3 channels: the rows are copied
+        assert copy.filename == "row_padding.cu" and source.name_expressions[0].endswith(", true>")
     planned = []  # the weight layouts of the kernel plans asked for: each must match its plan's
 
     def gemm_plan(self, *signature):
@@ -202,6 +203,7 @@ def test_the_tf32_forward_reads_the_weight_transposed_and_its_plan_asks_for_it(m
         return SimpleNamespace(launch=None)
 
     monkeypatch.setattr(type(algorithm), "gemm_plan", gemm_plan)
+    monkeypatch.setattr(common_module, "current_device", lambda: 0)  # the features' copy, 3 channels
     plan = algorithm.forward_plan(problem, {})
     assert plan.weight_transposed and plan.weight_shape == (27, 48, 16)
     fp16_plan = algorithm.forward_plan(_problem(FLOAT16, in_channels=3, out_channels=40), {})

@@ -77,7 +77,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(common_module, "l2_bytes", lambda device: 50 * 2**20)
     monkeypatch.setattr(kernel_compile, "get_kernel", lambda source, name: (source, name))
     monkeypatch.setattr(_RecordedLaunch, "launched", [])
-    caches = (wmma_module._gemm_plan, common_module.wgrad_plan, mma_module._plan, wgmma_module._plan)
+    caches = (wmma_module._gemm_plan, common_module.wgrad_plan, common_module._row_padding, mma_module._plan,
+              wgmma_module._plan)
     for cache in caches:
         cache.cache_clear()
     yield _RecordedLaunch.launched
@@ -94,16 +95,19 @@ def _problem(dtype, in_channels, out_channels, kernel_volume=27):
 _BOTH = (1, 2)
 
 
-def _launched(algorithm, phase, problem, params):
-    """(source, name expression) of every kernel one run of `phase` with `params` launches."""
+def _launched(algorithm, phase, problem, params, operands=0):
+    """(source, name expression) of every kernel one run of `phase` with `params` launches, the features
+    and the gradient at address `operands` (the others at 0, all 16-byte aligned)."""
     launched = []
     kernel_map, stream = _KernelMap(problem.kernel_volume), 0
     if phase == "forward":
-        algorithm.forward_plan(problem, params).launch(kernel_map, 0, 0, 0, stream)
+        plan = algorithm.forward_plan(problem, params)
+        staging = {} if plan.staging_shape is None else {"staging": 0}
+        plan.launch(kernel_map, operands, 0, 0, stream, **staging)
     else:
         plan = algorithm.backward_plan(problem, params)
-        plan.launch(kernel_map, 0, 0, 0, _BOTH[0], 0, _BOTH[1], stream)
-        plan.launch(kernel_map, 0, 0, 0, 0, 0, _BOTH[1], stream)  # the weight gradient alone has its own sum
+        plan.launch(kernel_map, operands, operands, 0, _BOTH[0], 0, _BOTH[1], stream)
+        plan.launch(kernel_map, operands, operands, 0, 0, 0, _BOTH[1], stream)  # the weight gradient alone: own sum
     launched.extend(_RecordedLaunch.launched)
     _RecordedLaunch.launched.clear()
     return launched
@@ -119,7 +123,9 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
     if name == "wgmma_implicit_gemm":  # its wgrad is mma_implicit_gemm's up to 64 channels
         borrowed = {source for dtype in TENSOR_CORE_DTYPES[name] for source in mma_module._SOURCES[dtype].sources
                     if source.name_expressions[0].startswith("mma_conv_wgrad")}
-    sums = {common_module.sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
+    shared = {common_module.sum_source(dtype) for dtype in TENSOR_CORE_DTYPES[name]}
+    # The copies of rows that are not whole 16-byte vectors (3 channels reach them in every dtype).
+    shared |= {source for dtype in TENSOR_CORE_DTYPES[name] for source in common_module.padding_sources(dtype, 3)}
     reached = set()
     for dtype, in_channels, out_channels in itertools.product(TENSOR_CORE_DTYPES[name], CHANNELS, CHANNELS):
         problem = _problem(dtype, in_channels, out_channels)
@@ -131,8 +137,11 @@ def test_the_declared_modules_are_the_ones_the_plans_launch_from_and_every_insta
                                                                              phase, params)
                 assert all(expression in source.name_expressions for source, expression in launched)
                 reached.update(declared)
+                # Operands not 16-byte aligned (views into a larger array) take kernels without 16-byte copies,
+                # compiled when first launched.
+                reached.update(source for source, _ in _launched(algorithm, phase, problem, params, operands=8))
     # Every instantiation is launched by some layer: none compiled for nothing.
-    assert own | sums <= reached <= own | sums | borrowed
+    assert own | shared <= reached <= own | shared | borrowed
     assert all(len(source.name_expressions) == 1 for source in reached)  # one kernel per module
 
 
@@ -193,10 +202,14 @@ def test_the_wgrad_sum_shares_an_element_among_threads_only_where_the_gpu_has_ro
 @pytest.mark.parametrize("name", sorted(TENSOR_CORE_DTYPES))
 def test_a_backward_of_both_gradients_is_two_launches_the_wgrad_gemm_then_dgrad_with_the_sum(recorded, name):
     """Either gradient alone: dgrad's forward kernel, or wgrad's GEMM and its sum kernel. Both: the GEMM,
-    then dgrad, whose launch sums the GEMM's partials (raw_kernels/wgrad_sum.cuh)."""
+    then dgrad, whose launch sums the GEMM's partials (raw_kernels/wgrad_sum.cuh). Operands whose rows are
+    not whole 16-byte vectors are copied first, the gradient for both gradients, the features for wgrad;
+    with the gradient copied, dgrad's rows are wider than the weight gradient's and the sum has its own
+    launch."""
     algorithm = get_algorithm(name)
     kernel_map = _KernelMap(27)
-    for dtype, channels in itertools.product(TENSOR_CORE_DTYPES[name], ((3, 47), (32, 32), (64, 128), (256, 256))):
+    for dtype, channels in itertools.product(TENSOR_CORE_DTYPES[name], ((32, 32), (64, 128), (256, 256), (3, 32),
+                                                                        (32, 20), (3, 47))):
         plan = algorithm.backward_plan(_problem(dtype, *channels), algorithm.default_params("backward"))
 
         def kernels(grad_input, grad_weight):
@@ -205,7 +218,14 @@ def test_a_backward_of_both_gradients_is_two_launches_the_wgrad_gemm_then_dgrad_
             recorded.clear()
             return names
 
-        (dgrad,) = kernels(_BOTH[0], 0)
-        gemm, wgrad_sum = kernels(0, _BOTH[1])
-        assert dgrad.endswith("_conv_forward") and "_conv_wgrad" in gemm and wgrad_sum == "wgrad_sum"
-        assert kernels(*_BOTH) == [gemm, dgrad], (dtype, channels)
+        in_copied, out_copied = (channels * dtype.itemsize % 16 != 0 for channels in channels)
+        gradient_copy, features_copy = ["pad_rows"] * out_copied, ["pad_rows"] * in_copied
+        dgrad = kernels(_BOTH[0], 0)
+        assert dgrad[:-1] == gradient_copy and dgrad[-1].endswith("_conv_forward"), (dtype, channels)
+        dgrad = dgrad[-1]
+        wgrad = kernels(0, _BOTH[1])
+        assert wgrad[:-2] == gradient_copy + features_copy, (dtype, channels)
+        gemm, wgrad_sum = wgrad[-2:]
+        assert "_conv_wgrad" in gemm and wgrad_sum == "wgrad_sum"
+        fused = [gemm, wgrad_sum, dgrad] if out_copied else [gemm, dgrad]
+        assert kernels(*_BOTH) == gradient_copy + features_copy + fused, (dtype, channels)

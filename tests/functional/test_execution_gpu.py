@@ -124,10 +124,13 @@ def test_a_planned_layer_reads_its_weight_anew_at_every_call(name, dtype, select
     assert selections == ["forward", "forward"]  # once per signature: the second calls ran the kept plans
 
 
+@pytest.mark.parametrize("channels", ((16, 32), (3, 20)), ids=lambda c: f"{c[0]}to{c[1]}")
 @pytest.mark.parametrize(("name", "dtype"), _planned_cases())
-def test_only_the_gradients_asked_for_are_computed(name, dtype, selections):
+def test_only_the_gradients_asked_for_are_computed(name, dtype, channels, selections):
+    """Also where the plan copies the features and the gradient into rows of whole 16-byte vectors first
+    (3 -> 20), which either gradient alone copies only what it reads."""
     kernel_map = gpu_map("strided")
-    x, w, dy = inputs(kernel_map, 16, 32, dtype, seed=41)
+    x, w, dy = inputs(kernel_map, *channels, dtype, seed=41)
     x_gpu, w_gpu, dy_gpu = _on_gpu(x, w, dy)
     both = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name)
     grad_input, none = functional.conv_backward(dy_gpu, x_gpu, w_gpu, kernel_map, name, needs_weight_grad=False)

@@ -21,8 +21,9 @@ MAP_SOURCES = ("coordinate_hash.cu", "kernel_map_formats.cu")
 
 
 def convolution_source(source) -> bool:
-    """Whether `source` holds convolution kernels: the implicit GEMMs and the tensor cores' wgrad sum."""
-    return source.filename.endswith("implicit_gemm.cu") or source.filename == "wgrad_sum.cu"
+    """Whether `source` holds convolution kernels: the implicit GEMMs, the tensor cores' wgrad sum and their
+    copies of rows that are not whole 16-byte vectors."""
+    return source.filename.endswith("implicit_gemm.cu") or source.filename in ("wgrad_sum.cu", "row_padding.cu")
 
 
 def type_names(source):

@@ -16,10 +16,11 @@ after them (a backward of two launches), or by a kernel of their own where dgrad
 (raw_kernels/wgrad_sum.cu).
 
 `prepare_weight` pads the weight to multiples of 16 channels on both sides when it is not already;
-features stay unpadded. The launches of a layer signature (dtype, kernel volume, channel counts,
-parameters, device: kernels and fixed arguments) are prepared once, and take the map's arrays and row
-count per call (derived once per map and kept with it, `KernelMap.derived`), so a call, over any map,
-costs its allocations and one driver call per kernel.
+features stay unpadded, except an operand whose rows are not whole 16-byte vectors, which is copied into
+rows that are before the kernels read it (`RowPadding`). The launches of a layer signature (dtype, kernel
+volume, channel counts, parameters, device: kernels and fixed arguments) are prepared once, and take the
+map's arrays and row count per call (derived once per map and kept with it, `KernelMap.derived`), so a
+call, over any map, costs its allocations and one driver call per kernel.
 """
 
 from __future__ import annotations
@@ -88,6 +89,79 @@ _SUM_SOURCES = {dtype: KernelSource("wgrad_sum.cu", (_sum_kernel_name(cuda_type_
 def sum_source(dtype) -> KernelSource:
     """The module of the wgrad sum for partials of features of `dtype`."""
     return _SUM_SOURCES[dtype]
+
+
+# Rows of an operand that are not whole VECTOR_BYTES vectors are copied into rows that are
+# (raw_kernels/row_padding.cu), by the values' size in bits.
+_PAD_SOURCES = {size: KernelSource("row_padding.cu", (f"pad_rows<{bits}>",))
+                for size, bits in ((2, "unsigned short"), (4, "unsigned int"))}
+PAD_THREADS = 256
+MAX_PAD_BLOCKS = 4096  # the copy's blocks stride over the rows past this
+
+
+def row_width(dtype, channels: int) -> int:
+    """`channels` rounded up to whole VECTOR_BYTES vectors of `dtype`: the row width the tensor-core
+    kernels read an operand of `channels` in (`RowPadding`)."""
+    per_vector = VECTOR_BYTES // dtype.itemsize
+    return -(-channels // per_vector) * per_vector
+
+
+def staging_bytes(dtype, channels: int, rows: int) -> int:
+    """The bytes of `rows` rows of `channels` values of `dtype` padded to `row_width`; 0 where they need no
+    padding."""
+    width = row_width(dtype, channels)
+    return 0 if width == channels else rows * width * dtype.itemsize
+
+
+class RowPadding:
+    """The copy of row-major `[rows, channels]` values into `[rows, row_width]`, zeros past `channels`.
+    The tensor-core kernels gather rows that are not whole 16-byte vectors element by element, outside
+    their cp.async pipelines: on 2 x 200K indoor voxels (3^3, fp16, H100) the stem's 3 -> 32 weight
+    gradient took 0.80 ms at best, 8 -> 32 on the same map 0.13 ms; the forward 0.23 against 0.14. The copy
+    is one small launch (`launch`, into a plan's staging memory; or a call over an array)."""
+
+    def __init__(self, dtype, channels: int):
+        self.channels, self.width, self.itemsize = channels, row_width(dtype, channels), dtype.itemsize
+
+    @functools.cached_property
+    def _copy(self) -> PreparedLaunch:  # compiled at the first launch, not when a plan is made
+        source = _PAD_SOURCES[self.itemsize]
+        return PreparedLaunch(source.get(source.name_expressions[0]), (1,), (PAD_THREADS,),
+                              (None, None, np.int32(self.channels), np.int32(self.width), None))
+
+    def bytes(self, rows: int) -> int:
+        return rows * self.width * self.itemsize
+
+    def launch(self, stream: int, source: int, rows: int, padded: int) -> None:
+        """Copy `rows` rows at device address `source` into `padded` (`bytes(rows)`, 16-byte aligned) on
+        the raw CUDA stream handle `stream`."""
+        blocks = min(MAX_PAD_BLOCKS, max(1, -(-rows * self.width // PAD_THREADS)))
+        self._copy.launch(stream, source, rows, padded, grid=(blocks, 1, 1))
+
+    def __call__(self, array):
+        cupy = cupy_module()
+        array = cupy.ascontiguousarray(array)
+        padded = cupy.empty((array.shape[0], self.width), dtype=array.dtype)
+        self.launch(current_stream(), array.data.ptr, array.shape[0], padded.data.ptr)
+        return padded
+
+
+@functools.cache
+def _row_padding(device: int, dtype, channels: int) -> RowPadding:
+    return RowPadding(dtype, channels)
+
+
+def row_padding(dtype, channels: int) -> RowPadding | None:
+    """The `RowPadding` of `channels` values of `dtype` on the current device, None where the rows are
+    whole vectors already."""
+    return None if row_width(dtype, channels) == channels else _row_padding(current_device(), dtype, channels)
+
+
+def padding_sources(dtype, *channel_counts: int) -> tuple[KernelSource, ...]:
+    """The module of the copies `row_padding` makes for operands of `channel_counts`, if any."""
+    if all(row_width(dtype, channels) == channels for channels in channel_counts):
+        return ()
+    return (_PAD_SOURCES[dtype.itemsize],)
 
 
 def padded_channels(channels: int) -> int:
@@ -274,8 +348,9 @@ class WgradPlan:
     """wgrad's launches for one dtype, kernel volume, channel counts and occupancy target, over any map
     of that kernel volume: the split-K gather-gather GEMMs over the map's per-offset pair lists into an
     fp32 workspace, then the sum of its shares into the weight gradient, in a launch of its own or in
-    dgrad's (`wgrad_sum`). A subclass names the GEMM kernel: `tile_for`, `threads`, `gemm_sources`,
-    `prepare_gemm` and `launch_gemm`."""
+    dgrad's (`wgrad_sum`). The GEMM reads features and gradients in rows of `row_width` (`paddings`: the
+    copies of those that are not, None for those that are). A subclass names the GEMM kernel: `tile_for`,
+    `threads`, `gemm_sources`, `prepare_gemm` and `launch_gemm`."""
 
     def __init__(self, dtype, kernel_volume: int, in_channels: int, out_channels: int, wgrad_warps_per_sm: int):
         in_padded, out_padded = padded_channels(in_channels), padded_channels(out_channels)
@@ -284,6 +359,7 @@ class WgradPlan:
         self.dtype = dtype
         self.padded_sizes = (in_padded, out_padded)
         self.out_shape = (kernel_volume, in_channels, out_channels)
+        self.paddings = (row_padding(dtype, in_channels), row_padding(dtype, out_channels))
         self.offset_elements = in_channels * out_channels
         # Threads the GPU holds at once per element of the whole weight gradient (slot_groups).
         self.resident_threads_per_element = -(-resident_threads(current_device()) //
@@ -291,15 +367,13 @@ class WgradPlan:
         self.grid_xy = (-(-in_padded // tile[0]), -(-out_padded // tile[1]))
         self.wanted_warps = wgrad_warps_per_sm * multiprocessors(current_device())
         self.warps_per_share = kernel_volume * self.grid_xy[0] * self.grid_xy[1] * self.threads(tile) // WARP_SIZE
-        sizes = tuple(np.int32(size) for size in (kernel_volume, in_channels, in_padded, out_channels, out_padded))
+        rows = (row_width(dtype, in_channels), in_padded, row_width(dtype, out_channels), out_padded)
         # features, grad_output, the three pair lists, the share table and the workspace are per call.
-        self.prepare_gemm(dtype, tile, (None, None, None, None, None, *sizes[1:], None, None))
-        self.vector_rows = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and (
-            out_channels * dtype.itemsize % VECTOR_BYTES == 0
-        )
+        self.prepare_gemm(dtype, tile, (None, None, None, None, None, *map(np.int32, rows), None, None))
         # workspace, grad_weight, the offsets' first slots and the slot groups are per call.
         sum_kernel = sum_source(dtype).get(_sum_kernel_name(cuda_type_name(dtype)))
-        self.sum = PreparedLaunch(sum_kernel, (1,), (SUM_THREADS,), (None, None, None, *sizes[1:], None))
+        sizes = (in_channels, in_padded, out_channels, out_padded)
+        self.sum = PreparedLaunch(sum_kernel, (1,), (SUM_THREADS,), (None, None, None, *map(np.int32, sizes), None))
 
     def shares(self, num_in: int, num_out: int) -> int:
         """Shares per offset on average (the rounds of `KernelMap.wgrad_shares`, which gives each offset
@@ -386,16 +460,17 @@ class WgradPlan:
     @classmethod
     def sources(cls, dtype, in_channels: int, out_channels: int) -> tuple[KernelSource, ...]:
         """The modules a plan of this signature launches from, its features' and gradients' base
-        addresses aligned to 16 bytes: the GEMM and the sum."""
+        addresses aligned to 16 bytes: the row copies, the GEMM and the sum."""
         tile = cls.tile_for(padded_channels(in_channels), padded_channels(out_channels))
-        vectors = in_channels * dtype.itemsize % VECTOR_BYTES == 0 and out_channels * dtype.itemsize % VECTOR_BYTES == 0
-        return (*cls.gemm_sources(dtype, tile, vectors), sum_source(dtype))
+        return (*padding_sources(dtype, in_channels, out_channels), *cls.gemm_sources(dtype, tile, True),
+                sum_source(dtype))
 
     def launch_partials(self, kernel_map, features: int, grad_output: int, workspace: int, stream: int) -> None:
-        """Launch the GEMMs over `kernel_map`'s pair lists on device addresses (row-major arrays, the fp32
-        workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle `stream`."""
+        """Launch the GEMMs over `kernel_map`'s pair lists on device addresses (row-major arrays in rows of
+        `row_width`, the fp32 workspace of `workspace_shape(kernel_map)`), on the raw CUDA stream handle
+        `stream`."""
         values = kernel_map.derived(self, self._derive_map_values)
-        vectors = self.vector_rows and (features | grad_output) % VECTOR_BYTES == 0
+        vectors = (features | grad_output) % VECTOR_BYTES == 0
         self.launch_gemm(stream, values.gemm_grid, (features, grad_output, *values.pair_lists, workspace), vectors)
 
     def wgrad_sum(self, kernel_map, workspace: int, grad_weight: int) -> WgradSum:
@@ -413,6 +488,8 @@ class WgradPlan:
 
     def __call__(self, kernel_map, features, grad_output):
         cupy = cupy_module()
+        features, grad_output = (array if padding is None else padding(array)
+                                 for padding, array in zip(self.paddings, (features, grad_output)))
         # Every block writes its whole tile, zeros included, so the workspace needs no clearing.
         workspace = cupy.empty(self.workspace_shape(kernel_map), dtype=np.float32)
         grad_weight = cupy.empty(self.out_shape, dtype=self.dtype)
@@ -468,23 +545,59 @@ def dgrad_operands(kernel_map):
     return kernel_map.reversed(), 0
 
 
+def forward_plan(problem: ConvProblem, gemm, weight_transposed: bool) -> ForwardPlan:
+    """The `ForwardPlan` of a forward kernel's plan for the features' `row_width`: the features copied
+    into staging memory first where their rows are not whole vectors (`RowPadding`)."""
+    padding = row_padding(problem.dtype, problem.in_channels)
+    if padding is None:
+        return ForwardPlan(padded_weight_shape(problem, weight_transposed), gemm.launch, weight_transposed,
+                           fuses_epilogue=True)
+
+    def launch(kernel_map, features: int, weight: int, out: int, stream: int, *, staging: int, **options) -> None:
+        padding.launch(stream, features, kernel_map.num_in, staging)
+        gemm.launch(kernel_map, staging, weight, out, stream, **options)
+
+    return ForwardPlan(padded_weight_shape(problem, weight_transposed), launch, weight_transposed, fuses_epilogue=True,
+                       staging_shape=lambda kernel_map: (padding.bytes(kernel_map.num_in) // 4,))
+
+
 def backward_plan(problem: ConvProblem, dgrad, wgrad: WgradPlan) -> BackwardPlan:
-    """The `BackwardPlan` of a dgrad plan (launched over `dgrad_operands`) and a wgrad plan: for both
-    gradients, wgrad's GEMMs, then dgrad summing their partials too."""
+    """The `BackwardPlan` of a dgrad plan (launched over `dgrad_operands`, for the gradient's `row_width`)
+    and a wgrad plan: for both gradients, wgrad's GEMMs, then dgrad summing their partials too. Operands
+    whose rows are not whole vectors are first copied into staging memory, the gradient's ahead of the
+    features' (`RowPadding`); dgrad's sum of the partials would crop the weight gradient to its own row
+    width, so with the gradient copied the sum is a launch of its own."""
+    in_padding, out_padding = wgrad.paddings
 
     def launch(kernel_map, grad_output: int, features: int, weight: int, grad_input: int, workspace: int,
-               grad_weight: int, stream: int) -> None:
+               grad_weight: int, stream: int, *, staging: int = 0) -> None:  # 0: no staging_shape
+        if out_padding is not None:
+            out_padding.launch(stream, grad_output, kernel_map.num_out, staging)
+            grad_output = staging
         wgrad_sum = None
         if grad_weight:
-            if not grad_input:
+            if in_padding is not None:
+                padded = staging + (0 if out_padding is None else out_padding.bytes(kernel_map.num_out))
+                in_padding.launch(stream, features, kernel_map.num_in, padded)
+                features = padded
+            if not grad_input or out_padding is not None:
                 wgrad.launch(kernel_map, features, grad_output, workspace, grad_weight, stream)
-                return
-            wgrad.launch_partials(kernel_map, features, grad_output, workspace, stream)
-            wgrad_sum = wgrad.wgrad_sum(kernel_map, workspace, grad_weight)
+                if not grad_input:
+                    return
+            else:
+                wgrad.launch_partials(kernel_map, features, grad_output, workspace, stream)
+                wgrad_sum = wgrad.wgrad_sum(kernel_map, workspace, grad_weight)
         table_map, reverse_weight_offsets = dgrad_operands(kernel_map)
         dgrad.launch(table_map, grad_output, weight, grad_input, stream, reverse_weight_offsets, wgrad_sum)
 
-    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch, wgrad.shares_of)
+    staging_shape = None
+    if in_padding is not None or out_padding is not None:
+        def staging_shape(kernel_map) -> tuple[int]:
+            return (sum(padding.bytes(rows) for padding, rows in ((in_padding, kernel_map.num_in),
+                                                                  (out_padding, kernel_map.num_out))
+                        if padding is not None) // 4,)
+
+    return BackwardPlan(padded_weight_shape(problem), wgrad.workspace_shape, launch, wgrad.shares_of, staging_shape)
 
 
 def fp32_as_tf32_unsupported_reason(algorithm, problem: ConvProblem) -> str | None:
@@ -498,18 +611,24 @@ def fp32_as_tf32_unsupported_reason(algorithm, problem: ConvProblem) -> str | No
     return None
 
 
-def padded_weight_and_partials_bytes(problem: ConvProblem, phase: str, params: dict) -> int:
+def transient_bytes(problem: ConvProblem, phase: str, params: dict) -> int:
     """What a tensor-core call allocates beyond its operands: the padded weight made per call by forward
-    and by dgrad, and wgrad's fp32 partials: about `wgrad_warps_per_sm` warps per SM over the offsets'
-    32 x 32 warp tiles, at least MIN_PAIRS_PER_SHARE pairs each (`Algorithm.transient_bytes`)."""
+    and by dgrad, the copies of operands whose rows are not whole vectors (`RowPadding`), and wgrad's fp32
+    partials: about `wgrad_warps_per_sm` warps per SM over the offsets' 32 x 32 warp tiles, at least
+    MIN_PAIRS_PER_SHARE pairs each (`Algorithm.transient_bytes`)."""
     in_padded, out_padded = padded_channels(problem.in_channels), padded_channels(problem.out_channels)
     padded_weight = problem.kernel_volume * in_padded * out_padded * problem.dtype.itemsize
+    features_copy = staging_bytes(problem.dtype, problem.in_channels, problem.num_in)
+    gradient_copy = staging_bytes(problem.dtype, problem.out_channels, problem.num_out)
     total = 0
     if phase == "forward":
-        total += padded_weight
+        total += padded_weight + features_copy
     if phase in ("dgrad", "backward"):
-        total += padded_weight
+        total += padded_weight + gradient_copy
+    if phase == "wgrad":
+        total += gradient_copy
     if phase in ("wgrad", "backward"):
+        total += features_copy
         warp_tile = 32
         warp_tiles = problem.kernel_volume * -(-in_padded // warp_tile) * -(-out_padded // warp_tile)
         sms = multiprocessors(current_device()) if problem.device == "cuda" else 1
@@ -554,6 +673,9 @@ class TensorCoreImplicitGemm(Algorithm):
 
     def prepare_weight(self, weight) -> PaddedWeight:
         return weight if isinstance(weight, PaddedWeight) else PaddedWeight(weight)
+
+    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
+        return transient_bytes(problem, phase, params)
 
     def checked_tile(self, tile, phase: str) -> tuple:
         """`tile` as a tuple, one of the algorithm's tiles; ValueError naming them otherwise."""
@@ -625,8 +747,10 @@ class TensorCoreImplicitGemm(Algorithm):
         kernel_volume, num_out = kernel_map.pair_table.shape
         if 0 in (num_out, out_channels, features.shape[0], kernel_volume, in_channels):
             return cupy.zeros((num_out, out_channels), dtype=features.dtype)
-        features = cupy.ascontiguousarray(features)
-        plan = self.gemm_plan(np.dtype(features.dtype), kernel_volume, in_channels, out_channels, tile, stages,
+        dtype = np.dtype(features.dtype)
+        padding = row_padding(dtype, in_channels)
+        features = cupy.ascontiguousarray(features) if padding is None else padding(features)
+        plan = self.gemm_plan(dtype, kernel_volume, row_width(dtype, in_channels), out_channels, tile, stages,
                               sort_rows, weight_transposed)
         return plan(kernel_map, features, padded_weight, reverse_weight_offsets)
 
@@ -661,10 +785,12 @@ class TensorCoreImplicitGemm(Algorithm):
         params = {**self.default_params(phase), **params}
         tile = self.checked_tile(params["tile"], "forward" if phase == "forward" else "dgrad")
         dtype = np.dtype(problem.dtype)
+        in_width, out_width = row_width(dtype, problem.in_channels), row_width(dtype, problem.out_channels)
         if phase == "forward":
-            return self.forward_sources(dtype, problem.in_channels, tile, params["stages"],
-                                        self.forward_weight_transposed(dtype))
-        return (*self.forward_sources(dtype, problem.out_channels, tile, self.dgrad_stages_for(tile), True),
+            transposed = self.forward_weight_transposed(dtype)
+            return (*padding_sources(dtype, problem.in_channels),
+                    *self.forward_sources(dtype, in_width, tile, params["stages"], transposed))
+        return (*self.forward_sources(dtype, out_width, tile, self.dgrad_stages_for(tile), True),
                 *self.wgrad_plan_class_for(dtype, problem.in_channels, problem.out_channels).sources(
                     dtype, problem.in_channels, problem.out_channels))
 
@@ -674,17 +800,17 @@ class TensorCoreImplicitGemm(Algorithm):
         params = {**self.default_params("forward"), **params}
         tile = self.checked_tile(params["tile"], "forward")
         transposed = self.forward_weight_transposed(problem.dtype)
-        plan = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.in_channels, problem.out_channels, tile,
-                              params["stages"], params["sort_rows"], transposed)
-        return ForwardPlan(padded_weight_shape(problem, transposed), plan.launch, transposed, fuses_epilogue=True)
+        gemm = self.gemm_plan(problem.dtype, problem.kernel_volume, row_width(problem.dtype, problem.in_channels),
+                              problem.out_channels, tile, params["stages"], params["sort_rows"], transposed)
+        return forward_plan(problem, gemm, transposed)
 
     def backward_plan(self, problem: ConvProblem, params: dict) -> BackwardPlan | None:
         if self.unsupported_reason(problem) or empty_problem(problem):
             return None
         params = {**self.default_params("backward"), **params}
         tile = self.checked_tile(params["tile"], "dgrad")
-        dgrad = self.gemm_plan(problem.dtype, problem.kernel_volume, problem.out_channels, problem.in_channels, tile,
-                               self.dgrad_stages_for(tile), True, True)
+        dgrad = self.gemm_plan(problem.dtype, problem.kernel_volume, row_width(problem.dtype, problem.out_channels),
+                               problem.in_channels, tile, self.dgrad_stages_for(tile), True, True)
         wgrad = wgrad_plan(current_device(), problem.dtype, problem.kernel_volume, problem.in_channels,
                            problem.out_channels, params["wgrad_warps_per_sm"],
                            self.wgrad_plan_class_for(problem.dtype, problem.in_channels, problem.out_channels))

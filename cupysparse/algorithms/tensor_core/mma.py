@@ -28,7 +28,6 @@ from cupysparse.algorithms.tensor_core.common import (
     forward_arguments,
     fp32_as_tf32_unsupported_reason,
     padded_channels,
-    padded_weight_and_partials_bytes,
 )
 
 STAGE_ROW_BYTES = 64  # of a feature row per pipeline stage: 32 fp16/bf16 channels, 16 fp32 (at most)
@@ -168,7 +167,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 @register
 class MmaImplicitGemm(TensorCoreImplicitGemm):
     name = "mma_implicit_gemm"
-    kernel_sources = ("mma_implicit_gemm.cu", "wgrad_sum.cu")
+    kernel_sources = ("mma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "mma_implicit_gemm_sm80",
         "backward": "mma_implicit_gemm_backward_sm80",
@@ -208,6 +207,3 @@ class MmaImplicitGemm(TensorCoreImplicitGemm):
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         return MmaWgradPlan
-
-    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
-        return padded_weight_and_partials_bytes(problem, phase, params)

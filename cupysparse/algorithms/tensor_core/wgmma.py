@@ -192,7 +192,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 class WgmmaImplicitGemm(TensorCoreImplicitGemm):
     name = "wgmma_implicit_gemm"
     # Its wgrad on layers of up to 64 channels is mma_implicit_gemm's (`wgrad_plan_class_for`).
-    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wgrad_sum.cu")
+    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wgmma_implicit_gemm_sm90a",
         "backward": "wgmma_implicit_gemm_backward_sm90a",

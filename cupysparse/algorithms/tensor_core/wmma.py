@@ -31,7 +31,6 @@ from cupysparse.algorithms.tensor_core.common import (
     current_stream,
     forward_map_values,
     padded_channels,
-    padded_weight_and_partials_bytes,
     with_wgrad_sum,
 )
 
@@ -206,7 +205,7 @@ class WmmaWgradPlan(WgradPlan):
 @register
 class WmmaImplicitGemm(TensorCoreImplicitGemm):
     name = "wmma_implicit_gemm"
-    kernel_sources = ("wmma_implicit_gemm.cu", "wgrad_sum.cu")
+    kernel_sources = ("wmma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
     feature_dtypes: ClassVar[tuple] = tuple(_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wmma_implicit_gemm_sm80",
@@ -262,6 +261,3 @@ class WmmaImplicitGemm(TensorCoreImplicitGemm):
 
     def wgrad_plan_class_for(self, dtype, in_channels: int, out_channels: int) -> type[WgradPlan]:
         return WmmaWgradPlan
-
-    def transient_bytes(self, problem: ConvProblem, phase: str, params: dict, max_offset_pairs: int) -> int:
-        return padded_weight_and_partials_bytes(problem, phase, params)
