@@ -116,9 +116,10 @@ def test_layers_sharing_a_map_each_find_it_in_the_memo():
     """Every layer of a level holds its own (3, 3, 3): equal tuples of ints answer from the memo, without
     normalising again."""
     x = tensor()
-    first = x.kernel_map(kernel_size=(3, 3, 3))
-    other_layers_size = tuple(int(size) for size in "333")  # equal, another object
-    assert other_layers_size is not (3, 3, 3)
+    first_layers_size = (3, 3, 3)
+    first = x.kernel_map(kernel_size=first_layers_size)
+    other_layers_size = tuple(int(size) for size in "333")
+    assert other_layers_size == first_layers_size and other_layers_size is not first_layers_size
     assert x.map_cache.lookup((1, 1, 1), other_layers_size) is first
     assert x.map_cache.lookup((1, 1, 1), (3.0, 3, 3)) is None  # a float among them: checked again
 
