@@ -46,7 +46,7 @@ def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
 class _Step:
     """One call's state: the feature dtype, whether it runs on the GPU, which slots need gradients, what each
     operation keeps for its backward, the parameters' gradients, and on the GPU the batch norms' fp32 scratch
-    (`TrainingProgram.scratch_floats`) with its base addresses forward and backward."""
+    (`TrainingProgram.scratch_floats`) and their reduction workspace, by address."""
 
     def __init__(self, dtype: torch.dtype, on_gpu: bool, parameters: list):
         self.dtype, self.on_gpu, self.parameters = dtype, on_gpu, parameters
@@ -54,13 +54,15 @@ class _Step:
         self.requires_by_operation: list[bool] = []  # whether any of an operation's parameters requires a gradient
         self.saved: list = []
         self.parameter_grads: dict[int, torch.Tensor] = {}  # by the parameter's id
-        self.scratch: list[torch.Tensor] = []
-        self.forward_scratch = self.backward_scratch = 0
+        self.scratch: torch.Tensor | None = None  # kept for the step: the backward reads it too
+        self.norm_scratch = self.reduction = 0
 
-    def zeroed_scratch(self, floats: int, like: torch.Tensor) -> int:
-        """The address of `floats` fp32 zeros on `like`'s device, kept for the step."""
-        self.scratch.append(torch.zeros(floats, dtype=torch.float32, device=like.device))
-        return self.scratch[-1].data_ptr()
+    def allocate_scratch(self, norm_floats: int, reduction_floats: int, like: torch.Tensor) -> None:
+        """The norms' `norm_floats` fp32 words, then a reduction workspace of `reduction_floats`, zeroed (its
+        tickets must be), in one allocation on `like`'s device."""
+        self.scratch = torch.zeros(norm_floats + reduction_floats, dtype=torch.float32, device=like.device)
+        self.norm_scratch = self.scratch.data_ptr()
+        self.reduction = self.norm_scratch + 4 * norm_floats
 
 
 class _Conv:
@@ -116,7 +118,7 @@ class _Norm:
         self.module, self.source, self.target = module, source, target
         self.residual, self.relu = residual, relu
         self.sources = (source,) if residual is None else (source, residual)
-        self.forward_offset = self.backward_offset = 0  # bytes into the step's scratch (`TrainingProgram`)
+        self.scratch_offset = 0  # bytes into the step's norm scratch (`TrainingProgram`)
 
     def parameters(self) -> tuple:
         weight, bias = self.module.weight, self.module.bias
@@ -137,7 +139,7 @@ class _Norm:
             out, saved, _ = training_norm.run_forward(
                 TORCH_ARRAYS, features, residual, norm.weight, norm.bias, norm.running_mean, norm.running_var,
                 norm.momentum, norm.eps, self.relu, core_dtype(norm.running_mean.dtype), norm.num_batches_tracked,
-                step.forward_scratch + self.forward_offset)
+                step.norm_scratch + self.scratch_offset, step.reduction)
         else:
             core = _core_or_none
             out, mean, invstd = training_norm.training_batch_norm(
@@ -157,7 +159,8 @@ class _Norm:
         if step.on_gpu:
             grad_features, parameter_grads, grad_residual = training_norm.run_backward(
                 TORCH_ARRAYS, grad, features, out, statistics, weight, self.relu, with_residual,
-                core_dtype(norm.running_mean.dtype), wants_parameters, step.backward_scratch + self.backward_offset)
+                core_dtype(norm.running_mean.dtype), wants_parameters, step.norm_scratch + self.scratch_offset,
+                step.reduction)
             if wants_parameters:
                 parameter_grads = parameter_grads.unbind()
         else:
@@ -243,20 +246,22 @@ class TrainingProgram:
         del self._network
         # The network's modules (not itself, whose hooks run around the program) when it was compiled.
         self.modules = modules
-        self.scratch_floats = self._lay_out_scratch()
+        self.scratch_floats, self.widest_norm = self._lay_out_scratch()
 
     def _lay_out_scratch(self) -> tuple[int, int]:
-        """Place each batch norm's fp32 scratch (`training_norm`'s FORWARD_SCRATCH_ROWS and BACKWARD_SCRATCH_ROWS
-        rows of its channels, on 16 bytes) in a step's, which one zeroed allocation holds for all of them forward
-        and one backward: a MinkUNet's fifty would each allocate and zero their own. Returns the two sizes in floats."""
-        forward = backward = 0
+        """Place each batch norm's fp32 scratch (`training_norm`'s FORWARD_SCRATCH_ROWS rows of its channels, on 16
+        bytes) in a step's, which one allocation holds for all of them with the reduction workspace they share: a
+        MinkUNet's fifty would each allocate their own. The backward's sums (BACKWARD_SCRATCH_ROWS rows) take the
+        first rows of the norm's, where its forward's sums were. Returns the floats of the norms' scratch and the
+        widest norm's channels, which size the workspace."""
+        floats = widest = 0
         for operation in self.operations:
             if isinstance(operation, _Norm):
                 channels = -(-operation.module.num_features // 4) * 4
-                operation.forward_offset, operation.backward_offset = 4 * forward, 4 * backward
-                forward += training_norm.FORWARD_SCRATCH_ROWS * channels
-                backward += training_norm.BACKWARD_SCRATCH_ROWS * channels
-        return forward, backward
+                operation.scratch_offset = 4 * floats
+                floats += training_norm.FORWARD_SCRATCH_ROWS * channels
+                widest = max(widest, channels)
+        return floats, widest
 
     def _slot(self) -> int:
         self.slots += 1
@@ -372,7 +377,7 @@ class TrainingProgram:
             requires[operation.target] = parameters_require or any(requires[source] for source in operation.sources)
         step.requires = requires
         if step.on_gpu:
-            step.forward_scratch = step.zeroed_scratch(self.scratch_floats[0], features)
+            step.allocate_scratch(self.scratch_floats, training_norm.reduction_floats(self.widest_norm), features)
         step.saved = [operation.forward(step, values) for operation in self.operations]
         return values[self.output]
 
@@ -381,7 +386,6 @@ class TrainingProgram:
         grads = {self.output: grad_output}
         saved = step.saved
         if step.on_gpu:  # the weight gradients' shares of every fresh map, in one allocation
-            step.backward_scratch = step.zeroed_scratch(self.scratch_floats[1], grad_output)
             execution.derive_backward_formats(TORCH_ARRAYS, [
                 (*saved[index], _argument(operation.module.bwd_algo, "backward"))
                 for index, operation in enumerate(self.operations)

@@ -11,7 +11,9 @@ backward over the features `[N, C]` in two passes each (raw_kernels/batch_norm_t
 A torch network in training runs a batch norm, a ReLU and a residual sum as four kernels forward and
 three backward, each a pass over the features; here the statistics are one pass and the normalisation
 with the ReLU and the sum another, and the backward's sums one pass and the gradients another. Sums are
-fp32 (the forward's over x − x[0], against cancellation).
+fp32 (the forward's over x − x[0], against cancellation), in a fixed order: each block's into a reduction
+workspace (`reduction_floats`), where the last block of each group of blocks adds up the group's and the last
+group's the groups', so a step gives the same bits every run.
 
 On the GPU, fp32, fp16 and bf16 features with parameters and statistics of the features' dtype or fp32
 (`kernel_runs`); `launch_forward` and `launch_backward` take device addresses (for adapters, whose
@@ -35,7 +37,8 @@ from cupysparse.functional.epilogue import VECTOR_BYTES, check_norm_arguments, f
 from cupysparse.functional.execution import core_arrays
 
 BLOCK = 256  # threads of a block, as in the kernel source: at most this many channel groups
-BLOCKS_PER_MULTIPROCESSOR = 8  # the passes' grid: enough to fill the GPU, few atomic adds per channel
+BLOCKS_PER_MULTIPROCESSOR = 8  # the passes' grid: enough to fill the GPU, few block sums to add up
+GROUP = 32  # blocks whose sums one of them adds up, as in the kernel source
 KERNEL_DTYPES = tuple(dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16) if dtype is not None)
 
 
@@ -75,10 +78,28 @@ def kernel_runs(dtype, parameter_dtype, channels: int) -> bool:
     return (channels // vector if channels % vector == 0 else channels) <= BLOCK
 
 
+def _max_blocks(device: int) -> int:
+    return multiprocessors(device) * BLOCKS_PER_MULTIPROCESSOR
+
+
 def _launch_shape(device: int, num_rows: int, channels: int, vector: int) -> tuple[int, int, int]:
     rows_per_block = BLOCK // (channels // vector)
-    blocks = multiprocessors(device) * BLOCKS_PER_MULTIPROCESSOR
-    return max(1, min(-(-num_rows // rows_per_block), blocks)), 1, 1
+    return max(1, min(-(-num_rows // rows_per_block), _max_blocks(device))), 1, 1
+
+
+@functools.cache
+def _ticket_floats(device: int) -> int:
+    """A reduction workspace's first words, its tickets (one for the groups, one per group), on 16 bytes."""
+    return -(-(1 + -(-_max_blocks(device) // GROUP)) // 4) * 4
+
+
+def reduction_floats(channels: int, device: int | None = None) -> int:
+    """The fp32 words of the reduction workspace a pass over `channels` channels takes on GPU `device` (default:
+    the current one): its tickets, zero before the first pass (each pass leaves them zero), then 2 x `channels`
+    sums of each block and of each group of blocks. The passes of one stream may share one."""
+    device = current_device() if device is None else device
+    blocks = _max_blocks(device)
+    return _ticket_floats(device) + (blocks + -(-blocks // GROUP)) * 2 * channels
 
 
 @functools.cache
@@ -87,44 +108,45 @@ def _launches(device: int, dtype, parameter_dtype, vector: int) -> tuple:
     of a network in training would otherwise name and look up four kernels a step."""
     kernels, value = _KERNELS[dtype], cuda_type_name(dtype)
     types = f"{value}, {cuda_type_name(parameter_dtype)}, {vector}"
-    return (kernels.prepared(f"batch_norm_statistics<{value}, {vector}>", BLOCK, 4),
+    return (kernels.prepared(f"batch_norm_statistics<{value}, {vector}>", BLOCK, 6),
             kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16),
-            kernels.prepared(f"batch_norm_gradient_sums<{value}, {vector}>", BLOCK, 9),
+            kernels.prepared(f"batch_norm_gradient_sums<{value}, {vector}>", BLOCK, 11),
             kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11))
 
 
 def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int, residual: int,
                    weight: int, bias: int, running_mean: int, running_var: int, batches_tracked: int,
-                   momentum: float, eps: float, relu: bool, sums: int, saved_mean: int, saved_invstd: int,
-                   out: int) -> None:
+                   momentum: float, eps: float, relu: bool, sums: int, reduction: int, saved_mean: int,
+                   saved_invstd: int, out: int) -> None:
     """The forward on the current device over device addresses: row-major `[num_rows, channels]` features,
     residual (0: none) and out of `dtype`; `[channels]` weight, bias (0: none of either) and running statistics
     of `parameter_dtype` (see `kernel_runs`; the statistics are updated in place); an int64 count of batches
-    incremented by one (0: none); fp32 `sums` `[2, channels]` zeroed, and `saved_mean`, `saved_invstd`
-    `[channels]` written for the backward. Nothing is checked."""
+    incremented by one (0: none); fp32 `sums` `[2, channels]`, a `reduction` workspace (`reduction_floats`), and
+    `saved_mean`, `saved_invstd` `[channels]` written for the backward. Nothing is checked."""
     vector = _vector(dtype, channels, features | residual | out)
     device = current_device()
     grid = _launch_shape(device, num_rows, channels, vector)
     statistics, normalise, _, _ = _launches(device, dtype, parameter_dtype, vector)
-    statistics.launch(stream, features, num_rows, channels, sums, grid=grid)
+    statistics.launch(stream, features, num_rows, channels, sums, reduction + 4 * _ticket_floats(device), reduction,
+                      grid=grid)
     normalise.launch(
         stream, features, residual, weight, bias, sums, running_mean, running_var, batches_tracked,
         float_bits(momentum), float_bits(eps), int(relu), num_rows, channels, saved_mean, saved_invstd, out, grid=grid)
 
 
 def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, grad_out: int, features: int,
-                    out: int, weight: int, saved_mean: int, saved_invstd: int, relu: bool, sums: int, g: int,
-                    grad_features: int, grad_weight: int, grad_bias: int) -> None:
+                    out: int, weight: int, saved_mean: int, saved_invstd: int, relu: bool, sums: int, reduction: int,
+                    g: int, grad_features: int, grad_weight: int, grad_bias: int) -> None:
     """The backward over device addresses (see `launch_forward`): `out` the forward's output (read only with
-    the ReLU), fp32 `sums` `[2, channels]` zeroed, `g` where g is written with the ReLU (the residual's
-    gradient; without it, g is `grad_out` and this is not read); `grad_weight`, `grad_bias`: 0 where not
-    wanted. Nothing is checked."""
+    the ReLU), fp32 `sums` `[2, channels]`, a `reduction` workspace, `g` where g is written with the ReLU (the
+    residual's gradient; without it, g is `grad_out` and this is not read); `grad_weight`, `grad_bias`: 0 where
+    not wanted. Nothing is checked."""
     vector = _vector(dtype, channels, grad_out | features | grad_features | (out | g if relu else 0))
     device = current_device()
     grid = _launch_shape(device, num_rows, channels, vector)
     _, _, gradient_sums, input_gradient = _launches(device, dtype, parameter_dtype, vector)
     gradient_sums.launch(stream, grad_out, features, out, saved_mean, int(relu), num_rows, channels, sums, g,
-                         grid=grid)
+                         reduction + 4 * _ticket_floats(device), reduction, grid=grid)
     input_gradient.launch(
         stream, g if relu else grad_out, features, weight, saved_mean, saved_invstd, sums, num_rows, channels,
         grad_features, grad_weight, grad_bias, grid=grid)
@@ -135,36 +157,42 @@ BACKWARD_SCRATCH_ROWS = 2  # the backward's two sums
 
 
 def run_forward(arrays, features, residual, weight, bias, running_mean, running_var, momentum: float, eps: float,
-                relu: bool, parameter_dtype, batches_tracked=None, scratch: int | None = None):
+                relu: bool, parameter_dtype, batches_tracked=None, scratch: int | None = None,
+                reduction: int | None = None):
     """The forward's kernels on a framework's arrays (`arrays`: its `execution.Arrays`), which its caller has
     found them to take as they are (`kernel_runs`, contiguous, on the current GPU; `residual`, `weight`,
     `bias` may be None; `batches_tracked`, a module's int64 count of batches there, is incremented).
-    `scratch`: the device address of fp32 `[FORWARD_SCRATCH_ROWS, C]` whose first two rows are zero, where a
-    caller running many batch norms zeroes theirs at once; None: allocated and zeroed here.
-    Returns `(out, statistics, kept)`: `statistics` the addresses of the batch's fp32 mean and invstd `[C]` for
-    `run_backward`, which live in `kept`, the scratch allocated here (None where given), until then."""
+    `scratch`: the device address of fp32 `[FORWARD_SCRATCH_ROWS, C]`, where a caller running many batch norms
+    places theirs in one allocation, and `reduction` that of a reduction workspace of at least
+    `reduction_floats(C)` words whose tickets are zero, which the norms of one stream may share; given together, or
+    None: allocated here. Returns `(out, statistics, kept)`: `statistics` the addresses of the batch's fp32 mean and
+    invstd `[C]` for `run_backward`, which live in `kept`, the scratch allocated here (None where given), until
+    then."""
     num_rows, channels = features.shape
     out = arrays.empty(features, (num_rows, channels))
     stream, row, kept = arrays.stream(features), 4 * channels, None
     if scratch is None:
         kept = arrays.empty_float32(features, (FORWARD_SCRATCH_ROWS, channels))
         scratch = arrays.address(kept)
-        _zero(scratch, 2 * row, stream)
+        workspace = _reduction_workspace(arrays, features, 0, stream)  # freed after the launches, in stream order
+        reduction = arrays.address(workspace)
     launch_forward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
                    arrays.address(features), _address(arrays, residual), _address(arrays, weight),
                    _address(arrays, bias), arrays.address(running_mean), arrays.address(running_var),
-                   _address(arrays, batches_tracked), momentum, eps, relu, scratch, scratch + 2 * row,
+                   _address(arrays, batches_tracked), momentum, eps, relu, scratch, reduction, scratch + 2 * row,
                    scratch + 3 * row, arrays.address(out))
     return out, (scratch + 2 * row, scratch + 3 * row), kept
 
 
 def run_backward(arrays, grad_out, features, out, statistics: tuple[int, int], weight, relu: bool,
-                 with_residual: bool, parameter_dtype, parameter_grads: bool, sums: int | None = None):
+                 with_residual: bool, parameter_dtype, parameter_grads: bool, sums: int | None = None,
+                 reduction: int | None = None):
     """The backward's kernels on a framework's arrays (see `run_forward`, whose `statistics` addresses it reads;
-    `out` read only with the ReLU). `sums`: the device address of fp32 `[BACKWARD_SCRATCH_ROWS, C]` zeros, or
-    None: allocated and zeroed here. Returns `(grad_features, grads, g)`, `grads` `[2, C]` the gradients of
-    weight and bias in `weight`'s dtype (fp32 without one) where `parameter_grads`, else None, and g the masked
-    output gradient, the residual's gradient."""
+    `out` read only with the ReLU). `sums`: the device address of fp32 `[BACKWARD_SCRATCH_ROWS, C]`, and
+    `reduction` that of a reduction workspace as `run_forward` takes them; given together, or None: allocated
+    here. Returns `(grad_features, grads, g)`, `grads` `[2, C]` the gradients of weight and bias in `weight`'s
+    dtype (fp32 without one) where `parameter_grads`, else None, and g the masked output gradient, the residual's
+    gradient."""
     num_rows, channels = features.shape
     grad_features = arrays.empty(features, (num_rows, channels))
     # g: grad_out itself without the ReLU; with it, a buffer of its own only where it is also the residual's
@@ -172,9 +200,9 @@ def run_backward(arrays, grad_out, features, out, statistics: tuple[int, int], w
     g = grad_out if not relu else arrays.empty(features, (num_rows, channels)) if with_residual else grad_features
     stream = arrays.stream(features)
     if sums is None:
-        kept = arrays.empty_float32(features, (BACKWARD_SCRATCH_ROWS, channels))
-        sums = arrays.address(kept)
-        _zero(sums, 8 * channels, stream)
+        workspace = _reduction_workspace(arrays, features, BACKWARD_SCRATCH_ROWS * channels, stream)
+        reduction = arrays.address(workspace)
+        sums = reduction + 4 * reduction_floats(channels)
     grads, grad_weight, grad_bias = None, 0, 0
     if parameter_grads:
         shape = (2, channels)
@@ -183,13 +211,16 @@ def run_backward(arrays, grad_out, features, out, statistics: tuple[int, int], w
         grad_bias = grad_weight + channels * (4 if weight is None else arrays.core_dtype(weight.dtype).itemsize)
     launch_backward(stream, num_rows, channels, arrays.core_dtype(features.dtype), parameter_dtype,
                     arrays.address(grad_out), arrays.address(features), _address(arrays, out if relu else None),
-                    _address(arrays, weight), *statistics, relu, sums, arrays.address(g),
+                    _address(arrays, weight), *statistics, relu, sums, reduction, arrays.address(g),
                     arrays.address(grad_features), grad_weight, grad_bias)
     return grad_features, grads, g
 
 
-def _zero(address: int, num_bytes: int, stream: int) -> None:
-    cupy_module().cuda.runtime.memsetAsync(address, 0, num_bytes, stream)
+def _reduction_workspace(arrays, features, extra_floats: int, stream: int):
+    """A reduction workspace for `features`' channels, its tickets zeroed on `stream`, then `extra_floats` more."""
+    workspace = arrays.empty_float32(features, (reduction_floats(features.shape[1]) + extra_floats,))
+    cupy_module().cuda.runtime.memsetAsync(arrays.address(workspace), 0, 4 * _ticket_floats(current_device()), stream)
+    return workspace
 
 
 def training_batch_norm(features, running_mean, running_var, weight=None, bias=None, momentum: float = 0.1,

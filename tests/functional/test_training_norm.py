@@ -9,6 +9,7 @@ from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
 import cupysparse as cs
 from cupysparse.functional import training_norm
+from cupysparse.functional.execution import core_arrays
 from tolerances import EPSILON, assert_close
 
 EPS, MOMENTUM = 1e-5, 0.1
@@ -186,3 +187,45 @@ def test_arrays_the_kernels_do_not_take_as_they_are_run_through_the_reference(la
     # The same formula in float64, on the GPU and on the CPU: each output within one fp16 rounding of the other.
     eps = EPSILON["float16"]
     np.testing.assert_allclose(out.get().astype(np.float64), expected.astype(np.float64), rtol=eps, atol=eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [FLOAT32, FLOAT16], ids=lambda dtype: np.dtype(dtype).name)
+def test_gpu_kernels_give_the_same_bits_every_run(dtype):
+    """Each block's sums are added in block order by the last block of the pass, not by atomic adds in whatever
+    order the blocks finish: a step over the same inputs gives the same bits each time (here on enough rows
+    for the largest grid, a thousand blocks on an H100)."""
+    arrays = inputs(300_000, 32, dtype, FLOAT32, seed=3)
+    runs = [[None if value is None else value.get() for value in run(arrays, True, True, True, cupy_module())]
+            for _ in range(4)]
+    for again in runs[1:]:
+        for first, value in zip(runs[0], again):
+            np.testing.assert_array_equal(value, first)
+
+
+@pytest.mark.gpu
+def test_norms_sharing_one_reduction_workspace_equal_norms_with_their_own():
+    """The passes of one stream share a reduction workspace, as a network's training step does: each pass leaves
+    its ticket at zero for the next, whatever its grid, so norms of several shapes in a row, through one workspace
+    zeroed once (and the backward's sums in the first rows of the forward's scratch), give the same bits as each
+    norm through workspaces of its own."""
+    cupy = cupy_module()
+    core = core_arrays()
+    widest = max(channels for _, channels in GPU_SHAPES)
+    shared = cupy.zeros(training_norm.reduction_floats(widest), np.float32)
+
+    def step(args, scratch=None, reduction=None):
+        out, statistics, _ = training_norm.run_forward(
+            core, args["features"], args["residual"], args["weight"], args["bias"], args["running_mean"].copy(),
+            args["running_var"].copy(), MOMENTUM, EPS, True, np.dtype(FLOAT32), scratch=scratch, reduction=reduction)
+        grad_features, grads, g = training_norm.run_backward(
+            core, args["grad_out"], args["features"], out, statistics, args["weight"], True, True, np.dtype(FLOAT32),
+            True, sums=scratch, reduction=reduction)
+        return [array.get() for array in (out, grad_features, grads, g)]
+
+    for rows, channels in GPU_SHAPES:
+        args = {name: cupy.asarray(value) for name, value in inputs(rows, channels, FLOAT16, FLOAT32, rows).items()}
+        scratch = cupy.empty((training_norm.FORWARD_SCRATCH_ROWS, channels), np.float32)
+        own = step(args)
+        for expected, got in zip(own, step(args, scratch.data.ptr, shared.data.ptr)):
+            np.testing.assert_array_equal(got, expected)
