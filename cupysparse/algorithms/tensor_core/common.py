@@ -97,6 +97,9 @@ _PAD_SOURCES = {size: KernelSource("row_padding.cu", (f"pad_rows<{bits}>",))
                 for size, bits in ((2, "unsigned short"), (4, "unsigned int"))}
 PAD_THREADS = 256
 MAX_PAD_BLOCKS = 4096  # the copy's blocks stride over the rows past this
+# The sources every tensor-core algorithm launches from besides its GEMMs' (in this order: the shipped tuning
+# file records each algorithm's sources as listed).
+SHARED_SOURCES = ("wgrad_sum.cu", "row_padding.cu")
 
 
 def row_width(dtype, channels: int) -> int:
@@ -106,11 +109,15 @@ def row_width(dtype, channels: int) -> int:
     return -(-channels // per_vector) * per_vector
 
 
+def whole_vectors(dtype, channels: int) -> bool:
+    """Whether rows of `channels` values of `dtype` are whole VECTOR_BYTES vectors, which need no copy."""
+    return row_width(dtype, channels) == channels
+
+
 def staging_bytes(dtype, channels: int, rows: int) -> int:
     """The bytes of `rows` rows of `channels` values of `dtype` padded to `row_width`; 0 where they need no
     padding."""
-    width = row_width(dtype, channels)
-    return 0 if width == channels else rows * width * dtype.itemsize
+    return 0 if whole_vectors(dtype, channels) else rows * row_width(dtype, channels) * dtype.itemsize
 
 
 class RowPadding:
@@ -154,12 +161,12 @@ def _row_padding(device: int, dtype, channels: int) -> RowPadding:
 def row_padding(dtype, channels: int) -> RowPadding | None:
     """The `RowPadding` of `channels` values of `dtype` on the current device, None where the rows are
     whole vectors already."""
-    return None if row_width(dtype, channels) == channels else _row_padding(current_device(), dtype, channels)
+    return None if whole_vectors(dtype, channels) else _row_padding(current_device(), dtype, channels)
 
 
 def padding_sources(dtype, *channel_counts: int) -> tuple[KernelSource, ...]:
     """The module of the copies `row_padding` makes for operands of `channel_counts`, if any."""
-    if all(row_width(dtype, channels) == channels for channels in channel_counts):
+    if all(whole_vectors(dtype, channels) for channels in channel_counts):
         return ()
     return (_PAD_SOURCES[dtype.itemsize],)
 

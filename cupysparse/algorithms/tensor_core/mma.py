@@ -18,6 +18,7 @@ from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, s
 from cupysparse.algorithms.base import ConvProblem, gpu_only_reason, register
 from cupysparse.algorithms.tensor_core.common import (
     CHANNEL_MULTIPLE,
+    SHARED_SOURCES,
     WARP_SIZE,
     WGRAD_WARPS_PER_SM,
     DynamicSharedWgradPlan,
@@ -167,7 +168,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 @register
 class MmaImplicitGemm(TensorCoreImplicitGemm):
     name = "mma_implicit_gemm"
-    kernel_sources = ("mma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
+    kernel_sources = ("mma_implicit_gemm.cu", *SHARED_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "mma_implicit_gemm_sm80",
         "backward": "mma_implicit_gemm_backward_sm80",

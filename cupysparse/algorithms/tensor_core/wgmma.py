@@ -32,6 +32,7 @@ from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch, 
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name
 from cupysparse.algorithms.base import ConvProblem, get_algorithm, gpu_only_reason, register
 from cupysparse.algorithms.tensor_core.common import (
+    SHARED_SOURCES,
     WGRAD_WARPS_PER_SM,
     DynamicSharedWgradPlan,
     ForwardGemmPlan,
@@ -192,7 +193,7 @@ def _plan(device: int, dtype, kernel_volume: int, in_channels: int, out_channels
 class WgmmaImplicitGemm(TensorCoreImplicitGemm):
     name = "wgmma_implicit_gemm"
     # Its wgrad on layers of up to 64 channels is mma_implicit_gemm's (`wgrad_plan_class_for`).
-    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
+    kernel_sources = ("wgmma_implicit_gemm.cu", "mma_implicit_gemm.cu", *SHARED_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wgmma_implicit_gemm_sm90a",
         "backward": "wgmma_implicit_gemm_backward_sm90a",

@@ -21,6 +21,7 @@ from cupysparse.algorithms.tensor_core.common import (
     EPILOGUE_ARGUMENTS,
     NO_EPILOGUE,
     NO_WGRAD_SUM,
+    SHARED_SOURCES,
     VECTOR_BYTES,
     WARP_SIZE,
     WGRAD_SUM_ARGUMENTS,
@@ -205,7 +206,7 @@ class WmmaWgradPlan(WgradPlan):
 @register
 class WmmaImplicitGemm(TensorCoreImplicitGemm):
     name = "wmma_implicit_gemm"
-    kernel_sources = ("wmma_implicit_gemm.cu", "wgrad_sum.cu", "row_padding.cu")
+    kernel_sources = ("wmma_implicit_gemm.cu", *SHARED_SOURCES)
     feature_dtypes: ClassVar[tuple] = tuple(_SOURCES)
     tuning_namespaces: ClassVar[dict[str, str]] = {
         "forward": "wmma_implicit_gemm_sm80",
