@@ -87,10 +87,14 @@ def _launch_shape(device: int, num_rows: int, channels: int, vector: int) -> tup
     return max(1, min(-(-num_rows // rows_per_block), _max_blocks(device))), 1, 1
 
 
+def _max_groups(device: int) -> int:
+    return -(-_max_blocks(device) // GROUP)
+
+
 @functools.cache
 def _ticket_floats(device: int) -> int:
     """A reduction workspace's first words, its tickets (one for the groups, one per group), on 16 bytes."""
-    return -(-(1 + -(-_max_blocks(device) // GROUP)) // 4) * 4
+    return -(-(1 + _max_groups(device)) // 4) * 4
 
 
 def reduction_floats(channels: int, device: int | None = None) -> int:
@@ -98,8 +102,7 @@ def reduction_floats(channels: int, device: int | None = None) -> int:
     the current one): its tickets, zero before the first pass (each pass leaves them zero), then 2 x `channels`
     sums of each block and of each group of blocks. The passes of one stream may share one."""
     device = current_device() if device is None else device
-    blocks = _max_blocks(device)
-    return _ticket_floats(device) + (blocks + -(-blocks // GROUP)) * 2 * channels
+    return _ticket_floats(device) + (_max_blocks(device) + _max_groups(device)) * 2 * channels
 
 
 @functools.cache
