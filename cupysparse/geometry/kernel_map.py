@@ -90,7 +90,7 @@ class KernelMap:
         # is kept as it is.
         self.pair_table = array_module(pair_table).ascontiguousarray(pair_table, dtype=np.int32)
         # Plain attributes, not properties of the table: every convolution call reads them.
-        self.kernel_volume, self.num_out = (int(size) for size in self.pair_table.shape)
+        self.kernel_volume, self.num_out = map(int, self.pair_table.shape)
         if offset_mask is not None:  # already computed by the query: skip the derivation
             self._offset_mask = offset_mask
         if mask_sorted_order is not None:  # known without sorting (the identity map's: every row in place)
@@ -120,7 +120,7 @@ class KernelMap:
             return None
         if self.num_in != self.num_out:
             return None
-        return int(np.flatnonzero((self.offsets == 0).all(axis=1))[0])
+        return _zero_offset(self.kernel_size)
 
     def __repr__(self) -> str:
         kind = "generative transposed" if self.generative else "transposed" if self.transposed else "forward"
@@ -234,8 +234,7 @@ class KernelMap:
     def mirror_symmetric(self) -> bool:
         """A map between the same coordinates whose offsets come in mirror pairs (o_(K-1-k) = -o_k:
         odd kernel sizes), as submanifold maps are: its reverse is its table with the offsets flipped."""
-        offsets = self.offsets
-        return self.identity_offset is not None and bool((offsets[::-1] == -offsets).all())
+        return self.identity_offset is not None and _mirrored_offsets(self.kernel_size)
 
     def reversed(self) -> KernelMap:
         """The same pairs indexed by input row (`[K, N_in]` → output row), computed once.
@@ -274,6 +273,20 @@ class KernelMap:
             kernel_map._host_pair_offsets
             kernel_map.identity_offset
         return self
+
+
+# Every new map asks for these of its kernel size (a network's maps, each step): answered once per size.
+@functools.cache
+def _zero_offset(kernel_size: tuple[int, ...]) -> int:
+    """The index of the zero offset among `kernel_size`'s offsets."""
+    return int(np.flatnonzero((kernel_offsets(kernel_size) == 0).all(axis=1))[0])
+
+
+@functools.cache
+def _mirrored_offsets(kernel_size: tuple[int, ...]) -> bool:
+    """Whether `kernel_size`'s offsets come in mirror pairs (o_(K-1-k) = -o_k)."""
+    offsets = kernel_offsets(kernel_size)
+    return bool((offsets[::-1] == -offsets).all())
 
 
 def derive_mask_orders(kernel_maps) -> None:
@@ -572,6 +585,59 @@ class MapRequest(NamedTuple):
         return self[:-1]
 
 
+class _Planned(NamedTuple):
+    """A `MapRequest` as a build runs it: its sizes checked once (as `kernel_map` checks them) and what its map
+    needs of the cache, so the build's steps read fields rather than normalise the request again each."""
+
+    request: MapRequest
+    reached: tuple[int, ...] | None  # the level a plain strided convolution reaches, else None
+    looked_up: tuple[int, ...] | None  # the level whose index its map looks up, else None
+    # A plain map's `KernelMapCache._maps` key: its own, or a transposed one's the strided map it inverts; else None.
+    forward_key: tuple | None
+
+
+def _planned(request: MapRequest, spatial_dims: int) -> _Planned:
+    """`request` planned (`_Planned`), memoised for the very request object: a network hands every build the
+    same requests, and an equal request of other types (a bool for an int) must meet the checks itself."""
+    try:
+        held, planned = _PLANNED[request, spatial_dims]
+        if held is request:
+            return planned
+    except KeyError:
+        pass
+    except TypeError:  # unhashable sizes (lists): planned every time
+        return _plan(request, spatial_dims)
+    planned = _PLANNED[request, spatial_dims] = (request, _plan(request, spatial_dims))
+    return planned[1]
+
+
+_PLANNED: dict[tuple, tuple[MapRequest, _Planned]] = {}
+
+
+def _plan(request: MapRequest, spatial_dims: int) -> _Planned:
+    tensor_stride = tuple(request.tensor_stride)
+    kernel_size = as_tuple(request.kernel_size, spatial_dims, "kernel_size")
+    check_kernel_volume(kernel_size)
+    stride = as_tuple(request.stride, spatial_dims, "stride")
+    dilation = as_tuple(request.dilation, spatial_dims, "dilation")
+    plain = request.padding is None and not request.generative
+    strided = any(s != 1 for s in stride)
+    reached = looked_up = forward_key = None
+    if request.transposed and not request.generative:
+        if plain:  # the strided map it inverts looks up the finer level (a padded one inverts the map that made
+            # its coordinates, looking nothing up)
+            looked_up = _fine_stride(tensor_stride, stride)
+            forward_key = (looked_up, kernel_size, stride, dilation, False, False, None)
+    else:
+        if plain and strided:
+            reached = tuple(t * s for t, s in zip(tensor_stride, stride))
+        if not (plain and not strided and all(k == 1 for k in kernel_size)):  # the identity map looks nothing up
+            looked_up = tensor_stride
+        if plain:
+            forward_key = (tensor_stride, kernel_size, stride, dilation, False, False, None)
+    return _Planned(request, reached, looked_up, forward_key)
+
+
 @dataclass(frozen=True)
 class MapResult:
     """A kernel map with the coordinates, tensor stride and cache its output tensor gets.
@@ -602,9 +668,9 @@ class MapsUnderway:
     outputs start until the layers that run in them. It holds its cache weakly: a cache whose tensors are all
     gone has nothing left to build."""
 
-    def __init__(self, cache: KernelMapCache, requests: list, with_reversed: bool, levels: tuple):
+    def __init__(self, cache: KernelMapCache, planned: list[_Planned], with_reversed: bool, levels: tuple):
         self._cache = weakref.ref(cache)
-        self.requests, self.with_reversed, self.levels = requests, with_reversed, levels
+        self.planned, self.with_reversed, self.levels = planned, with_reversed, levels
         self._results: list[MapResult] | None = None
 
     def results(self) -> list[MapResult]:
@@ -613,7 +679,7 @@ class MapsUnderway:
             if cache is None:
                 raise RuntimeError("the map cache of this build is gone: nothing to finish")
             self._results = cache._build_all(self)
-            self.requests = self.levels = None
+            self.planned = self.levels = None
         return self._results
 
 
@@ -730,22 +796,22 @@ class KernelMapCache:
         if not underway.levels[0] or not is_cupy_array(self._coordinates[self._input_stride]):  # nothing to wait for
             underway.results()
             return underway
-        spatial_dims = len(self._input_stride)
-        own = [request for request in underway.requests if request.cache == 0]
-        known = [request for request in own if request.padding is None and not request.generative
-                 and not request.transposed and tuple(request.tensor_stride) in self._coordinates
-                 and all(s == 1 for s in as_tuple(request.stride, spatial_dims, "stride"))]
+        known = [planned for planned in underway.planned
+                 if planned.request.cache == 0 and planned.forward_key is not None and not planned.request.transposed
+                 and planned.reached is None and planned.forward_key[0] in self._coordinates]
         self._prepare_indices(known)
         derive_mask_orders(result.kernel_map for result in self._build_together(known))
         self._underway = underway
         return underway
 
     def _underway_build(self, requests, with_reversed: bool) -> MapsUnderway:
-        """The build of `requests`, its levels' launches queued up to their counts."""
+        """The build of `requests` (planned: `_Planned`), its levels' launches queued up to their counts."""
         self._finish_maps()
-        requests = list(requests)
-        levels = self._start_levels(self._reached_levels([request for request in requests if request.cache == 0]))
-        return MapsUnderway(self, requests, with_reversed, levels)
+        spatial_dims = len(self._input_stride)
+        planned = [_planned(request, spatial_dims) for request in requests]
+        levels = self._start_levels(
+            [entry.reached for entry in planned if entry.request.cache == 0 and entry.reached is not None])
+        return MapsUnderway(self, planned, with_reversed, levels)
 
     def _finish_maps(self) -> None:
         """`start_maps`' second step, where one is under way."""
@@ -757,11 +823,12 @@ class KernelMapCache:
         self._underway = None
         with self.derive_in():
             self._set_levels(underway.levels)
-            by_cache: dict[int, list] = {}
-            for request in underway.requests:
-                by_cache.setdefault(request.cache, []).append(request)
+            by_cache: dict[int, list[_Planned]] = {}
+            for planned in underway.planned:
+                by_cache.setdefault(planned.request.cache, []).append(planned)
             caches, results = [self], []
-            for request in underway.requests:
+            for planned in underway.planned:
+                request = planned.request
                 if request.cache >= len(caches):
                     raise ValueError(f"{request} runs in map cache {request.cache}, but the requests before it "
                                      f"made {len(caches) - 1} new ones")
@@ -772,7 +839,7 @@ class KernelMapCache:
                     cache._build_together(group)
                 result = cache.kernel_map(*request.arguments())
                 output_cache = result.out_map_cache
-                if all(output_cache is not known for known in caches):
+                if output_cache not in caches:
                     caches.append(output_cache)
                 results.append(result)
             kernel_maps = [result.kernel_map for result in results]
@@ -784,68 +851,36 @@ class KernelMapCache:
             derive_mask_orders(kernel_maps)
         return results
 
-    def _prepare_levels(self, requests) -> None:
-        """Before this cache's `requests` are built: the coordinates of every level their strided convolutions
-        reach (`downsample_to`), then the indices of every level their maps look up (`_prepare_indices`)."""
-        self.downsample_to(self._reached_levels(requests))
-        self._prepare_indices(requests)
+    def _prepare_levels(self, planned: list[_Planned]) -> None:
+        """Before this cache's `planned` requests are built: the coordinates of every level their strided
+        convolutions reach (`downsample_to`), then the indices of every level their maps look up
+        (`_prepare_indices`)."""
+        self.downsample_to([entry.reached for entry in planned if entry.reached is not None])
+        self._prepare_indices(planned)
 
-    def _reached_levels(self, requests) -> list[tuple[int, ...]]:
-        """The tensor strides the plain strided convolutions of `requests` reach."""
-        spatial_dims = len(self._input_stride)
-        reached = []
-        for request in requests:
-            stride = as_tuple(request.stride, spatial_dims, "stride")
-            if (request.padding is None and not request.generative and not request.transposed
-                    and any(s != 1 for s in stride)):
-                reached.append(tuple(t * s for t, s in zip(request.tensor_stride, stride)))
-        return reached
-
-    def _prepare_indices(self, requests) -> None:
-        """The indices of every level the maps of `requests` look up that has none yet, which share one
+    def _prepare_indices(self, planned: list[_Planned]) -> None:
+        """The indices of every level the maps of `planned` requests look up that has none yet, which share one
         allocation (`hashing.build_indices`)."""
-        spatial_dims = len(self._input_stride)
-        looked_up = []
-        for request in requests:
-            tensor_stride = tuple(request.tensor_stride)
-            stride = as_tuple(request.stride, spatial_dims, "stride")
-            if request.transposed and not request.generative:
-                if request.padding is None:  # the strided map it inverts looks up the finer level
-                    looked_up.append(_fine_stride(tensor_stride, stride))
-                continue  # a padded one inverts the map that made its coordinates
-            plain = request.padding is None and not request.generative
-            one_by_one = all(k == 1 for k in as_tuple(request.kernel_size, spatial_dims, "kernel_size"))
-            if not (plain and one_by_one and all(s == 1 for s in stride)):  # the identity map looks nothing up
-                looked_up.append(tensor_stride)
-        missing = [stride for stride in dict.fromkeys(looked_up) if stride not in self._indices]
+        missing = [stride for stride in dict.fromkeys(entry.looked_up for entry in planned)
+                   if stride is not None and stride not in self._indices]
         for tensor_stride, index in zip(missing, build_indices([self.coordinates(stride) for stride in missing])):
             self._indices[tensor_stride] = index
 
-    def _build_together(self, requests) -> list[MapResult]:
-        """Before this cache's `requests` are built one by one: the plain submanifold, identity and strided maps
-        among them (and those their transposed convolutions invert), together (`_built_forward`), then the
+    def _build_together(self, planned: list[_Planned]) -> list[MapResult]:
+        """Before this cache's `planned` requests are built one by one: the plain submanifold, identity and strided
+        maps among them (and those their transposed convolutions invert), together (`_built_forward`), then the
         reverses the transposed ones are (`derive_reverses`); the forward requests' calls are memoised as
         `kernel_map` would.
         Padded and generative maps make coordinates of their own first: those stay for the requests' own
         calls. Returns the forward maps' results it built."""
-        spatial_dims = len(self._input_stride)
-        pending, inverted, called = {}, [], []
-        for request in requests:
-            if request.padding is not None or request.generative:
-                continue
-            tensor_stride = tuple(request.tensor_stride)
-            if request.transposed:
-                tensor_stride = _fine_stride(tensor_stride, as_tuple(request.stride, spatial_dims, "stride"))
-            geometry = _geometry(self.coordinates(tensor_stride), request.kernel_size, request.stride, request.dilation)
-            key = (tensor_stride, *geometry, False, False, None)
-            (inverted if request.transposed else called).append((request.arguments(), key))
-            if key not in self._maps:
-                pending[key] = None
-        built = self._built_forward(list(pending))
+        plain = [entry for entry in planned if entry.forward_key is not None]
+        pending = [key for key in dict.fromkeys(entry.forward_key for entry in plain) if key not in self._maps]
+        built = self._built_forward(pending)
         self._maps.update(zip(pending, built))
-        for arguments, key in called:
-            self._remember(arguments, self._maps[key])
-        derive_reverses([self._maps[key].kernel_map for _, key in inverted])
+        for entry in plain:
+            if not entry.request.transposed:
+                self._remember(entry.request.arguments(), self._maps[entry.forward_key])
+        derive_reverses([self._maps[entry.forward_key].kernel_map for entry in plain if entry.request.transposed])
         return built
 
     def _built_forward(self, keys: list[tuple]) -> list[MapResult]:

@@ -132,15 +132,16 @@ def count_pairs_of(pair_tables) -> list[PairCounts]:
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(scratch.data.ptr, 0, scratch.nbytes, stream.ptr)
     totals = scratch[sum(sizes) :]
-    chunk_starts, offset_totals, offsets = [], [], []
+    # The kernels read the chunk counts and offset totals by address alone: no arrays made for them.
+    base, item = scratch.data.ptr, scratch.itemsize
+    chunk_counts, offset_totals, offsets = [], [], []
     for start, (kernel_volume, _), num_chunks in zip(itertools.accumulate(sizes, initial=0), shapes, chunks):
         blocks = kernel_volume * num_chunks
-        chunk_starts.append(scratch[start : start + blocks])
-        offset_totals.append(scratch[start + blocks : start + blocks + kernel_volume])
+        chunk_counts.append(base + item * start)
+        offset_totals.append(base + item * (start + blocks))
         offsets.append(scratch[start + blocks + kernel_volume : start + blocks + 2 * kernel_volume + 1].view(np.int64))
     jobs = {"pair_table": [pair_table.data.ptr for pair_table in pair_tables],
-            "chunk_counts": [array.data.ptr for array in chunk_starts],
-            "offset_totals": [array.data.ptr for array in offset_totals],
+            "chunk_counts": chunk_counts, "offset_totals": offset_totals,
             "offsets": [array.data.ptr for array in offsets],
             "total": [totals.data.ptr + totals.itemsize * j for j in range(len(shapes))],
             "num_out": [num_out for _, num_out in shapes], "num_chunks": chunks}

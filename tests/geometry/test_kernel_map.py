@@ -742,6 +742,20 @@ def test_maps_of_the_caches_padded_convolutions_start_are_built_up_front_too(dev
         KernelMapCache(coords, one).build_maps([MapRequest(one, 3, cache=2)])
 
 
+def test_a_request_equal_to_one_built_before_but_of_other_types_meets_the_checks_itself():
+    """A build checks each request once and remembers it for the next build that hands it the very same
+    request, as a network does every step: an equal request of a bool (True == 1), or a float (3.0 == 3), is
+    refused as the first would have been, even after the int one was built."""
+    coords = np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 2, 2, 2]], np.int32)
+    checked = [MapRequest((1, 1, 1), 3), MapRequest((1, 1, 1), 2, 2)]
+    for _ in range(2):
+        KernelMapCache(coords, (1, 1, 1)).build_maps(checked)
+    with pytest.raises(TypeError, match="stride must be an int or 3 ints, got .*bool"):
+        KernelMapCache(coords, (1, 1, 1)).build_maps([MapRequest((1, 1, 1), 3, (True, 1, 1))])
+    with pytest.raises(TypeError, match="kernel_size must be an int or 3 ints, got 3.0"):
+        KernelMapCache(coords, (1, 1, 1)).build_maps([MapRequest((1, 1, 1), 3.0)])
+
+
 def test_downsample_to_refuses_strides_that_are_not_multiples_of_the_input():
     cache = KernelMapCache(np.zeros((1, 4), np.int32), (2, 2, 2))
     with pytest.raises(ValueError, match="positive multiple"):
