@@ -27,7 +27,7 @@ from cupysparse.adapters.torch.bridge import core_dtype, to_core
 from cupysparse.adapters.torch.convolution import SpatiallySparseConv
 from cupysparse.adapters.torch.pointwise import SparseBatchNorm, SparseReLU
 from cupysparse.adapters.torch.tensor import SparseTensor
-from cupysparse.adapters.torch.training_step import TrainingProgram
+from cupysparse.adapters.torch.network_program import NetworkProgram
 
 
 class _Skips:
@@ -194,8 +194,8 @@ class ResidualBlock(nn.Module):
         return output.replace_feature(torch.relu(output.features + identity.features))
 
 
-# What `build_module` builds (a `SparseReLU` holds an `nn.ReLU`): a network of these alone may run its training
-# step as a `TrainingProgram`.
+# What `build_module` builds (a `SparseReLU` holds an `nn.ReLU`): a network of these alone may run its steps as a
+# `NetworkProgram`.
 _PROGRAM_MODULES = (SparseSequential, ResidualBlock, SpatiallySparseConv, SparseBatchNorm, SparseReLU, nn.ReLU)
 
 
@@ -221,11 +221,13 @@ class SparseNetwork(SparseSequential):
     it then rehearses its forward on a few voxels. `prefetched` is the latest `KernelPrefetch`, or None;
     starting one stops the one before. A call stops what is left of it; copies and pickles carry none.
 
-    In training, a step is one autograd node (`adapters.torch.training_step`: the same results, a fraction of
+    In training, a step is one autograd node (`adapters.torch.network_program`: the same results, a fraction of
     the host time) where `one_autograd_node` is true, the default, and nothing of the modules' would be
     missed (a hook on any of them sends the step through them, layer by layer). Its parameters' gradients
     then all arrive as its backward ends: under DistributedDataParallel, whose all-reduce of a bucket starts
-    when the bucket's gradients are in, set it to False to overlap the all-reduce with the backward."""
+    when the bucket's gradients are in, set it to False to overlap the all-reduce with the backward. In
+    evaluation with gradients off, a call runs the same program with each batch norm folded into the
+    convolution before it, under the same conditions."""
 
     one_autograd_node = True  # a class default: a network pickled before it existed has it too
 
@@ -237,7 +239,7 @@ class SparseNetwork(SparseSequential):
         self.prefetched = None
 
     def __getstate__(self):
-        # A thread's handle: nothing to copy or pickle; the training program is compiled again where needed.
+        # A thread's handle: nothing to copy or pickle; the program is compiled again where needed.
         return {**self.__dict__, "prefetched": None, "_program": None}
 
     def _apply(self, fn, recurse=True):
@@ -285,15 +287,18 @@ class SparseNetwork(SparseSequential):
         requests = networks.requests_at(self._map_requests, input.tensor_stride)
         if self.training and torch.is_grad_enabled():
             built = input.build_maps(requests, with_reversed=True)
-            program = self._training_program() if self.one_autograd_node else None
-            output = program(input) if program is not None and program.runs(input) else super().forward(input)
+            program = self._network_program() if self.one_autograd_node else None
+            runs = program is not None and program.runs_training(input)
+            output = program.training_step(input) if runs else super().forward(input)
         else:
             built = input.start_maps(requests)
-            output = super().forward(input)
+            program = self._network_program()
+            output = program.inference(input) if program is not None and program.runs_inference(input) else (
+                super().forward(input))
         del built
         return output
 
-    def _training_program(self) -> TrainingProgram | None:
+    def _network_program(self) -> NetworkProgram | None:
         """The program of the network's modules as they are, compiled again after one was replaced (a
         `convert_sync_batchnorm`, say); None where a module is not of a type the description builds."""
         modules = _submodules(self, [])
@@ -301,7 +306,7 @@ class SparseNetwork(SparseSequential):
         if program is None or program.modules != modules:
             if any(type(module) not in _PROGRAM_MODULES for module in modules):
                 return None
-            program = self.__dict__["_program"] = TrainingProgram(self, self.description, modules)
+            program = self.__dict__["_program"] = NetworkProgram(self, self.description, modules)
         return program
 
     def extra_repr(self) -> str:

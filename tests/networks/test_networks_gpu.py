@@ -133,12 +133,12 @@ def _layer_by_layer(model):
 
 
 def _check_one_node_step(description, voxels, precision: str, device: str) -> None:
-    """The one-node step (`adapters.torch.training_step`) against the modules' step on `device`: the output and
+    """The one-node step (`adapters.torch.network_program`) against the modules' step on `device`: the output and
     every batch-norm statistic within the dtype's network bound, the gradients finite. Their values are checked
     where they are well defined: a MinkUNet's gradients at initialisation are not. In float64 on the CPU, input
     features moved by 1e-5 of their size move its gradients by up to 15% of their largest values (a median of
     1.7-2.5%), and float32 rounding moves them as far: two float32 steps of the modules themselves fall 0.1% or 1.7%
-    (median) from float64, by where their rounding lands. `test_training_program.py` compares the gradients exactly
+    (median) from float64, by where their rounding lands. `test_network_program.py` compares the gradients exactly
     in float64 on the CPU and within float32's bound on the GPU, over layers whose gradients are well defined."""
     dtype = torch.float32 if precision == "autocast" else TORCH_DTYPES[precision]
     torch.manual_seed(0)
@@ -162,3 +162,24 @@ def _check_one_node_step(description, voxels, precision: str, device: str) -> No
 def test_a_training_step_as_one_node_on_cuda_equals_the_modules_step(case, precision):
     description, _, voxels, _ = case
     _check_one_node_step(description, voxels, precision, "cuda")
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16", "bfloat16", "autocast"])
+def test_inference_through_the_program_on_cuda_equals_the_modules_call(case, precision):
+    """The program's inference (`adapters.torch.network_program`) launches the kernels the modules' fused path does,
+    with the same epilogues: the same values, bit for bit."""
+    description, model, voxels, _ = case
+    dtype = torch.float32 if precision == "autocast" else TORCH_DTYPES[precision]
+    cuda_model = torch_networks.SparseNetwork(description).cuda().to(dtype).eval()
+    cuda_model.load_state_dict(model.state_dict())
+    layered = _layer_by_layer(copy.deepcopy(cuda_model))
+    coordinates = torch.from_numpy(voxels.coordinates).cuda()
+    features = torch.from_numpy(voxels.features).cuda().to(dtype)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=precision == "autocast"):
+        x = cst.SparseTensor(coordinates, features, validate=False)
+        assert cuda_model._network_program().runs_inference(x)
+        output = cuda_model(x)
+        expected = layered(cst.SparseTensor(coordinates, features, validate=False))
+    assert output.features.dtype == expected.features.dtype
+    assert torch.equal(output.coordinates, expected.coordinates)
+    assert torch.equal(output.features, expected.features)

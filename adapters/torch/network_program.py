@@ -1,5 +1,6 @@
-"""A `SparseNetwork`'s training step as one autograd node: its layers compiled once into a flat list of
-operations (`TrainingProgram`), which the forward runs in order and the backward in reverse.
+"""A `SparseNetwork`'s step as one flat list of operations compiled once from its description (`NetworkProgram`):
+in training one autograd node, whose forward runs the operations in order and whose backward runs them in reverse;
+in inference the same operations with each batch norm folded into the convolution before it.
 
 Layer by layer, a MinkUNet18 step is about a hundred autograd nodes and a hundred and fifty module calls,
 each tens of microseconds of Python around the launches of a layer that, on the coarse levels, takes the
@@ -7,10 +8,15 @@ GPU a few microseconds: the step was bound by the host. Here the forward calls t
 directly (`execution.forward`, `training_norm.run_forward`) and keeps what each operation's backward
 reads; the backward calls the core's backward launches (`execution.backward`, `training_norm.run_backward`)
 and adds up the gradients of tensors two operations read (a residual's input, a skip). A batch norm runs
-with the ReLU after it and the residual sum before that, as in the modules' fused path. The results are
-those of the modules, which remain the path of everything the program does not take (`TrainingProgram.runs`):
-hooks on any of the network's modules, `torch.compile`, batch norms without running statistics or momentum,
-dtypes the kernels do not take, and on the CPU anything but float32 or float64 without autocast.
+with the ReLU after it and the residual sum before that, as in the modules' fused path. In inference a
+convolution followed by a batch norm is one launch with the norm, the residual sum and the ReLU in its
+epilogue (`execution.fused_forward`), and a slot's features are freed after their last reader.
+
+The results are those of the modules, which remain the path of everything the program does not take
+(`NetworkProgram.runs_training`, `runs_inference`): hooks on any of the network's modules, `torch.compile`,
+batch norms without running statistics (or, in training, momentum; in inference, a norm in training mode),
+dtypes the kernels do not take, gradients in evaluation, and in a training step on the CPU anything but
+float32 or float64 without autocast.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules import module as module_hooks
 
 from cupysparse.functional import execution, training_norm
+from cupysparse.functional.epilogue import ConvEpilogue
 from cupysparse.networks import descriptions as networks
 
 from cupysparse.adapters.torch.bridge import core_dtype, from_core, to_core
 from cupysparse.adapters.torch.convolution import TORCH_ARRAYS, SpatiallySparseConv
-from cupysparse.adapters.torch.pointwise import SparseBatchNorm
+from cupysparse.adapters.torch.pointwise import SparseBatchNorm, batch_norm_epilogue
 from cupysparse.adapters.torch.tensor import SparseTensor
 from cupysparse.algorithms import CONV
 from cupysparse.tuning.search_space import algorithm_argument
@@ -46,7 +53,7 @@ def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
 class _Step:
     """One call's state: the feature dtype, whether it runs on the GPU, which slots need gradients, what each
     operation keeps for its backward, the parameters' gradients, and on the GPU the batch norms' fp32 scratch
-    (`TrainingProgram.scratch_floats`) and their reduction workspace, by address."""
+    (`NetworkProgram.scratch_floats`) and their reduction workspace, by address."""
 
     def __init__(self, dtype: torch.dtype, on_gpu: bool, parameters: list):
         self.dtype, self.on_gpu, self.parameters = dtype, on_gpu, parameters
@@ -76,21 +83,39 @@ class _Conv:
         module = self.module
         return (module.weight,) if module.bias is None else (module.weight, module.bias)
 
-    def forward(self, step: _Step, values: list):
+    def operands(self, dtype: torch.dtype, values: list) -> tuple:
+        """(input tensor, features and weight in `dtype`, the map's `MapResult`) of a call."""
         place, features = values[self.source]
-        conv, dtype = self.module, step.dtype
+        conv = self.module
         weight = conv.weight if conv.weight.dtype == dtype else conv.weight.to(dtype)
-        if features.dtype != dtype:
-            features = features.to(dtype)
         result = place.kernel_map(conv.kernel_size, conv.stride, conv.dilation, conv.transposed, conv.generative,
                                   conv.padding)
+        return place, _in_dtype(features, dtype), weight.contiguous(), result
+
+    def forward(self, step: _Step, values: list):
+        place, features, weight, result = self.operands(step.dtype, values)
         kernel_map = result.kernel_map
-        weight = weight.contiguous()
-        out = execution.forward(TORCH_ARRAYS, features, weight, kernel_map, _argument(conv.fwd_algo, "forward"))
-        if conv.bias is not None:
-            out += conv.bias.to(dtype)
+        out = execution.forward(TORCH_ARRAYS, features, weight, kernel_map, _argument(self.module.fwd_algo, "forward"))
+        self._add_bias(out)
         values[self.target] = (place.with_map_result(result, out), out)
         return features, weight, kernel_map
+
+    def infer(self, dtype: torch.dtype, values: list) -> None:
+        place, features, weight, result = self.operands(dtype, values)
+        out = self.inference_forward(features, weight, result)
+        values[self.target] = (place.with_map_result(result, out), out)
+
+    def inference_forward(self, features: torch.Tensor, weight: torch.Tensor, result) -> torch.Tensor:
+        """The output features with the bias added; the padded weight is kept from call to call."""
+        out = execution.forward(TORCH_ARRAYS, features, weight, result.kernel_map,
+                                _argument(self.module.fwd_algo, "forward"), reuse_weight=True)
+        self._add_bias(out)
+        return out
+
+    def _add_bias(self, out: torch.Tensor) -> None:
+        bias = self.module.bias
+        if bias is not None:
+            out += bias.to(out.dtype)
 
     def backward(self, step: _Step, saved, grads: dict) -> None:
         features, weight, kernel_map = saved
@@ -118,7 +143,7 @@ class _Norm:
         self.module, self.source, self.target = module, source, target
         self.residual, self.relu = residual, relu
         self.sources = (source,) if residual is None else (source, residual)
-        self.scratch_offset = 0  # bytes into the step's norm scratch (`TrainingProgram`)
+        self.scratch_offset = 0  # bytes into the step's norm scratch (`NetworkProgram`)
 
     def parameters(self) -> tuple:
         weight, bias = self.module.weight, self.module.bias
@@ -149,6 +174,17 @@ class _Norm:
             out, saved = from_core(out), (mean, invstd)
         values[self.target] = (place, out)
         return features, out if self.relu else None, saved
+
+    def infer(self, dtype: torch.dtype, values: list) -> None:
+        place, features = values[self.source]
+        values[self.target] = (place, self.inference_epilogue(features, values))
+
+    def inference_epilogue(self, features: torch.Tensor, values: list) -> torch.Tensor:
+        """`relu?(norm(features) (+ residual))` under the running statistics, in one pass."""
+        norm = self.module
+        residual = None if self.residual is None else values[self.residual][1]
+        return batch_norm_epilogue(features, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps,
+                                   residual, self.relu)
 
     def backward(self, step: _Step, saved, grads: dict) -> None:
         features, out, statistics = saved
@@ -202,6 +238,9 @@ class _ReLU:
         values[self.target] = (place, out)
         return out
 
+    def infer(self, dtype: torch.dtype, values: list) -> None:
+        self.forward(None, values)
+
     def backward(self, step: _Step, out, grads: dict) -> None:
         grad = grads.pop(self.target) * (out > 0)
         _accumulate(grads, self.source, grad)
@@ -227,16 +266,44 @@ class _Concat:
         values[self.target] = (place, torch.cat([features, skip_features], dim=1))
         return features.shape[1]
 
+    def infer(self, dtype: torch.dtype, values: list) -> None:
+        self.forward(None, values)
+
     def backward(self, step: _Step, channels: int, grads: dict) -> None:
         grad = grads.pop(self.target)
         _accumulate(grads, self.source, grad[:, :channels])
         _accumulate(grads, self.skip, grad[:, channels:])
 
 
-class TrainingProgram:
-    """The operations of a network's training step over numbered slots of features (slot 0 the input), compiled
-    from its description, each bound to the modules that hold its parameters (`modules`: the network's, whose
-    types its caller has checked to be those the description builds)."""
+class _ConvThenNorm:
+    """Inference's convolution and the batch norm that alone reads its output (with the residual sum and the ReLU
+    after it): one launch where the convolution's plan fuses an epilogue, else the convolution, then the norm's
+    pass. It runs where the norm did, after a residual block's shortcut."""
+
+    def __init__(self, conv: _Conv, norm: _Norm):
+        self.conv, self.norm, self.target = conv, norm, norm.target
+        self.sources = conv.sources if norm.residual is None else (*conv.sources, norm.residual)
+
+    def infer(self, dtype: torch.dtype, values: list) -> None:
+        conv, norm = self.conv, self.norm
+        place, features, weight, result = conv.operands(dtype, values)
+        out = None
+        if conv.module.bias is None and features.is_cuda:
+            scale, shift = norm.module.folded()
+            residual = None if norm.residual is None else values[norm.residual][1]
+            out = execution.fused_forward(TORCH_ARRAYS, features, weight, result.kernel_map,
+                                          _argument(conv.module.fwd_algo, "forward"),
+                                          ConvEpilogue(scale, shift, residual, norm.relu))
+        if out is None:
+            out = norm.inference_epilogue(conv.inference_forward(features, weight, result), values)
+        values[self.target] = (place.with_map_result(result, out), out)
+
+
+class NetworkProgram:
+    """The operations of a network's step over numbered slots of features (slot 0 the input), compiled from its
+    description, each bound to the modules that hold its parameters (`modules`: the network's, whose types its
+    caller has checked to be those the description builds): `operations` for a training step,
+    `inference_operations` for inference, with the slots freed after each of those (`releases`)."""
 
     def __init__(self, network: torch.nn.Module, description: networks.Network, modules: list):
         self._network = network  # while compiling
@@ -247,6 +314,34 @@ class TrainingProgram:
         # The network's modules (not itself, whose hooks run around the program) when it was compiled.
         self.modules = modules
         self.scratch_floats, self.widest_norm = self._lay_out_scratch()
+        self.inference_operations = self._fold_norms()
+        self.releases = self._releases(self.inference_operations)
+
+    def _fold_norms(self) -> list:
+        """`operations` with each batch norm that alone reads a convolution's output run with it (`_ConvThenNorm`)."""
+        readers: dict[int, int] = {}
+        for operation in self.operations:
+            for slot in operation.sources:
+                readers[slot] = readers.get(slot, 0) + 1
+        producers = {operation.target: operation for operation in self.operations}
+        folded, operations = set(), []
+        for operation in self.operations:
+            conv = producers.get(operation.source) if isinstance(operation, _Norm) else None
+            if isinstance(conv, _Conv) and readers[operation.source] == 1 and operation.source != self.output:
+                folded.add(conv)
+                operation = _ConvThenNorm(conv, operation)
+            operations.append(operation)
+        return [operation for operation in operations if operation not in folded]
+
+    def _releases(self, operations: list) -> list[tuple[int, ...]]:
+        """The slots each of `operations` reads last (not the output's): freed after it, so that inference holds
+        only the features still to be read."""
+        last = {slot: index for index, operation in enumerate(operations) for slot in operation.sources}
+        releases = [[] for _ in operations]
+        for slot, index in last.items():
+            if slot != self.output:
+                releases[index].append(slot)
+        return [tuple(slots) for slots in releases]
 
     def _lay_out_scratch(self) -> tuple[int, int]:
         """Place each batch norm's fp32 scratch (`training_norm`'s FORWARD_SCRATCH_ROWS rows of its channels, on 16
@@ -319,11 +414,24 @@ class TrainingProgram:
             index += 1
         return slot
 
-    def runs(self, input: SparseTensor) -> bool:
-        """Whether this program may stand in for the modules' step on `input` (see the module docstring)."""
-        if torch.compiler.is_compiling() or module_hooks._has_any_global_hook() or any(
-                module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks for module in self.modules):
+    def _hooked(self) -> bool:
+        """Whether calling the modules would run hooks, which the program would skip."""
+        return torch.compiler.is_compiling() or module_hooks._has_any_global_hook() or any(
+            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks for module in self.modules)
+
+    def _convolutions_take(self, features: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+        for operation in self.operations:
+            if isinstance(operation, _Conv):
+                conv = operation.module
+                if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or conv.weight.device != device \
+                        or not (conv.weight.dtype == dtype or self._autocast(features)):
+                    return False
+        return True
+
+    def runs_training(self, input: SparseTensor) -> bool:
+        """Whether `training_step` may stand in for the modules' step on `input` (see the module docstring)."""
+        if self._hooked():
             return False
         features = input.features
         dtype = self._dtype(features)
@@ -335,16 +443,24 @@ class TrainingProgram:
             return False
         else:
             device = features.device
-        for operation in self.operations:
-            if isinstance(operation, _Conv):
-                conv = operation.module
-                if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or conv.weight.device != device \
-                        or not (conv.weight.dtype == dtype or self._autocast(features)):
-                    return False
-            elif isinstance(operation, _Norm) and not (type(operation.module) is SparseBatchNorm
-                                                       and operation.module.training_norm_takes(dtype, device)):
-                return False
-        return True
+        if not self._convolutions_take(features, dtype, device):
+            return False
+        return all(type(operation.module) is SparseBatchNorm and operation.module.training_norm_takes(dtype, device)
+                   for operation in self.operations if isinstance(operation, _Norm))
+
+    def runs_inference(self, input: SparseTensor) -> bool:
+        """Whether `inference` may stand in for the modules' call on `input`: gradients off and every batch norm
+        folding into a convolution as the modules' would (`SparseBatchNorm.folds_into_convolution`)."""
+        if torch.is_grad_enabled() or self._hooked():
+            return False
+        features = input.features
+        device = features.device
+        if features.is_cuda and device.index != torch.cuda.current_device():
+            return False
+        if not self._convolutions_take(features, self._dtype(features), device):
+            return False
+        return all(type(operation.module) is SparseBatchNorm and operation.module.folds_into_convolution()
+                   for operation in self.operations if isinstance(operation, _Norm))
 
     @staticmethod
     def _autocast(features: torch.Tensor) -> bool:
@@ -355,8 +471,20 @@ class TrainingProgram:
             return torch.get_autocast_dtype(features.device.type)
         return features.dtype
 
-    def __call__(self, input: SparseTensor) -> SparseTensor:
-        """The network's output on `input`, differentiable as one node; its caller has checked `runs`."""
+    def inference(self, input: SparseTensor) -> SparseTensor:
+        """The network's output on `input` in evaluation; its caller has checked `runs_inference`."""
+        dtype = self._dtype(input.features)
+        values = [None] * self.slots
+        values[0] = (input, _in_dtype(input.features, dtype).contiguous())
+        for operation, released in zip(self.inference_operations, self.releases):
+            operation.infer(dtype, values)
+            for slot in released:
+                values[slot] = None
+        place, features = values[self.output]
+        return place.replace_feature(features)
+
+    def training_step(self, input: SparseTensor) -> SparseTensor:
+        """The network's output on `input`, differentiable as one node; its caller has checked `runs_training`."""
         # Read each call: a module's parameters may have been replaced since the program was compiled.
         by_operation = [operation.parameters() for operation in self.operations]
         parameters = [parameter for operation_parameters in by_operation for parameter in operation_parameters]
@@ -399,7 +527,7 @@ class TrainingProgram:
 
 
 class _NetworkStep(torch.autograd.Function):
-    """`TrainingProgram` as one autograd node: the inputs are the features and every parameter."""
+    """`NetworkProgram.training_step` as one autograd node: the inputs are the features and every parameter."""
 
     @staticmethod
     def forward(ctx, program, step, input, holder, features, *parameters):

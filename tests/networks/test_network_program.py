@@ -1,6 +1,7 @@
-"""A `SparseNetwork`'s training step as one autograd node (`adapters.torch.training_step`) against the modules'
-step, layer by layer through autograd and torch's batch norm, in float64 on the CPU: the outputs, every gradient
-and every batch-norm statistic. A forward hook on any module sends a step through the modules."""
+"""A `SparseNetwork`'s steps as one program (`adapters.torch.network_program`) against the modules' steps in float64
+on the CPU: a training step as one autograd node against the modules' layer by layer through autograd and torch's
+batch norm (the outputs, every gradient and every batch-norm statistic), and inference with the batch norms folded
+against the modules' call. A forward hook on any module sends a step through the modules."""
 
 import copy
 
@@ -14,6 +15,7 @@ from cupysparse.networks import descriptions as networks
 torch = pytest.importorskip("torch")
 from cupysparse.adapters import torch as cst  # noqa: E402
 from cupysparse.adapters.torch import networks as torch_networks  # noqa: E402
+from cupysparse.adapters.torch.network_program import NetworkProgram  # noqa: E402
 
 FP64_RTOL = 1e-10
 FP32_RTOL = 1e-4  # the design notes' float32 bound
@@ -212,6 +214,89 @@ def test_a_batch_norm_given_features_of_other_channels_is_refused_by_name():
     model = torch_networks.SparseNetwork(description).double().train()
     with pytest.raises(ValueError, match="batch norm of 6 channels got features of 8"):
         model(_input())
+
+
+def _evaluated(model):
+    """`model` in evaluation, its batch norms' running statistics moved off 0 and 1 (as training leaves them)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm1d):
+                module.running_mean.copy_(torch.rand(module.num_features, generator=generator) - 0.5)
+                module.running_var.copy_(torch.rand(module.num_features, generator=generator) + 0.5)
+    return model.eval()
+
+
+@pytest.fixture
+def inference_calls(monkeypatch):
+    """The number of calls that ran through `NetworkProgram.inference`, as a one-item list."""
+    calls = [0]
+    original = NetworkProgram.inference
+
+    def counted(self, input):
+        calls[0] += 1
+        return original(self, input)
+
+    monkeypatch.setattr(NetworkProgram, "inference", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(DESCRIPTIONS))
+def test_inference_through_the_program_equals_the_modules_call(name, inference_calls):
+    torch.manual_seed(0)
+    model = _evaluated(torch_networks.SparseNetwork(DESCRIPTIONS[name]()).double())
+    layered = copy.deepcopy(model)
+    next(iter(layered.children())).register_forward_hook(lambda *arguments: None)
+    with torch.no_grad():
+        expected = layered(_input(seed=3))
+        assert inference_calls == [0]
+        output = model(_input(seed=3))
+    assert inference_calls == [1]
+    assert torch.equal(output.coordinates, expected.coordinates)
+    assert output.tensor_stride == expected.tensor_stride
+    _assert_close(output.features, expected.features, "output")
+
+
+def test_inference_folds_the_statistics_as_they_are_at_each_call(inference_calls):
+    torch.manual_seed(0)
+    model = _evaluated(torch_networks.MinkUNet14(3, 5, width=0.25).double())
+    layered = copy.deepcopy(model)
+    layered.classifier.register_forward_hook(lambda *arguments: None)
+    with torch.no_grad():
+        model(_input())
+        for network in (model, layered):
+            network.stem.first_norm.running_var.mul_(4)
+            network.encoder1.block0.norm1.bias.add_(0.5)
+        output, expected = model(_input()).features, layered(_input()).features
+    assert inference_calls == [2]
+    _assert_close(output, expected, "output")
+
+
+def test_inference_with_gradients_or_a_training_norm_runs_through_the_modules(inference_calls):
+    torch.manual_seed(0)
+    model = _evaluated(torch_networks.MinkUNet14(3, 5, width=0.25).double())
+    output = model(_input()).features
+    assert output.grad_fn is not None  # evaluation with gradients: differentiable, through the modules
+    model.stem.first_norm.train()
+    tracked = model.stem.first_norm.num_batches_tracked.item()
+    with torch.no_grad():
+        model(_input())
+    assert model.stem.first_norm.num_batches_tracked.item() == tracked + 1  # the batch's statistics, counted
+    assert inference_calls == [0]
+
+
+def test_inference_under_autocast_on_the_cpu_equals_the_modules_call(inference_calls):
+    torch.manual_seed(0)
+    model = _evaluated(torch_networks.MinkUNet14(3, 5, width=0.25))
+    layered = copy.deepcopy(model)
+    layered.classifier.register_forward_hook(lambda *arguments: None)
+    x = _input()
+    x = cst.SparseTensor(x.coordinates, x.features.detach().float())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        output, expected = model(x).features, layered(x).features
+    assert inference_calls == [1]
+    assert output.dtype == expected.dtype == torch.bfloat16
+    _assert_close(output, expected, "output", rtol=0)
 
 
 @pytest.mark.gpu
