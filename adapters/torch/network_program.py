@@ -316,6 +316,9 @@ class NetworkProgram:
         self.scratch_floats, self.widest_norm = self._lay_out_scratch()
         self.inference_operations = self._fold_norms()
         self.releases = self._releases(self.inference_operations)
+        # What each call checks: the modules' state may have changed since (moved, cast, a norm switched to training).
+        self._convolutions = [operation.module for operation in self.operations if isinstance(operation, _Conv)]
+        self._norms = [operation.module for operation in self.operations if isinstance(operation, _Norm)]
 
     def _fold_norms(self) -> list:
         """`operations` with each batch norm that alone reads a convolution's output run with it (`_ConvThenNorm`)."""
@@ -416,16 +419,25 @@ class NetworkProgram:
 
     def _hooked(self) -> bool:
         """Whether calling the modules would run hooks, which the program would skip."""
-        return torch.compiler.is_compiling() or module_hooks._has_any_global_hook() or any(
-            module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-            or module._backward_pre_hooks for module in self.modules)
+        if torch.compiler.is_compiling() or module_hooks._has_any_global_hook():
+            return True
+        for module in self.modules:  # a loop, not a generator: every call of the network runs it
+            if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or (
+                    module._backward_pre_hooks):
+                return True
+        return False
 
     def _convolutions_take(self, features: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-        for operation in self.operations:
-            if isinstance(operation, _Conv):
-                conv = operation.module
-                if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or conv.weight.device != device \
-                        or not (conv.weight.dtype == dtype or self._autocast(features)):
+        """Whether every convolution runs here: its weight on `device`, in `dtype` or cast to it by autocast."""
+        autocast = None
+        for conv in self._convolutions:
+            weight = conv._parameters["weight"]
+            if type(conv) is not SpatiallySparseConv or conv.indice_key is not None or weight.device != device:
+                return False
+            if weight.dtype != dtype:
+                if autocast is None:
+                    autocast = self._autocast(features)
+                if not autocast:
                     return False
         return True
 
@@ -445,8 +457,7 @@ class NetworkProgram:
             device = features.device
         if not self._convolutions_take(features, dtype, device):
             return False
-        return all(type(operation.module) is SparseBatchNorm and operation.module.training_norm_takes(dtype, device)
-                   for operation in self.operations if isinstance(operation, _Norm))
+        return all(type(norm) is SparseBatchNorm and norm.training_norm_takes(dtype, device) for norm in self._norms)
 
     def runs_inference(self, input: SparseTensor) -> bool:
         """Whether `inference` may stand in for the modules' call on `input`: gradients off and every batch norm
@@ -459,8 +470,7 @@ class NetworkProgram:
             return False
         if not self._convolutions_take(features, self._dtype(features), device):
             return False
-        return all(type(operation.module) is SparseBatchNorm and operation.module.folds_into_convolution()
-                   for operation in self.operations if isinstance(operation, _Norm))
+        return all(type(norm) is SparseBatchNorm and norm.folds_into_convolution() for norm in self._norms)
 
     @staticmethod
     def _autocast(features: torch.Tensor) -> bool:

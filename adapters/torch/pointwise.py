@@ -3,6 +3,8 @@ norm, ReLU and dropout, each applied to the features `[N, C]` with coordinates a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -109,9 +111,7 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """Whether `inference_epilogue` may stand in for this module (and a residual sum or ReLU after
         it): evaluation with running statistics, outside `torch.compile`, nothing to differentiate, a
         residual of the features' shape and dtype (torch's sum would promote another)."""
-        # A rehearsal (`cupysparse.networks.prefetch`) runs an evaluation: if the module switched to training since, it
-        # still uses, and changes nothing of, its running statistics.
-        if (self.training and not rehearsing()) or self.running_mean is None or torch.compiler.is_compiling():
+        if not self.normalises_by_running_statistics() or torch.compiler.is_compiling():
             return False
         if residual is not None and (residual.shape != features.shape or residual.dtype != features.dtype):
             return False
@@ -138,20 +138,20 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """Whether this module's state takes the training norm of `dtype` features on `device`: running
         statistics with a momentum, parameters and statistics of one dtype on `device` and the count of batches
         in int64 beside them (the forward increments it); on a GPU, a dtype the kernels take with `dtype`
-        (`training_norm.kernel_runs`), elsewhere `dtype` itself (the core's reference)."""
-        if self.running_mean is None or self.momentum is None:
+        (`training_norm.kernel_runs`), elsewhere `dtype` itself (the core's reference). A network's step asks
+        each of its norms every call: the state is read from the module's dictionaries, not its attributes."""
+        buffers, parameters = self._buffers, self._parameters
+        running_mean, counter = buffers.get("running_mean"), buffers.get("num_batches_tracked")
+        if running_mean is None or self.momentum is None or counter is None or counter.dtype != torch.int64 or (
+                counter.device != device):
             return False
-        parameter_dtype = self.running_mean.dtype
-        counter = self.num_batches_tracked
-        if counter is None or counter.dtype != torch.int64 or counter.device != device or any(
-                tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != device)
-                for tensor in (self.running_mean, self.running_var, self.weight, self.bias)):
-            return False
+        parameter_dtype = running_mean.dtype
+        for tensor in (running_mean, buffers.get("running_var"), parameters.get("weight"), parameters.get("bias")):
+            if tensor is not None and (tensor.dtype != parameter_dtype or tensor.device != device):
+                return False
         if device.type != "cuda":
             return parameter_dtype == dtype
-        features_dtype, core_parameter_dtype = core_dtype(dtype), core_dtype(parameter_dtype)
-        return (features_dtype is not None and core_parameter_dtype is not None
-                and training_norm.kernel_runs(features_dtype, core_parameter_dtype, self.num_features))
+        return _training_norm_kernel_runs(dtype, parameter_dtype, self.num_features)
 
     def training_norm(self, input: SparseTensor, residual: torch.Tensor | None = None,
                       relu: bool = False) -> SparseTensor:
@@ -163,9 +163,16 @@ class SparseBatchNorm(nn.BatchNorm1d):
 
     def folds_into_convolution(self) -> bool:
         """Whether a convolution before this module may apply it in its epilogue (`folded`): evaluation
-        with running statistics, in eager mode, with gradients off (no_grad or inference_mode)."""
-        return (not (self.training and not rehearsing()) and self.running_mean is not None
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+        with running statistics (`normalises_by_running_statistics`), in eager mode, with gradients off
+        (no_grad or inference_mode)."""
+        return (self.normalises_by_running_statistics() and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
+
+    def normalises_by_running_statistics(self) -> bool:
+        """Evaluation (or a rehearsal's) with running statistics: the module is an affine map of its input."""
+        # A rehearsal (`cupysparse.networks.prefetch`) runs an evaluation: if the module switched to training since, it
+        # still uses, and changes nothing of, its running statistics.
+        return not (self.training and not rehearsing()) and self._buffers.get("running_mean") is not None
 
     def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 `(scale, shift)` with `self(x) = x · scale + shift` under the running statistics, for a
@@ -188,6 +195,14 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """`relu?(self(input).features (+ residual))` in one pass, for where `runs_inference_epilogue`."""
         return input.replace_feature(batch_norm_epilogue(input.features, self.running_mean, self.running_var,
                                                          self.weight, self.bias, self.eps, residual, relu))
+
+
+@functools.cache
+def _training_norm_kernel_runs(dtype: torch.dtype, parameter_dtype: torch.dtype, channels: int) -> bool:
+    """`training_norm.kernel_runs` for torch's dtypes."""
+    features_dtype, core_parameter_dtype = core_dtype(dtype), core_dtype(parameter_dtype)
+    return (features_dtype is not None and core_parameter_dtype is not None
+            and training_norm.kernel_runs(features_dtype, core_parameter_dtype, channels))
 
 
 def _state(tensor: torch.Tensor | None):
