@@ -8,8 +8,8 @@
 //             dweight = sum(g * xhat), dbias = sum(g).
 // Sums are fp32, per block in shared memory, then added up across blocks in a workspace, all in a fixed order
 // (`reduce_block_sums`), so every run gives the same bits (atomic adds, in whatever order the blocks came, did
-// not). The forward sums x - x[0] (a shift by each
-// channel's first value keeps the variance from cancelling when the mean is large against the spread).
+// not). The forward sums x - x[0]: a shift by each channel's first value keeps the variance from cancelling
+// when the mean is large against the spread.
 //
 // A thread owns VECTOR consecutive channels (16 bytes where the channels and addresses allow it) of
 // rows that step by the grid's rows; consecutive threads take consecutive groups, so a warp reads whole

@@ -97,11 +97,11 @@ def _ticket_floats(device: int) -> int:
     return -(-(1 + _max_groups(device)) // 4) * 4
 
 
-def reduction_floats(channels: int, device: int | None = None) -> int:
-    """The fp32 words of the reduction workspace a pass over `channels` channels takes on GPU `device` (default:
-    the current one): its tickets, zero before the first pass (each pass leaves them zero), then 2 x `channels`
-    sums of each block and of each group of blocks. The passes of one stream may share one."""
-    device = current_device() if device is None else device
+def reduction_floats(channels: int) -> int:
+    """The fp32 words of the reduction workspace a pass over `channels` channels takes on the current GPU: its
+    tickets, zero before the first pass (each pass leaves them zero), then 2 x `channels` sums of each block and
+    of each group of blocks. The passes of one stream may share one."""
+    device = current_device()
     return _ticket_floats(device) + (_max_blocks(device) + _max_groups(device)) * 2 * channels
 
 
