@@ -80,8 +80,10 @@ class _Conv:
         self.sources = (source,)
 
     def parameters(self) -> tuple:
-        module = self.module
-        return (module.weight,) if module.bias is None else (module.weight, module.bias)
+        # The module's dictionary, not its attributes: a step reads every operation's parameters.
+        parameters = self.module._parameters
+        weight, bias = parameters["weight"], parameters.get("bias")
+        return (weight,) if bias is None else (weight, bias)
 
     def operands(self, dtype: torch.dtype, values: list) -> tuple:
         """(input tensor, features and weight in `dtype`, the map's `MapResult`) of a call."""
@@ -136,8 +138,8 @@ class _Conv:
 
 
 class _Norm:
-    """A batch norm in training from slot `source` to slot `target`, with the sum of slot `residual` (None:
-    none) and a ReLU after it where `relu`."""
+    """A batch norm from slot `source` to slot `target` (over the batch's statistics in training, the running ones
+    in inference), with the sum of slot `residual` (None: none) and a ReLU after it where `relu`."""
 
     def __init__(self, module: SparseBatchNorm, source: int, target: int, residual: int | None, relu: bool):
         self.module, self.source, self.target = module, source, target
@@ -146,7 +148,8 @@ class _Norm:
         self.scratch_offset = 0  # bytes into the step's norm scratch (`NetworkProgram`)
 
     def parameters(self) -> tuple:
-        weight, bias = self.module.weight, self.module.bias
+        parameters = self.module._parameters
+        weight, bias = parameters.get("weight"), parameters.get("bias")
         if weight is not None and bias is not None:
             return weight, bias
         return tuple(parameter for parameter in (weight, bias) if parameter is not None)
@@ -496,11 +499,13 @@ class NetworkProgram:
     def training_step(self, input: SparseTensor) -> SparseTensor:
         """The network's output on `input`, differentiable as one node; its caller has checked `runs_training`."""
         # Read each call: a module's parameters may have been replaced since the program was compiled.
-        by_operation = [operation.parameters() for operation in self.operations]
-        parameters = [parameter for operation_parameters in by_operation for parameter in operation_parameters]
+        parameters, requires_by_operation = [], []
+        for operation in self.operations:
+            operation_parameters = operation.parameters()
+            parameters.extend(operation_parameters)
+            requires_by_operation.append(any([parameter.requires_grad for parameter in operation_parameters]))
         step = _Step(self._dtype(input.features), input.features.is_cuda, parameters)
-        step.requires_by_operation = [any(parameter.requires_grad for parameter in operation_parameters)
-                                      for operation_parameters in by_operation]
+        step.requires_by_operation = requires_by_operation
         holder = []
         features = _NetworkStep.apply(self, step, input, holder, input.features.contiguous(), *parameters)
         return holder[0].replace_feature(features)
