@@ -104,6 +104,21 @@ __device__ __forceinline__ void reduce_block_sums(const float* first, const floa
     sums[index] = sum_rows<8>(partials, blocks, group_count, width, index);
 }
 
+// Rows whose loads the statistics pass has under way at once: with one, its threads kept too few reads in flight
+// (400K x 96 fp16 rows: 36 against 30 us with four, on an H200). The sums add the rows in the same order.
+constexpr int STATISTICS_ROWS = 4;
+
+template <typename T, int VECTOR>
+__device__ __forceinline__ void add_centred(const Values<T, VECTOR>& v, const Values<T, VECTOR>& origin, float* sum,
+                                            float* square) {
+#pragma unroll
+  for (int j = 0; j < VECTOR; ++j) {
+    const float centred = to_float(v.value[j]) - to_float(origin.value[j]);
+    sum[j] += centred;
+    square[j] = fmaf(centred, centred, square[j]);
+  }
+}
+
 // sums[c] = sum of (x - x[0]), sums[C + c] = sum of (x - x[0])^2 (see `reduce_block_sums`).
 template <typename T, int VECTOR>
 __global__ void __launch_bounds__(BLOCK) batch_norm_statistics(const T* __restrict__ x, int num_rows, int channels,
@@ -111,17 +126,20 @@ __global__ void __launch_bounds__(BLOCK) batch_norm_statistics(const T* __restri
                                                               unsigned int* tickets) {
   const int groups = channels / VECTOR, group = threadIdx.x % groups;
   const RowWalk rows = row_walk(groups);
-  const Values<T, VECTOR> origin = *reinterpret_cast<const Values<T, VECTOR>*>(x + group * VECTOR);
+  const T* column = x + group * VECTOR;
+  const Values<T, VECTOR> origin = *reinterpret_cast<const Values<T, VECTOR>*>(column);
   float sum[VECTOR] = {}, square[VECTOR] = {};
-  for (long long row = rows.first; row < num_rows; row += rows.step) {
-    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + row * channels + group * VECTOR);
+  long long row = rows.first;
+  for (; row + (STATISTICS_ROWS - 1) * rows.step < num_rows; row += STATISTICS_ROWS * rows.step) {
+    Values<T, VECTOR> v[STATISTICS_ROWS];
 #pragma unroll
-    for (int j = 0; j < VECTOR; ++j) {
-      const float centred = to_float(v.value[j]) - to_float(origin.value[j]);
-      sum[j] += centred;
-      square[j] = fmaf(centred, centred, square[j]);
-    }
+    for (int k = 0; k < STATISTICS_ROWS; ++k)
+      v[k] = *reinterpret_cast<const Values<T, VECTOR>*>(column + (row + k * rows.step) * channels);
+#pragma unroll
+    for (int k = 0; k < STATISTICS_ROWS; ++k) add_centred(v[k], origin, sum, square);
   }
+  for (; row < num_rows; row += rows.step)
+    add_centred(*reinterpret_cast<const Values<T, VECTOR>*>(column + row * channels), origin, sum, square);
   reduce_block_sums<VECTOR>(sum, square, groups, channels, partials, tickets, sums);
 }
 

@@ -682,6 +682,12 @@ class PreparedLaunch:
         self._write_free = struct.Struct(f"<{len(free)}Q").pack_into
         self._lock = threading.Lock()
 
+    def resident_blocks(self) -> int:
+        """Blocks of this launch that one multiprocessor holds at once, as its registers and shared memory allow:
+        a grid of this many per multiprocessor runs in one wave."""
+        return int(cupy_module().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            self._function, self.block_threads, self._shared_bytes))
+
     def launch(self, stream: int, *values: int, grid: tuple[int, int, int] | None = None) -> None:
         # Every step costs on the hot path: the checks run only once packing the values has failed.
         grid_x, grid_y, grid_z = grid or self._grid
