@@ -102,6 +102,32 @@ def test_kernels_take_the_channel_counts_a_block_holds():
     assert not training_norm.kernel_runs(np.dtype(FLOAT64), np.dtype(FLOAT64), 32)
 
 
+
+def test_a_pass_launches_one_wave_at_most_and_no_more_blocks_than_the_workspace_has_rows_for(monkeypatch):
+    """Each pass's grid covers its rows with blocks up to the blocks the GPU holds of its kernel at once (one
+    wave), and never more than `reduction_floats` holds block sums for, whatever the kernel's occupancy."""
+    resident = {"statistics": 4, "normalise": 5, "gradient_sums": 4, "input_gradient": 16}
+
+    class Kernels:
+        def prepared(self, name, block, num_arguments):
+            kind = name.removeprefix("batch_norm_").split("<")[0]
+            return type("Launch", (), {"resident_blocks": lambda self: resident[kind]})()
+
+    monkeypatch.setattr(training_norm, "_KERNELS", {np.dtype(FLOAT16): Kernels()})
+    monkeypatch.setattr(training_norm, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(training_norm, "resident_threads", lambda device: 132 * 2048)
+    training_norm._launches.cache_clear()
+    try:
+        passes = training_norm._launches(0, np.dtype(FLOAT16), np.dtype(FLOAT16), 8)
+    finally:
+        training_norm._launches.cache_clear()  # it holds the stand-ins
+    # 400,390 rows of 96 fp16 channels: 12 groups of 8 a row, 21 rows a block, 19,067 blocks to cover them.
+    assert [step.grid(400_390, 96, 8) for step in passes] == [(528, 1, 1), (660, 1, 1), (528, 1, 1), (1056, 1, 1)]
+    assert training_norm._max_blocks(0) == 1056  # the block sums the workspace has rows for
+    # 1,336 rows of 256 channels: 32 groups, 8 rows a block, 167 blocks; and one block for a single row.
+    assert {step.grid(1336, 256, 8) for step in passes} == {(167, 1, 1)}
+    assert {step.grid(1, 32, 8) for step in passes} == {(1, 1, 1)}
+
 # (rows, channels): 16-byte vectors of every dtype; channel groups that leave idle threads in a block (96
 # fp16 channels: 12 groups of 8, 20: 20 groups of 1); 3 channels; many rows per thread.
 GPU_SHAPES = [(1001, 32), (999, 20), (517, 3), (3000, 96), (40_000, 256)]
