@@ -55,6 +55,7 @@ tensors), without peers, profiles or peak memory.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -102,6 +103,7 @@ AGREEMENT = 1e-2
 DEFAULT_NUM_VOXELS = {"indoor": 200_000, "outdoor": 173_000}
 MIN_NUM_VOXELS = {"indoor": INDOOR_MIN_NUM_VOXELS, "outdoor": 1}
 PROFILED_RUNS = 3
+OPERATION_NAME_LENGTH = 110  # characters of a GPU operation's name in the --kernels list
 # The peers, each a module with `import_peer()` (the library, or None with the reason printed) and
 # `peer_network(library, model, coordinates, features, batch_size)` (see `Library`), in table order.
 PEERS = {"spconv": peer_spconv, "warpconvnet": peer_warpconvnet}
@@ -192,6 +194,39 @@ class Library:
         return loss.detach()
 
 
+@dataclass(frozen=True)
+class GpuOperation:
+    """The kernels (or copies, or fills) of one name in a profiled run: their GPU ms and their count per run."""
+
+    name: str
+    ms: float
+    count: float
+
+
+def operation_name(name: str) -> str:
+    """A profiler's kernel name without its return type and parameter list (the template arguments stay: they
+    tell tiles and types apart), at most `OPERATION_NAME_LENGTH` characters."""
+    if name.startswith("void ") and name.endswith(")"):  # a kernel's signature: its parameters are the last group
+        name, depth = name.removeprefix("void "), 0
+        for index in range(len(name) - 1, 0, -1):
+            depth += {")": 1, "(": -1}.get(name[index], 0)
+            if depth == 0:
+                name = name[:index]
+                break
+    return name if len(name) <= OPERATION_NAME_LENGTH else name[:OPERATION_NAME_LENGTH - 1] + "…"
+
+
+def gpu_operations(events, runs: int) -> list[GpuOperation]:
+    """Profiler device events (`name`, `device_time` in µs) grouped by `operation_name`, per run of `runs`,
+    costliest first."""
+    times, counts = collections.Counter(), collections.Counter()
+    for event in events:
+        name = operation_name(event.name)
+        times[name] += event.device_time
+        counts[name] += 1
+    return [GpuOperation(name, us / 1e3 / runs, counts[name] / runs) for name, us in times.most_common()]
+
+
 @dataclass
 class Measurement:
     """One library's phase: first call wall seconds, timed runs (ms), GPU busy ms and operations per
@@ -202,6 +237,7 @@ class Measurement:
     gpu_ms: float | None = None
     gpu_ops: float | None = None
     peak_bytes: int | None = None
+    operations: list[GpuOperation] = field(default_factory=list)  # by GPU time per run, costliest first
 
     @property
     def ms(self) -> float:
@@ -247,9 +283,9 @@ def samples_in_turns(steps: dict[str, Callable], measurements: dict[str, Measure
             measurements[name].samples.append(run_ms(step, device))
 
 
-def gpu_profile(step) -> tuple[float, float]:
-    """(GPU busy ms, GPU operations) per run of `step`, from `torch.profiler` over `PROFILED_RUNS` runs:
-    every kernel, copy and fill on the device, whichever library launched it."""
+def gpu_profile(step) -> tuple[float, float, list[GpuOperation]]:
+    """(GPU busy ms, GPU operations, those operations by name) per run of `step`, from `torch.profiler` over
+    `PROFILED_RUNS` runs: every kernel, copy and fill on the device, whichever library launched it."""
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(PROFILED_RUNS):
@@ -257,7 +293,7 @@ def gpu_profile(step) -> tuple[float, float]:
         torch.cuda.synchronize()
     events = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(event.device_time for event in events)
-    return busy_us / 1e3 / PROFILED_RUNS, len(events) / PROFILED_RUNS
+    return busy_us / 1e3 / PROFILED_RUNS, len(events) / PROFILED_RUNS, gpu_operations(events, PROFILED_RUNS)
 
 
 def peak_bytes(step) -> int:
@@ -319,8 +355,9 @@ def measure_phase(libraries: list[Library], phase: str, labels: torch.Tensor | N
     samples_in_turns(steps, measurements, device, warmup, repeats)
     if device == "cuda":
         for name, step in steps.items():
-            measurements[name].gpu_ms, measurements[name].gpu_ops = gpu_profile(step)
-            measurements[name].peak_bytes = peak_bytes(step)
+            measured = measurements[name]
+            measured.gpu_ms, measured.gpu_ops, measured.operations = gpu_profile(step)
+            measured.peak_bytes = peak_bytes(step)
     return measurements
 
 
@@ -374,6 +411,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "that imports), or none")
     parser.add_argument("--csv", metavar="FILE", help="also write one row per library and phase")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the times per library and phase (matplotlib)")
+    parser.add_argument("--kernels", type=arguments.count_or_zero, default=0, metavar="N",
+                        help="also list each library's N costliest GPU operations per phase, by name (on the GPU)")
     add_results_page_arguments(parser)
     return parser
 
@@ -583,6 +622,17 @@ def write_outputs(args, paths: list[str]) -> None:
         plot(paths, args.plot)
 
 
+def operation_lines(results: dict[tuple[str, str], Measurement], count: int) -> list[str]:
+    """Each library's `count` costliest GPU operations per phase, with their share of its GPU time."""
+    lines = [f"GPU operations per run by name, the {count} costliest of each (torch.profiler):"]
+    for (phase, library), measured in results.items():
+        lines.append(f"{phase}, {library}: {measured.gpu_ms:.2f} ms in {measured.gpu_ops:.0f} operations")
+        for operation in measured.operations[:count]:
+            share = operation.ms / measured.gpu_ms if measured.gpu_ms else 0.0
+            lines.append(f"  {operation.ms:8.3f} ms {share:6.1%} {operation.count:6.4g}x  {operation.name}")
+    return lines
+
+
 def main(argv=None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     if args.from_csv:
@@ -636,6 +686,10 @@ def main(argv=None, prog: str | None = None) -> int:
     print()
     print("\n".join(table_lines(rows, markdown=False)))
     print("`/ name`: ratio of medians to that library (< 1: faster); wall / GPU: > 1 where the GPU waits for the host")
+    if args.kernels:
+        print()
+        print("\n".join(operation_lines(results, args.kernels)) if device == "cuda"
+              else "--kernels: skipped (the GPU's operations are profiled on CUDA only)")
     if args.csv:
         write_csv(rows, args.csv)
         write_metadata(args.csv, {"command": args.command, "device": described})

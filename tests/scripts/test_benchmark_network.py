@@ -54,6 +54,40 @@ def test_cpu_run_times_both_phases_of_cupysparse(tmp_path, capsys):
     assert table["inference"][3:7] == ["n/a"] * 4
 
 
+def test_kernels_on_the_cpu_say_they_are_skipped(tmp_path, capsys):
+    run_benchmark(tmp_path, "--dtype", "float32", "--kernels", "5")
+    assert "--kernels: skipped (the GPU's operations are profiled on CUDA only)" in capsys.readouterr().out
+
+
+def test_gpu_operations_are_named_without_parameters_and_summed_per_run_costliest_first():
+    name = benchmark_network.operation_name
+    assert name("void wgmma_conv_forward<__half, 128, 128, 3, true, false>(__half const*, int)") == (
+        "wgmma_conv_forward<__half, 128, 128, 3, true, false>")
+    # Anonymous namespaces and casts in template arguments are not parameter lists; a copy's direction stays.
+    assert name("void at::native::(anonymous namespace)::softmax<(int)4, float>(float*, int)") == (
+        "at::native::(anonymous namespace)::softmax<(int)4, float>")
+    assert name("Memcpy DtoH (Device -> Pinned)") == "Memcpy DtoH (Device -> Pinned)"
+    assert name("void " + "k" * 200 + "(int)") == "k" * (benchmark_network.OPERATION_NAME_LENGTH - 1) + "…"
+
+    def event(kernel, microseconds):
+        return type("Event", (), {"name": kernel, "device_time": microseconds})()
+
+    events = [event("void norm<8>(float*)", 30.0), event("void conv<1>(float*)", 100.0),
+              event("void norm<8>(float*)", 50.0), event("Memset (Device)", 2.0)]
+    assert benchmark_network.gpu_operations(events, runs=2) == [
+        benchmark_network.GpuOperation("conv<1>", 0.05, 0.5), benchmark_network.GpuOperation("norm<8>", 0.04, 1.0),
+        benchmark_network.GpuOperation("Memset (Device)", 0.001, 0.5)]
+
+
+def test_operation_lines_give_each_phase_and_library_its_costliest_operations_and_their_share():
+    measured = benchmark_network.Measurement(0.1, [1.0], gpu_ms=2.0, gpu_ops=3.0, operations=[
+        benchmark_network.GpuOperation("conv<1>", 1.5, 2.0), benchmark_network.GpuOperation("norm<8>", 0.5, 1.0)])
+    lines = benchmark_network.operation_lines({("inference", "cupysparse"): measured}, count=1)
+    assert lines[1] == "inference, cupysparse: 2.00 ms in 3 operations"
+    assert lines[2].split() == ["1.500", "ms", "75.0%", "2x", "conv<1>"]
+    assert len(lines) == 3
+
+
 def test_the_centerpoint_backbone_trains_on_the_mean_square_of_its_features(tmp_path, monkeypatch):
     """--network centerpoint: the padded backbone on spconv's grid (a spatial shape for our input too); its
     training step has no labels and takes the mean square of the output features as its loss."""
@@ -123,7 +157,7 @@ def test_batch_voxels_carry_their_first_points_xyz_and_label():
     ["--batch-size", "0"], ["--num-voxels", "10"], ["--num-voxels", "many"], ["--repeats", "0"],
     ["--warmup", "-1"], ["--width", "0"], ["--width", "nan"], ["--depth", "20"], ["--dtype", "int8"],
     ["--scene", "forest"], ["--peers", "minkowski"], ["--autocast", "--dtype", "float32"], ["--plot", "chart.png"],
-    ["--from-csv", "network.csv"],
+    ["--from-csv", "network.csv"], ["--kernels", "-1"],
 ])
 def test_invalid_arguments_exit_with_usage_error(arguments):
     with pytest.raises(SystemExit) as exit_info:
