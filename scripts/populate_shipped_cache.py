@@ -2,19 +2,23 @@
 
     cupysparse-populate-shipped-cache --output cupysparse/tuning/shipped_caches/benchmark_cache_sm_90.msgpack
     cupysparse-populate-shipped-cache --num-voxels 200K --dtypes float16 --dry-run
+    cupysparse-populate-shipped-cache --networks minkunet18 --scenes outdoor --extend --output FILE
     cupysparse-populate-shipped-cache --check          # the release check
 
-For each network, scene size and dtype it builds the demo's scene
-(`cupysparse.scripts.demo.scene_tensor`: the indoor room for MinkUNet18, the outdoor LiDAR sweep for
-CenterPoint's backbone, seed 0) and runs the network forward and backward with the tuner measuring every
-convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`): the keys a
-training or inference run on that scene meets, strided and transposed layers included. MinkUNet14 and 34
-have MinkUNet18's layer problems. The results are written to a new file at --output (replaced if it
-exists; default: this install's shipped file of the GPU's architecture,
+For each network, scene, scene size and dtype it builds the demo's scene
+(`cupysparse.scripts.demo.scene_tensor`, seed 0: MinkUNet18 on the indoor room and on the outdoor LiDAR
+sweep, CenterPoint's backbone on the sweep) and runs the network forward and backward with the tuner
+measuring every convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`):
+the keys a training or inference run on that scene meets, strided and transposed layers included. A
+sweep's coarse levels keep more of its voxels than a room's do, so the same network meets other sizes
+there. MinkUNet14 and 34 have MinkUNet18's layer problems. The results are written to a new file at
+--output (replaced if it exists; default: this install's shipped file of the GPU's architecture,
 `cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own cache is neither read
-nor written, and shipped results are not consulted, so every entry is measured in this run. Commit the
-file from a source checkout to ship it with the wheel. `--device cpu` runs the same pipeline on NumPy
-(CPU keys, which a shipped lookup never matches: for testing the script).
+nor written, and shipped results are not consulted, so every entry is measured in this run. With
+`--extend` the file's current entries are kept and only the keys it lacks (or holds stale) are measured:
+a network or scene added to a file that is otherwise current. Commit the file from a source checkout to
+ship it with the wheel. `--device cpu` runs the same pipeline on NumPy (CPU keys, which a shipped lookup
+never matches: for testing the script).
 
 `--check` is the release check of the shipped files (this install's, or the files named): for each
 architecture's file it counts the entries that match today's kernel sources and the stale ones, by
@@ -39,7 +43,7 @@ from cupysparse.cuda import backend
 from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.search_space import parse_algorithm_filter
 from cupysparse.algorithms import CONV
-from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile
+from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile, open_for_reading
 from cupysparse.scripts.demo import scene_tensor
 from cupysparse.networks.tuning import tune_network
 from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
@@ -48,11 +52,13 @@ from cupysparse.scripts.progress import Progress
 from cupysparse.tuning.shipped import ShippedFileCheck, check_shipped_file, shipped_cache_path, shipped_cache_paths
 from cupysparse.tuning.tuner import Tuner, tuning_enabled
 
+# Each reference network: the scenes it is tuned on, and its description for a scene's number of classes.
 NETWORKS = {
-    "minkunet18": ("indoor", lambda classes: networks.minkunet(18, 3, classes)),
-    "centerpoint": ("outdoor", lambda classes: networks.centerpoint_backbone()),
+    "minkunet18": (("indoor", "outdoor"), lambda classes: networks.minkunet(18, 3, classes)),
+    "centerpoint": (("outdoor",), lambda classes: networks.centerpoint_backbone()),
 }
 DEFAULT_NETWORKS = ("minkunet18", "centerpoint")
+SCENES = ("indoor", "outdoor")
 # The demo's scene (200K voxels on a GPU) and its neighbouring size buckets.
 DEFAULT_NUM_VOXELS = (100_000, 200_000, 400_000)
 DTYPE_CHOICES = ("float16", "bfloat16", "float32", "tf32")
@@ -68,11 +74,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="the cache file to write (default: this install's shipped file)")
     parser.add_argument("--networks", nargs="+", choices=sorted(NETWORKS), default=list(DEFAULT_NETWORKS),
                         help="the reference networks whose layer shapes are measured")
+    parser.add_argument("--scenes", nargs="+", choices=SCENES, default=list(SCENES),
+                        help="the scenes a network is tuned on, of those it runs on (default: both)")
     parser.add_argument("--num-voxels", nargs="+", type=arguments.counts, default=[DEFAULT_NUM_VOXELS], metavar="N",
                         help="scene sizes, comma list (200000,200K,1M; default 100K 200K 400K)")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPE_CHOICES, default=list(DEFAULT_DTYPES),
                         help="feature dtypes (tf32: fp32 multiplied in TF32)")
     parser.add_argument("--algo-mode", default="auto", help="the search space of both phases: auto, all, a name, [a,b]")
+    parser.add_argument("--extend", action="store_true",
+                        help="keep the entries --output already holds and measure only the keys it lacks")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where to measure: cuda (the shipped files are GPU measurements) or cpu")
     parser.add_argument("--dry-run", action="store_true", help="list the runs; measure nothing")
@@ -88,6 +98,9 @@ def parse_args(argv=None, prog: str | None = None):
     args.num_voxels = arguments.joined(args.num_voxels)
     if args.check is not None:
         return args
+    if not runs(args):
+        tuned_on = "; ".join(f"{name} on {' and '.join(NETWORKS[name][0])}" for name in dict.fromkeys(args.networks))
+        parser.error(f"no network runs on the scenes named by --scenes ({tuned_on})")
     try:
         for phase in ("forward", "backward"):
             parse_algorithm_filter(args.algo_mode, CONV, phase)
@@ -105,16 +118,17 @@ def parse_args(argv=None, prog: str | None = None):
     return args
 
 
-def runs(args) -> list[tuple[str, int, str]]:
-    return [(name, count, dtype) for name in dict.fromkeys(args.networks) for count in args.num_voxels
-            for dtype in dict.fromkeys(args.dtypes)]
+def runs(args) -> list[tuple[str, str, int, str]]:
+    """(network, scene, voxels, dtype) of each run: every network on each of its scenes that --scenes names."""
+    return [(name, scene, count, dtype) for name in dict.fromkeys(args.networks) for scene in NETWORKS[name][0]
+            if scene in args.scenes for count in args.num_voxels for dtype in dict.fromkeys(args.dtypes)]
 
 
-def network_input(network_name: str, num_voxels: int, device: str):
-    """(network, its float32 input on the demo's scene of `num_voxels`): built once for all dtypes,
-    whose tensors share its kernel maps."""
-    kind, build = NETWORKS[network_name]
-    scene, tensor, _ = scene_tensor(kind, num_voxels, SCENE_SEED, device, "float32")
+def network_input(network_name: str, scene_kind: str, num_voxels: int, device: str):
+    """(network, its float32 input on the demo's `scene_kind` scene of `num_voxels`): built once for all
+    dtypes, whose tensors share its kernel maps."""
+    build = NETWORKS[network_name][1]
+    scene, tensor, _ = scene_tensor(scene_kind, num_voxels, SCENE_SEED, device, "float32")
     network = build(len(scene.class_names))
     return network, with_input_channels(tensor, network.in_channels)
 
@@ -194,28 +208,50 @@ def main(argv=None, prog: str | None = None) -> int:
         return check(args.check)
     planned = runs(args)
     if args.dry_run:
-        for name, count, dtype in planned:
-            print(f"{NETWORKS[name][0]:<8} {count:>10,} voxels  {dtype:<9} {name}")
+        for name, scene, count, dtype in planned:
+            print(f"{scene:<8} {count:>10,} voxels  {dtype:<9} {name}")
         print(f"{len(planned)} runs")
         return 0
     if args.output is None:
         args.output = shipped_cache_path(f"sm_{int(backend.cupy_module().cuda.Device().compute_capability)}")
+    kept = None
+    if args.extend:
+        kept = kept_entries(args.output)
+        if kept is None:
+            return 2
     print(f"tuning on {backend.describe_device(args.device)} for {args.output}: {len(planned)} runs, "
-          f"algo mode {args.algo_mode}", flush=True)
+          f"algo mode {args.algo_mode}" + (f", keeping its {kept} entries" if args.extend else ""), flush=True)
     with tempfile.TemporaryDirectory() as directory:
-        cache = BenchmarkCache(Path(directory) / "shipped.msgpack", autosave=False)
+        path = Path(directory) / "shipped.msgpack"
+        if args.extend:
+            shutil.copyfile(args.output, path)
+        cache = BenchmarkCache(path, autosave=False)
         tuner = Tuner(cache, measure_single_candidates=True)
         begin = time.perf_counter()
-        built = None  # (network name, voxel count) of `network` and `base`
-        for name, count, dtype in planned:
-            if built != (name, count):
-                network, base = network_input(name, count, args.device)
-                built = (name, count)
-            print(tune_run(network, NETWORKS[name][0], base, dtype, tuner, args.algo_mode), flush=True)
+        built = None  # (network name, scene, voxel count) of `network` and `base`
+        for name, scene, count, dtype in planned:
+            if built != (name, scene, count):
+                network, base = network_input(name, scene, count, args.device)
+                built = (name, scene, count)
+            print(tune_run(network, scene, base, dtype, tuner, args.algo_mode), flush=True)
         write_output(cache, args.output)
     counts = ", ".join(f"{namespace} {count}" for namespace, count in cache.namespace_counts().items())
     print(f"wrote {args.output} in {time.perf_counter() - begin:.1f} s: {counts}")
     return 0
+
+
+def kept_entries(path: Path) -> int | None:
+    """For --extend: the number of entries in the cache file at `path`; None, with the reason printed, when
+    there is none to extend."""
+    if not path.is_file():
+        print(f"--extend: there is no file {path} to extend; without --extend the run writes a new one", file=sys.stderr)
+        return None
+    try:
+        return sum(open_for_reading(path).namespace_counts().values())
+    except (NotACacheFile, OSError) as error:
+        print(f"--extend: {path} cannot be read as a tuning cache ({error}); without --extend the run writes a "
+              "new file", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

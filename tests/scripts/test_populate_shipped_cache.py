@@ -8,7 +8,7 @@ from cupysparse.networks import descriptions as networks
 from cupysparse.cuda.compile import KERNEL_DIR, source_digest
 from cupysparse.tuning import shipped
 from cupysparse.tuning.cache_file import BenchmarkCache, open_for_reading
-from cupysparse.data.scenes import INDOOR_CLASSES
+from cupysparse.data.scenes import INDOOR_CLASSES, OUTDOOR_CLASSES
 from cupysparse.tuning.shipped import shipped_cache_path
 
 TINY_RUN = ["--device", "cpu", "--num-voxels", "2000", "--dtypes", "float32"]
@@ -26,12 +26,16 @@ def layer_signatures(network):
             for _, conv in networks.convolutions(network)}
 
 
-def test_the_output_holds_every_layer_of_both_networks_forward_and_backward(tmp_path, user_cache, capsys):
+def test_the_output_holds_every_layer_of_each_network_on_each_scene_forward_and_backward(tmp_path, user_cache, capsys):
     output = tmp_path / "shipped" / "benchmark_cache_test.msgpack"
     assert populate.main([*TINY_RUN, "--networks", "minkunet18", "centerpoint", "--output", str(output)]) == 0
-    assert "MinkUNet18 on the indoor scene" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for run in ("MinkUNet18 on the indoor scene", "MinkUNet18 on the outdoor scene",
+                "CenterPointBackbone on the outdoor scene"):
+        assert run in out
     written = open_for_reading(output)
     expected = (layer_signatures(networks.minkunet(18, 3, len(INDOOR_CLASSES)))
+                | layer_signatures(networks.minkunet(18, 3, len(OUTDOOR_CLASSES)))  # its classifier on the sweep
                 | layer_signatures(networks.centerpoint_backbone()))
     for namespace in ("sparse_conv_forward", "sparse_conv_backward"):
         keys = [dict(entry.key) for entry in written.entries(namespace)]
@@ -48,12 +52,58 @@ def test_a_second_run_replaces_the_output(tmp_path):
     assert open_for_reading(output).namespace_counts()["sparse_conv_forward"] > 0
 
 
-def test_dry_run_lists_network_size_and_dtype_runs(capsys):
+def test_dry_run_lists_network_scene_size_and_dtype_runs(capsys):
     assert populate.main(["--dry-run", "--num-voxels", "100K", "200K", "--dtypes", "float16", "tf32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == "8 runs"  # MinkUNet18 and CenterPoint's backbone, two sizes, two dtypes
+    # MinkUNet18 on both scenes and CenterPoint's backbone on the sweep, two sizes, two dtypes
+    assert lines[-1] == "12 runs"
     assert "100,000 voxels  float16" in lines[0] and "200,000 voxels  tf32" in lines[3]
-    assert lines[0].endswith("minkunet18") and lines[4].endswith("centerpoint")
+    assert [(line.split()[0], line.split()[-1]) for line in lines[:-1:4]] == [
+        ("indoor", "minkunet18"), ("outdoor", "minkunet18"), ("outdoor", "centerpoint")]
+
+
+def test_scenes_choose_the_runs_and_a_choice_no_network_runs_on_is_refused(capsys):
+    assert populate.main(["--dry-run", "--scenes", "outdoor", "--num-voxels", "100K", "--dtypes", "float16"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "outdoor     100,000 voxels  float16   minkunet18", "outdoor     100,000 voxels  float16   centerpoint",
+        "2 runs"]
+    with pytest.raises(SystemExit):
+        populate.main(["--dry-run", "--networks", "centerpoint", "--scenes", "indoor"])
+    assert "no network runs on the scenes named by --scenes (centerpoint on outdoor)" in capsys.readouterr().err
+
+
+def entries_by_key(path):
+    cache = open_for_reading(path)
+    return {(namespace, entry.key): entry.results for namespace in cache.namespace_counts()
+            for entry in cache.entries(namespace)}
+
+
+def test_extend_keeps_the_files_entries_and_measures_only_the_keys_it_lacks(tmp_path, capsys):
+    output = tmp_path / "cache.msgpack"
+    indoor = [*TINY_RUN, "--networks", "minkunet18", "--output", str(output)]
+    assert populate.main([*indoor, "--scenes", "indoor"]) == 0
+    kept = entries_by_key(output)
+    capsys.readouterr()
+    assert populate.main([*indoor, "--extend"]) == 0
+    out = capsys.readouterr().out
+    assert f"keeping its {len(kept)} entries" in out
+    assert "MinkUNet18 on the indoor scene, 2,027 voxels, float32: 50 convolutions, 0 problems measured" in out
+    extended = entries_by_key(output)
+    assert {key: extended[key] for key in kept} == kept  # the indoor results as they were, not measured again
+    assert len(extended) > len(kept)  # the sweep's coarse levels meet other sizes
+    assert [path.name for path in tmp_path.iterdir()] == [output.name]
+
+
+def test_extend_refuses_a_missing_file_and_one_that_is_no_cache_and_leaves_it_alone(tmp_path, capsys):
+    missing = tmp_path / "missing.msgpack"
+    assert populate.main([*TINY_RUN, "--extend", "--output", str(missing)]) == 2
+    assert f"there is no file {missing} to extend" in capsys.readouterr().err
+    assert not missing.exists()
+    damaged = tmp_path / "damaged.msgpack"
+    damaged.write_bytes(b"\x92\x01\x02")
+    assert populate.main([*TINY_RUN, "--extend", "--output", str(damaged)]) == 2
+    assert f"{damaged} cannot be read as a tuning cache" in capsys.readouterr().err
+    assert damaged.read_bytes() == b"\x92\x01\x02"
 
 
 def test_cpu_results_need_an_explicit_output_and_the_default_is_the_shipped_file(capsys):
