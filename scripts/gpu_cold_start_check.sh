@@ -6,7 +6,7 @@
 # command into a fresh kernel cache, twice (the second compiles nothing); then the first forward of a
 # fresh process with those warm kernels and the shipped tuning only, for the torch module and the
 # framework-free network. Results land in $OUT (or ./gpu-cold-start-results).
-#   --no-populate  measure with the shipped file as installed (about 100 s less)
+#   --no-populate  measure with the shipped file as installed (minutes less: populating tunes every network on every scene)
 #   --runs N       fresh processes per measurement (default 3): first forwards vary between processes
 set -uo pipefail
 populate=1
