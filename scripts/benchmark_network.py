@@ -77,7 +77,9 @@ from cupysparse.adapters.torch import SparseTensor as TorchSparseTensor
 from cupysparse.adapters.torch.networks import CenterPointBackbone, MinkUNet14, MinkUNet18, MinkUNet34
 from cupysparse.cuda import backend
 from cupysparse.data.scenes import INDOOR_MIN_NUM_VOXELS, MAX_NUM_VOXELS, make_scene
+from cupysparse.geometry.padding import spconv_grid
 from cupysparse.geometry.sparse_tensor import SparseTensor
+from cupysparse.networks import descriptions as networks
 from cupysparse.scripts import peer_spconv, peer_warpconvnet
 from cupysparse.scripts.analyze_benchmarks import (
     PLOT_INSTALL_HINT,
@@ -651,10 +653,9 @@ def main(argv=None, prog: str | None = None) -> int:
         model = MINKUNETS[args.depth](in_channels=SPATIAL_DIMS, num_classes=batch.num_classes, width=args.width)
     model = model.to(device=device, dtype=model_dtype)
     spatial_shape = None
-    if peer_spconv.padded(model.description):
+    if networks.has_padding(model.description):
         # Padded convolutions' outputs depend on the spatial shape: every library gets the same grid, spconv's.
-        shifted, spatial_shape = peer_spconv.spconv_grid(batch.coordinates, peer_spconv.coarsest_stride(
-            model.description))
+        shifted, spatial_shape = spconv_grid(batch.coordinates, networks.coarsest_stride(model.description))
         batch = dataclasses.replace(batch, coordinates=shifted)
     coordinates = torch.from_numpy(batch.coordinates).to(device)
     features = torch.from_numpy(batch.features).to(device=device, dtype=model_dtype)

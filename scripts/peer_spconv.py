@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from cupysparse.geometry.coords import as_tuple
+from cupysparse.geometry.padding import spconv_grid
 from cupysparse.networks import descriptions as networks
 from cupysparse.networks.weight_layouts import to_spconv_weight
 
@@ -187,26 +188,6 @@ def copy_weights_to_spconv(model: nn.Module, spconv_model: nn.Module) -> None:
             target[name].copy_(value)
 
 
-def coarsest_stride(description: networks.Network) -> np.ndarray:
-    """Per axis, the product of the strides of the strided convolutions: the stride of the coarsest level."""
-    strides = [as_tuple(conv.stride, SPATIAL_DIMS, "stride")
-               for _, conv in networks.convolutions(description) if conv.kind() == "strided"]
-    return np.prod(np.array(strides, dtype=np.int64).reshape(-1, SPATIAL_DIMS), axis=0)
-
-
-def padded(description: networks.Network) -> bool:
-    """Whether `description` has a padded convolution, whose output voxels depend on the spatial shape."""
-    return any(conv.padding is not None for _, conv in networks.convolutions(description))
-
-
-def spconv_grid(coordinates: np.ndarray, stride: np.ndarray) -> tuple[np.ndarray, list[int]]:
-    """Coordinates shifted to non-negative by a multiple of `stride` (so floor(x / s) at every level
-    is ours, shifted), and a spatial shape, a multiple of `stride`, that holds them."""
-    shifted = coordinates.copy()
-    shifted[:, 1:] -= coordinates[:, 1:].min(axis=0) // stride * stride
-    return shifted, ((shifted[:, 1:].max(axis=0) // stride + 1) * stride).tolist()
-
-
 def import_peer():
     """`spconv.pytorch`, or None with the reason on stderr."""
     try:
@@ -224,8 +205,8 @@ def peer_network(spconv, model: nn.Module, coordinates: np.ndarray, features: to
     spconv_model = build_spconv_network(model.description, spconv).to(device=features.device,
                                                                       dtype=next(model.parameters()).dtype)
     copy_weights_to_spconv(model, spconv_model)
-    shifted, spatial_shape = spconv_grid(coordinates, coarsest_stride(model.description))
-    if padded(model.description) and not np.array_equal(shifted, coordinates):
+    shifted, spatial_shape = spconv_grid(coordinates, networks.coarsest_stride(model.description))
+    if networks.has_padding(model.description) and not np.array_equal(shifted, coordinates):
         # The output rows are coarse voxels, which a shift of the input's would not map back to ours.
         raise ValueError("a network with padded convolutions needs coordinates already on spconv's grid "
                          "(`spconv_grid`), the same for every library")

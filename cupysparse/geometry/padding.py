@@ -42,6 +42,16 @@ def as_padding(value, spatial_dims: int) -> tuple[int, ...]:
     return as_tuple(value, spatial_dims, "padding", minimum=0)
 
 
+def spconv_grid(coordinates: np.ndarray, stride) -> tuple[np.ndarray, list[int]]:
+    """NumPy `[N, 1 + D]` coordinates shifted to non-negative by a multiple of `stride` (D ints: a network's
+    coarsest stride, so that floor(x / s) at every level is the unshifted one, shifted), and a spatial shape, a
+    multiple of `stride`, that holds them: a padded network's input as spconv's detectors place it."""
+    stride = np.asarray(stride, dtype=np.int64)
+    shifted = coordinates.copy()
+    shifted[:, 1:] -= coordinates[:, 1:].min(axis=0) // stride * stride
+    return shifted, ((shifted[:, 1:].max(axis=0) // stride + 1) * stride).tolist()
+
+
 def conv_output_shape(spatial_shape, kernel_size, stride, dilation, padding) -> tuple[int, ...]:
     """The spatial shape of a padded convolution's output, spconv's `get_conv_output_size`; ValueError where
     the kernel does not fit the padded input along an axis (spconv's "out spatial shape reach zero")."""

@@ -183,6 +183,18 @@ def convolutions(network: Network) -> list[tuple[str, Conv]]:
     return [(path, layer) for path, layer in walk(network.root) if isinstance(layer, Conv)]
 
 
+def coarsest_stride(network: Network) -> np.ndarray:
+    """Per axis, the product of the strides of the strided convolutions: the stride of the coarsest level."""
+    strides = [as_tuple(conv.stride, SPATIAL_DIMS, "stride") for _, conv in convolutions(network)
+               if conv.kind() == "strided"]
+    return np.prod(np.array(strides, dtype=np.int64).reshape(-1, SPATIAL_DIMS), axis=0)
+
+
+def has_padding(network: Network) -> bool:
+    """Whether `network` has a padded convolution, whose output voxels depend on the input's spatial shape."""
+    return any(conv.padding is not None for _, conv in convolutions(network))
+
+
 def map_requests(network: Network) -> list[MapRequest]:
     """The kernel maps the convolutions of `network` run over, each once, in running order, with tensor
     strides relative to the input's (what `KernelMapCache.build_maps` builds up front, the strides multiplied

@@ -29,6 +29,8 @@ from cupysparse.geometry.kernel_map import (
     padded_map,
     strided_map,
 )
+from cupysparse.geometry.padding import spconv_grid
+from cupysparse.networks import descriptions as networks
 
 ON_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -352,3 +354,22 @@ def test_padded_candidates_are_estimated_before_they_are_made(monkeypatch):
     with pytest.raises(MemoryError, match=r"candidates of a padded convolution \(200000 input rows x 27 taps\): "
                                           r"about [\d.]+ GiB"):
         padded_map(line, 3, 2, 1, 1)
+
+
+def test_spconv_grid_is_non_negative_and_keeps_every_levels_voxels():
+    rng = np.random.default_rng(0)
+    coordinates = np.concatenate(
+        [rng.integers(0, 2, (500, 1)), rng.integers(-300, 300, (500, 3))], axis=1
+    ).astype(np.int32)
+    stride = networks.coarsest_stride(networks.minkunet(14))
+    assert stride.tolist() == [16, 16, 16]
+    shifted, spatial_shape = spconv_grid(coordinates, stride)
+    assert np.array_equal(shifted[:, 0], coordinates[:, 0])
+    spatial = shifted[:, 1:]
+    assert spatial.min() >= 0 and (spatial.max(axis=0) < spatial_shape).all()
+    assert all(size % 16 == 0 for size in spatial_shape)
+    for level in range(1, 5):
+        step = 2**level
+        # floor(x / 2^level) moves by the same amount for every voxel: the same coarse voxels.
+        moved = spatial // step - coordinates[:, 1:] // step
+        assert (moved == moved[0]).all(), level

@@ -14,6 +14,8 @@ from torch import nn  # noqa: E402
 from cupysparse.adapters.torch import SparseTensor  # noqa: E402
 from cupysparse.adapters.torch.networks import MinkUNet14  # noqa: E402
 from cupysparse.data.scenes import make_scene  # noqa: E402
+from cupysparse.geometry.padding import spconv_grid  # noqa: E402
+from cupysparse.networks import descriptions as networks  # noqa: E402
 from cupysparse.scripts import benchmark_network  # noqa: E402
 
 NUM_VOXELS = 2000
@@ -104,8 +106,7 @@ def test_the_centerpoint_backbone_trains_on_the_mean_square_of_its_features(tmp_
     assert losses and all(labels is None for labels in losses)
     model = benchmark_network.CenterPointBackbone(in_channels=3, width=0.25, padded=True)
     batch = benchmark_network.scene_batch("outdoor", NUM_VOXELS, BATCH_SIZE)
-    shifted, spatial_shape = benchmark_network.peer_spconv.spconv_grid(
-        batch.coordinates, benchmark_network.peer_spconv.coarsest_stride(model.description))
+    shifted, spatial_shape = spconv_grid(batch.coordinates, networks.coarsest_stride(model.description))
     assert shifted.min() >= 0
     features = torch.from_numpy(batch.features)
     output = model(SparseTensor(torch.from_numpy(shifted), features, spatial_shape=spatial_shape)).features

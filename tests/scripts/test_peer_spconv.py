@@ -8,7 +8,6 @@ the strided one. So the spconv network must reproduce our model exactly, without
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,6 +19,7 @@ from cupysparse.adapters.torch import SparseTensor  # noqa: E402
 from cupysparse.adapters.torch.convolution import sparse_conv  # noqa: E402
 from cupysparse.adapters.torch.networks import CenterPointBackbone, MinkUNet14  # noqa: E402
 from cupysparse.geometry.coords import as_tuple  # noqa: E402
+from cupysparse.geometry.padding import spconv_grid  # noqa: E402
 from cupysparse.scripts import benchmark_network, peer_spconv  # noqa: E402
 
 NUM_VOXELS = 2000
@@ -166,7 +166,7 @@ def test_padded_convolutions_are_spconvs_own_with_their_padding():
         assert type(spconv_model.get_submodule(path)) is SparseConv3d, path
         assert (arguments["kernel_size"], arguments["stride"], arguments["padding"]) == (
             layer.kernel_size, layer.stride, layer.padding), path
-    assert peer_spconv.padded(description) and not peer_spconv.padded(networks.centerpoint_backbone())
+    assert networks.has_padding(description) and not networks.has_padding(networks.centerpoint_backbone())
 
 
 def test_padded_centerpoint_computes_spconvs_backbone():
@@ -184,7 +184,7 @@ def test_padded_centerpoint_computes_spconvs_backbone():
                 module.running_var.uniform_(0.5, 2.0)
     model = model.to(device).eval()
     batch = benchmark_network.scene_batch("outdoor", NUM_VOXELS, BATCH_SIZE)
-    shifted, spatial_shape = peer_spconv.spconv_grid(batch.coordinates, peer_spconv.coarsest_stride(model.description))
+    shifted, spatial_shape = spconv_grid(batch.coordinates, networks.coarsest_stride(model.description))
     features = torch.from_numpy(batch.features).to(device)
     with pytest.raises(ValueError, match="spconv's grid"):
         peer_spconv.peer_network(spconv, model, batch.coordinates - 5, features, BATCH_SIZE)
@@ -201,22 +201,3 @@ def test_a_transposed_convolution_needs_a_strided_one_to_invert():
     root = networks.Sequential("", (networks.Conv("up", 8, 4, kernel_size=2, stride=2, transposed=True),))
     with pytest.raises(ValueError, match="no strided convolution"):
         peer_spconv.build_spconv_network(networks.Network("up only", root, 8, 4), STAND_IN_SPCONV)
-
-
-def test_spconv_grid_is_non_negative_and_keeps_every_levels_voxels():
-    rng = np.random.default_rng(0)
-    coordinates = np.concatenate(
-        [rng.integers(0, 2, (500, 1)), rng.integers(-300, 300, (500, 3))], axis=1
-    ).astype(np.int32)
-    stride = peer_spconv.coarsest_stride(networks.minkunet(14))
-    assert stride.tolist() == [16, 16, 16]
-    shifted, spatial_shape = peer_spconv.spconv_grid(coordinates, stride)
-    assert np.array_equal(shifted[:, 0], coordinates[:, 0])
-    spatial = shifted[:, 1:]
-    assert spatial.min() >= 0 and (spatial.max(axis=0) < spatial_shape).all()
-    assert all(size % 16 == 0 for size in spatial_shape)
-    for level in range(1, 5):
-        step = 2**level
-        # floor(x / 2^level) moves by the same amount for every voxel: the same coarse voxels.
-        moved = spatial // step - coordinates[:, 1:] // step
-        assert (moved == moved[0]).all(), level
