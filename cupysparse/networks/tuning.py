@@ -49,7 +49,8 @@ class _TuningObserver(LayerObserver):
         self.choices: list[LayerChoice] = []
 
     def after(self, path, layer, input: SparseTensor, output: SparseTensor, weight) -> None:
-        kernel_map = input.kernel_map(layer.kernel_size, layer.stride, 1, layer.transposed).kernel_map
+        kernel_size, stride, dilation, padding = layer.geometry()  # the map the layer ran on, padded or not
+        kernel_map = input.kernel_map(kernel_size, stride, dilation, layer.transposed, padding=padding).kernel_map
         features = input.features
         problem = ConvProblem.of(features, kernel_map, layer.out_channels)
         for phase in self._phases:

@@ -54,6 +54,40 @@ def test_every_layer_is_tuned_forward_and_backward_under_the_keys_of_a_torch_tra
     assert not (tmp_path / "user").exists()  # the default tuner's cache was not touched
 
 
+def test_a_padded_network_is_tuned_on_the_maps_its_padded_convolutions_run_on(monkeypatch, tmp_path):
+    """spconv's padded strided convolutions reach more outputs than ours: each layer's problem is the one the
+    torch step meets on the same input, on spconv's grid."""
+    torch = pytest.importorskip("torch")
+    from cupysparse.adapters.torch import SparseTensor
+    from cupysparse.adapters.torch.networks import CenterPointBackbone
+    from cupysparse.geometry.padding import spconv_grid
+    from cupysparse.geometry.sparse_tensor import SparseTensor as CoreSparseTensor
+
+    description = networks.centerpoint_backbone(3, WIDTH, padded=True)
+    _, tensor, _ = scene_tensor("outdoor", NUM_VOXELS, 0, "cpu", "float32")
+    coordinates, spatial_shape = spconv_grid(tensor.coordinates, networks.coarsest_stride(description))
+    met = {"forward": set(), "backward": set()}
+    default_select = tuner_module.default_tuner().select
+
+    def recording_select(search_space, problem, run=None):
+        met[search_space.phase].add(tuning_key(problem))
+        return default_select(search_space, problem, run)
+
+    monkeypatch.setattr(tuner_module.default_tuner(), "select", recording_select)
+    model = CenterPointBackbone(3, WIDTH, padded=True)
+    torch_input = SparseTensor(torch.from_numpy(coordinates), torch.from_numpy(tensor.features),
+                               spatial_shape=spatial_shape)
+    model(torch_input).features.square().mean().backward()
+    monkeypatch.setattr(tuner_module.default_tuner(), "select", default_select)
+
+    monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
+    core_input = CoreSparseTensor(coordinates, tensor.features, spatial_shape=spatial_shape)
+    choices = tune_network(description, core_input, Tuner(BenchmarkCache(tmp_path / "network.msgpack",
+                                                                          autosave=False)))
+    for phase in ("forward", "backward"):
+        assert {c.key for c in choices if c.phase == phase} == met[phase]
+
+
 def test_phases_are_checked(scene):
     _, tensor, _ = scene
     with pytest.raises(ValueError, match="phases"):
