@@ -7,7 +7,8 @@
 
 For each network, scene, scene size and dtype it builds the demo's scene
 (`cupysparse.scripts.demo.scene_tensor`, seed 0: MinkUNet18 on the indoor room and on the outdoor LiDAR
-sweep, CenterPoint's backbone on the sweep) and runs the network forward and backward with the tuner
+sweep, CenterPoint's backbone on the sweep, with our strided convolutions and with spconv's padded ones on
+spconv's grid) and runs the network forward and backward with the tuner
 measuring every convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`):
 the keys a training or inference run on that scene meets, strided and transposed layers included. A
 sweep's coarse levels keep more of its voxels than a room's do, so the same network meets other sizes
@@ -42,6 +43,8 @@ from pathlib import Path
 from cupysparse.cuda import backend
 from cupysparse.networks import descriptions as networks
 from cupysparse.tuning.search_space import parse_algorithm_filter
+from cupysparse.geometry.padding import spconv_grid
+from cupysparse.geometry.sparse_tensor import SparseTensor
 from cupysparse.algorithms import CONV
 from cupysparse.tuning.cache_file import BenchmarkCache, NotACacheFile, open_for_reading
 from cupysparse.scripts.demo import scene_tensor
@@ -56,8 +59,10 @@ from cupysparse.tuning.tuner import Tuner, tuning_enabled
 NETWORKS = {
     "minkunet18": (("indoor", "outdoor"), lambda classes: networks.minkunet(18, 3, classes)),
     "centerpoint": (("outdoor",), lambda classes: networks.centerpoint_backbone()),
+    # spconv's padded strided convolutions, as its detectors (and models converted from them) run them.
+    "centerpoint-padded": (("outdoor",), lambda classes: networks.centerpoint_backbone(padded=True)),
 }
-DEFAULT_NETWORKS = ("minkunet18", "centerpoint")
+DEFAULT_NETWORKS = ("minkunet18", "centerpoint", "centerpoint-padded")
 SCENES = ("indoor", "outdoor")
 # The demo's scene (200K voxels on a GPU) and its neighbouring size buckets.
 DEFAULT_NUM_VOXELS = (100_000, 200_000, 400_000)
@@ -130,6 +135,9 @@ def network_input(network_name: str, scene_kind: str, num_voxels: int, device: s
     build = NETWORKS[network_name][1]
     scene, tensor, _ = scene_tensor(scene_kind, num_voxels, SCENE_SEED, device, "float32")
     network = build(len(scene.class_names))
+    if networks.has_padding(network):  # padded outputs depend on the grid: spconv's, as its detectors place scenes
+        coordinates, spatial_shape = spconv_grid(backend.to_numpy(tensor.coordinates), networks.coarsest_stride(network))
+        tensor = SparseTensor(backend.to_device(coordinates, device), tensor.features, spatial_shape=spatial_shape)
     return network, with_input_channels(tensor, network.in_channels)
 
 
@@ -138,7 +146,8 @@ def tune_run(network, scene_kind: str, base, dtype: str, tuner: Tuner, algo_mode
     xp = backend.array_module(base.features)
     tensor = base.replace_features(xp.ascontiguousarray(base.features.astype("float32" if dtype == "tf32" else dtype)))
     progress = Progress(len(networks.convolutions(network)), quiet_steps=True)
-    label = f"{network.name} on the {scene_kind} scene, {len(tensor):,} voxels, {dtype}"
+    padded = " (spconv's padding)" if networks.has_padding(network) else ""
+    label = f"{network.name}{padded} on the {scene_kind} scene, {len(tensor):,} voxels, {dtype}"
     measured_before, begin = tuner.measurements, time.perf_counter()
     with fp32_precision(TF32 if dtype == "tf32" else get_fp32_precision()):
         choices = tune_network(network, tensor, tuner, fwd_algo=algo_mode, bwd_algo=algo_mode,

@@ -1,8 +1,10 @@
 """populate_shipped_cache end to end on the CPU: every layer of the network on the scene, both phases,
 written to the output file alone (the user's cache untouched, no lock file beside the output)."""
 
+import numpy as np
 import pytest
 from cupysparse.scripts import populate_shipped_cache as populate
+from cupysparse.scripts.demo import scene_tensor
 
 from cupysparse.networks import descriptions as networks
 from cupysparse.cuda.compile import KERNEL_DIR, source_digest
@@ -10,6 +12,9 @@ from cupysparse.tuning import shipped
 from cupysparse.tuning.cache_file import BenchmarkCache, open_for_reading
 from cupysparse.data.scenes import INDOOR_CLASSES, OUTDOOR_CLASSES
 from cupysparse.tuning.shipped import shipped_cache_path
+from cupysparse.tuning.tuner import Tuner
+from cupysparse.geometry.padding import spconv_grid
+from cupysparse.networks.tuning import tune_network
 
 TINY_RUN = ["--device", "cpu", "--num-voxels", "2000", "--dtypes", "float32"]
 
@@ -28,10 +33,10 @@ def layer_signatures(network):
 
 def test_the_output_holds_every_layer_of_each_network_on_each_scene_forward_and_backward(tmp_path, user_cache, capsys):
     output = tmp_path / "shipped" / "benchmark_cache_test.msgpack"
-    assert populate.main([*TINY_RUN, "--networks", "minkunet18", "centerpoint", "--output", str(output)]) == 0
+    assert populate.main([*TINY_RUN, "--output", str(output)]) == 0
     out = capsys.readouterr().out
     for run in ("MinkUNet18 on the indoor scene", "MinkUNet18 on the outdoor scene",
-                "CenterPointBackbone on the outdoor scene"):
+                "CenterPointBackbone on the outdoor scene", "CenterPointBackbone (spconv's padding) on the outdoor scene"):
         assert run in out
     written = open_for_reading(output)
     expected = (layer_signatures(networks.minkunet(18, 3, len(INDOOR_CLASSES)))
@@ -45,6 +50,23 @@ def test_the_output_holds_every_layer_of_each_network_on_each_scene_forward_and_
     assert not user_cache.exists()
 
 
+def test_the_padded_backbone_is_tuned_on_spconvs_grid(tmp_path):
+    """Its input is the scene placed as spconv's detectors place it (padded outputs depend on the grid), and its
+    keys are those of its padded maps there."""
+    network, base = populate.network_input("centerpoint-padded", "outdoor", 2000, "cpu")
+    assert networks.has_padding(network)
+    _, tensor, _ = scene_tensor("outdoor", 2000, populate.SCENE_SEED, "cpu", "float32")
+    coordinates, spatial_shape = spconv_grid(tensor.coordinates, networks.coarsest_stride(network))
+    assert np.array_equal(base.coordinates, coordinates) and base.spatial_shape == tuple(spatial_shape)
+    assert populate.network_input("centerpoint", "outdoor", 2000, "cpu")[1].spatial_shape is None
+
+    output = tmp_path / "cache.msgpack"
+    assert populate.main([*TINY_RUN, "--networks", "centerpoint-padded", "--output", str(output)]) == 0
+    choices = tune_network(network, base, Tuner(BenchmarkCache(tmp_path / "expected.msgpack", autosave=False)))
+    assert {key for namespace, key in entries_by_key(output) if namespace == "sparse_conv_forward"} == {
+        choice.key for choice in choices if choice.phase == "forward"}
+
+
 def test_a_second_run_replaces_the_output(tmp_path):
     output = tmp_path / "cache.msgpack"
     output.write_bytes(b"an older file")
@@ -55,21 +77,23 @@ def test_a_second_run_replaces_the_output(tmp_path):
 def test_dry_run_lists_network_scene_size_and_dtype_runs(capsys):
     assert populate.main(["--dry-run", "--num-voxels", "100K", "200K", "--dtypes", "float16", "tf32"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # MinkUNet18 on both scenes and CenterPoint's backbone on the sweep, two sizes, two dtypes
-    assert lines[-1] == "12 runs"
+    # MinkUNet18 on both scenes and CenterPoint's backbone (ours, spconv's padded) on the sweep, two sizes, two dtypes
+    assert lines[-1] == "16 runs"
     assert "100,000 voxels  float16" in lines[0] and "200,000 voxels  tf32" in lines[3]
     assert [(line.split()[0], line.split()[-1]) for line in lines[:-1:4]] == [
-        ("indoor", "minkunet18"), ("outdoor", "minkunet18"), ("outdoor", "centerpoint")]
+        ("indoor", "minkunet18"), ("outdoor", "minkunet18"), ("outdoor", "centerpoint"),
+        ("outdoor", "centerpoint-padded")]
 
 
 def test_scenes_choose_the_runs_and_a_choice_no_network_runs_on_is_refused(capsys):
     assert populate.main(["--dry-run", "--scenes", "outdoor", "--num-voxels", "100K", "--dtypes", "float16"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "outdoor     100,000 voxels  float16   minkunet18", "outdoor     100,000 voxels  float16   centerpoint",
-        "2 runs"]
+        "outdoor     100,000 voxels  float16   centerpoint-padded", "3 runs"]
     with pytest.raises(SystemExit):
-        populate.main(["--dry-run", "--networks", "centerpoint", "--scenes", "indoor"])
-    assert "no network runs on the scenes named by --scenes (centerpoint on outdoor)" in capsys.readouterr().err
+        populate.main(["--dry-run", "--networks", "centerpoint", "centerpoint-padded", "--scenes", "indoor"])
+    assert ("no network runs on the scenes named by --scenes (centerpoint on outdoor; centerpoint-padded on outdoor)"
+            in capsys.readouterr().err)
 
 
 def entries_by_key(path):
