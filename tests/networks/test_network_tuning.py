@@ -19,12 +19,8 @@ def scene():
     return scene_tensor("indoor", NUM_VOXELS, 0, "cpu", "float32")
 
 
-def test_every_layer_is_tuned_forward_and_backward_under_the_keys_of_a_torch_training_step(scene, monkeypatch,
-                                                                                           tmp_path):
-    torch = pytest.importorskip("torch")
-    from cupysparse.adapters.torch import SparseTensor
-    from cupysparse.adapters.torch.networks import MinkUNet18
-
+def problems_met(monkeypatch, step) -> dict[str, set]:
+    """The tuning keys the default tuner is asked to select for while `step()` runs, by phase."""
     met = {"forward": set(), "backward": set()}
     default_select = tuner_module.default_tuner().select
 
@@ -33,12 +29,22 @@ def test_every_layer_is_tuned_forward_and_backward_under_the_keys_of_a_torch_tra
         return default_select(search_space, problem, run)
 
     monkeypatch.setattr(tuner_module.default_tuner(), "select", recording_select)
+    step()
+    monkeypatch.setattr(tuner_module.default_tuner(), "select", default_select)  # what the step met, only
+    return met
+
+
+def test_every_layer_is_tuned_forward_and_backward_under_the_keys_of_a_torch_training_step(scene, monkeypatch,
+                                                                                           tmp_path):
+    torch = pytest.importorskip("torch")
+    from cupysparse.adapters.torch import SparseTensor
+    from cupysparse.adapters.torch.networks import MinkUNet18
+
     _, tensor, labels = scene
     model = MinkUNet18(3, 13, WIDTH)
     torch_input = SparseTensor(torch.from_numpy(tensor.coordinates), torch.from_numpy(tensor.features))
-    logits = model(torch_input).features
-    torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels)).backward()
-    monkeypatch.setattr(tuner_module.default_tuner(), "select", default_select)  # what the torch step met, only
+    met = problems_met(monkeypatch, lambda: torch.nn.functional.cross_entropy(
+        model(torch_input).features, torch.from_numpy(labels)).backward())
     assert met["forward"] and met["backward"]
 
     monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
@@ -66,19 +72,10 @@ def test_a_padded_network_is_tuned_on_the_maps_its_padded_convolutions_run_on(mo
     description = networks.centerpoint_backbone(3, WIDTH, padded=True)
     _, tensor, _ = scene_tensor("outdoor", NUM_VOXELS, 0, "cpu", "float32")
     coordinates, spatial_shape = spconv_grid(tensor.coordinates, networks.coarsest_stride(description))
-    met = {"forward": set(), "backward": set()}
-    default_select = tuner_module.default_tuner().select
-
-    def recording_select(search_space, problem, run=None):
-        met[search_space.phase].add(tuning_key(problem))
-        return default_select(search_space, problem, run)
-
-    monkeypatch.setattr(tuner_module.default_tuner(), "select", recording_select)
     model = CenterPointBackbone(3, WIDTH, padded=True)
     torch_input = SparseTensor(torch.from_numpy(coordinates), torch.from_numpy(tensor.features),
                                spatial_shape=spatial_shape)
-    model(torch_input).features.square().mean().backward()
-    monkeypatch.setattr(tuner_module.default_tuner(), "select", default_select)
+    met = problems_met(monkeypatch, lambda: model(torch_input).features.square().mean().backward())
 
     monkeypatch.setenv("CUPYSPARSE_BENCHMARK_CACHE_DIR", str(tmp_path / "user"))
     core_input = CoreSparseTensor(coordinates, tensor.features, spatial_shape=spatial_shape)
