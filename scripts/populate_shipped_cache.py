@@ -7,12 +7,12 @@
 
 For each network, scene, scene size and dtype it builds the demo's scene
 (`cupysparse.scripts.demo.scene_tensor`, seed 0: MinkUNet18 on the indoor room and on the outdoor LiDAR
-sweep, CenterPoint's backbone on the sweep, with our strided convolutions and with spconv's padded ones on
-spconv's grid) and runs the network forward and backward with the tuner
-measuring every convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`):
-the keys a training or inference run on that scene meets, strided and transposed layers included. A
-sweep's coarse levels keep more of its voxels than a room's do, so the same network meets other sizes
-there. MinkUNet14 and 34 have MinkUNet18's layer problems. The results are written to a new file at
+sweep, CenterPoint's backbone on the sweep with our strided convolutions and with spconv's padded ones,
+the scene then on spconv's grid) and runs the network forward and backward with the tuner measuring every
+convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`): the keys a
+training or inference run on that scene meets, strided and transposed layers included. A sweep's coarse
+levels keep more of its voxels than a room's do, and padded convolutions reach more outputs than ours,
+so the same layers meet other sizes there. MinkUNet14 and 34 have MinkUNet18's layer problems. The results are written to a new file at
 --output (replaced if it exists; default: this install's shipped file of the GPU's architecture,
 `cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own cache is neither read
 nor written, and shipped results are not consulted, so every entry is measured in this run. With
