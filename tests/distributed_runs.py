@@ -14,10 +14,11 @@ import distributed_worker
 WORKER = Path(distributed_worker.__file__)
 
 
-def run_two_ranks(scenario: str, out_dir: Path) -> None:
+def run_two_ranks(scenario: str, out_dir: Path, **environment: str) -> None:
+    """`scenario` of `distributed_worker` on two ranks, with `environment` added to this process's."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
                scenario, str(out_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **environment}
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

@@ -33,7 +33,8 @@ def test_sync_batch_norm_over_two_ranks_is_one_batch_norm_over_their_voxels(batc
 
 @needs_gloo
 def test_two_ranks_with_different_measurements_choose_alike_after_sharing(tmp_path):
-    run_two_ranks("share_tuning", tmp_path)
+    # The ranks' own measurements only: the shipped file may hold the problems' keys.
+    run_two_ranks("share_tuning", tmp_path, CUPYSPARSE_SHIPPED_CACHE="0")
     ranks = [json.loads((tmp_path / f"share_tuning_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0]["before"]["shared"] != ranks[1]["before"]["shared"]  # measured differently
     assert ranks[0]["before"]["rank 1 only"] is None  # rank 0 never measured it
