@@ -11,15 +11,15 @@ sweep, CenterPoint's backbone on the sweep with our strided convolutions and wit
 the scene then on spconv's grid) and runs the network forward and backward with the tuner measuring every
 convolution in the `--algo-mode` search space (`cupysparse.networks.tuning.tune_network`): the keys a
 training or inference run on that scene meets, strided and transposed layers included. A sweep's coarse
-levels keep more of its voxels than a room's do, and padded convolutions reach more outputs than ours,
-so the same layers meet other sizes there. MinkUNet14 and 34 have MinkUNet18's layer problems. The results are written to a new file at
---output (replaced if it exists; default: this install's shipped file of the GPU's architecture,
-`cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own cache is neither read
-nor written, and shipped results are not consulted, so every entry is measured in this run. With
-`--extend` the file's current entries are kept and only the keys it lacks (or holds stale) are measured:
-a network or scene added to a file that is otherwise current. Commit the file from a source checkout to
-ship it with the wheel. `--device cpu` runs the same pipeline on NumPy (CPU keys, which a shipped lookup
-never matches: for testing the script).
+levels keep more of its voxels than a room's do, and padded convolutions reach more outputs than ours, so
+the same layers meet other sizes there. MinkUNet14 and 34 have MinkUNet18's layer problems. The results
+are written to a new file at --output (replaced if it exists; default: this install's shipped file of the
+GPU's architecture, `cupysparse/tuning/shipped_caches/benchmark_cache_sm_XY.msgpack`); the user's own
+cache is neither read nor written, and shipped results are not consulted, so every entry is measured in
+this run. With `--extend` the file's current entries are kept and only the keys it lacks (or holds stale)
+are measured: a network or scene added to a file that is otherwise current. Commit the file from a source
+checkout to ship it with the wheel. `--device cpu` runs the same pipeline on NumPy (CPU keys, which a
+shipped lookup never matches: for testing the script).
 
 `--check` is the release check of the shipped files (this install's, or the files named): for each
 architecture's file it counts the entries that match today's kernel sources and the stale ones, by
@@ -136,7 +136,8 @@ def network_input(network_name: str, scene_kind: str, num_voxels: int, device: s
     scene, tensor, _ = scene_tensor(scene_kind, num_voxels, SCENE_SEED, device, "float32")
     network = build(len(scene.class_names))
     if networks.has_padding(network):  # padded outputs depend on the grid: spconv's, as its detectors place scenes
-        coordinates, spatial_shape = spconv_grid(backend.to_numpy(tensor.coordinates), networks.coarsest_stride(network))
+        coordinates, spatial_shape = spconv_grid(backend.to_numpy(tensor.coordinates),
+                                                 networks.coarsest_stride(network))
         tensor = SparseTensor(backend.to_device(coordinates, device), tensor.features, spatial_shape=spatial_shape)
     return network, with_input_channels(tensor, network.in_channels)
 
@@ -253,7 +254,8 @@ def kept_entries(path: Path) -> int | None:
     """For --extend: the number of entries in the cache file at `path`; None, with the reason printed, when
     there is none to extend."""
     if not path.is_file():
-        print(f"--extend: there is no file {path} to extend; without --extend the run writes a new one", file=sys.stderr)
+        print(f"--extend: there is no file {path} to extend; without --extend the run writes a new one",
+              file=sys.stderr)
         return None
     try:
         return sum(open_for_reading(path).namespace_counts().values())

@@ -36,7 +36,8 @@ def test_the_output_holds_every_layer_of_each_network_on_each_scene_forward_and_
     assert populate.main([*TINY_RUN, "--output", str(output)]) == 0
     out = capsys.readouterr().out
     for run in ("MinkUNet18 on the indoor scene", "MinkUNet18 on the outdoor scene",
-                "CenterPointBackbone on the outdoor scene", "CenterPointBackbone (spconv's padding) on the outdoor scene"):
+                "CenterPointBackbone on the outdoor scene",
+                "CenterPointBackbone (spconv's padding) on the outdoor scene"):
         assert run in out
     written = open_for_reading(output)
     expected = (layer_signatures(networks.minkunet(18, 3, len(INDOOR_CLASSES)))
