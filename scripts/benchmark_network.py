@@ -19,13 +19,16 @@ and no library checks them (`validate=False` on our side; the peers never do):
   backbone: the mean square of its output features), backward, `optimizer.step()` (SGD, lr 0.01,
   momentum 0.9), `zero_grad(set_to_none=True)`.
 The libraries take turns run by run (--repeats rounds after --warmup runs each), so a drift of the
-machine's speed reaches all of them alike; each run is timed by CUDA events (on the CPU: the host
-clock) and the median is reported, with ratios of medians (< 1: cupysparse is faster). Then, per
-library and phase, `torch.profiler` over three runs gives the GPU's busy time (the sum of its
-kernels, copies and fills) and the number of those GPU operations per run: wall / GPU above 1 is
-time the GPU waits for the host. Peak memory: one more run after `torch.cuda.reset_peak_memory_stats()`,
-`max_memory_allocated()` minus what was allocated before it (model, optimizer state and inputs stay
-resident, so they are not counted). CuPy allocates from torch's caching allocator for the whole run.
+machine's speed reaches all of them alike; each run is timed by CUDA events (on the CPU: the host clock)
+and the median is reported, with ratios of medians (< 1: cupysparse is faster). Then, per library and
+phase, `torch.profiler` over three runs gives the GPU's busy time (the sum of its kernels, copies and
+fills) and the number of those GPU operations per run: wall / GPU above 1 is time the GPU waits for the
+host; `--host N` also gives each library's host time until a run returns (each run started on an idle
+GPU) beside its wall time, and its N Python functions with the most own time under cProfile: a host time
+near the wall time is a step bound by its host. Peak memory: one more run after
+`torch.cuda.reset_peak_memory_stats()`, `max_memory_allocated()` minus what was allocated before it
+(model, optimizer state and inputs stay resident, so they are not counted). CuPy allocates from torch's
+caching allocator for the whole run.
 
 The first call of each phase compiles kernels and runs the tuners (ours benchmarks candidate
 algorithms per layer shape; spconv and WarpConvNet tune their own); it is made before any timing and
@@ -56,17 +59,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import contextlib
 import csv
 import dataclasses
 import gc
 import math
 import os
+import pstats
 import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -229,6 +235,31 @@ def gpu_operations(events, runs: int) -> list[GpuOperation]:
     return [GpuOperation(name, us / 1e3 / runs, counts[name] / runs) for name, us in times.most_common()]
 
 
+@dataclass(frozen=True)
+class HostFunction:
+    """A Python function or built-in in a profiled run: its own host ms (without what it calls) and its calls,
+    per run."""
+
+    name: str
+    ms: float
+    calls: float
+
+
+def function_name(filename: str, line: int, function: str) -> str:
+    """A cProfile key as `folder/file.py:line(function)`; a built-in's as cProfile names it."""
+    if filename == "~":
+        return function
+    return f"{'/'.join(Path(filename).parts[-2:])}:{line}({function})"
+
+
+def host_functions(stats: dict, runs: int) -> list[HostFunction]:
+    """cProfile's `pstats.Stats(...).stats` (key: (file, line, function), value: (primitive calls, calls, own s,
+    cumulative s, callers)) per run of `runs`, by own time, costliest first."""
+    functions = [HostFunction(function_name(*key), own * 1e3 / runs, calls / runs)
+                 for key, (_, calls, own, _, _) in stats.items()]
+    return sorted(functions, key=lambda function: -function.ms)
+
+
 @dataclass
 class Measurement:
     """One library's phase: first call wall seconds, timed runs (ms), GPU busy ms and operations per
@@ -240,6 +271,8 @@ class Measurement:
     gpu_ops: float | None = None
     peak_bytes: int | None = None
     operations: list[GpuOperation] = field(default_factory=list)  # by GPU time per run, costliest first
+    host_ms: float | None = None  # until a run returns, started on an idle GPU (--host)
+    functions: list[HostFunction] = field(default_factory=list)  # by own host time per run, costliest first
 
     @property
     def ms(self) -> float:
@@ -298,6 +331,26 @@ def gpu_profile(step) -> tuple[float, float, list[GpuOperation]]:
     return busy_us / 1e3 / PROFILED_RUNS, len(events) / PROFILED_RUNS, gpu_operations(events, PROFILED_RUNS)
 
 
+def host_profile(step, device: str) -> tuple[float, list[HostFunction]]:
+    """(host ms until a run of `step` returns, the median of `PROFILED_RUNS` runs each started on an idle GPU;
+    the Python functions and built-ins by own time per run, under cProfile over as many runs). A host time near
+    the wall time is a step bound by its host, whatever its GPU does."""
+    returned = []
+    for _ in range(PROFILED_RUNS):
+        synchronize(device)
+        begin = time.perf_counter()
+        step()
+        returned.append((time.perf_counter() - begin) * 1e3)
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(PROFILED_RUNS):
+        step()
+    profiler.disable()
+    synchronize(device)
+    return statistics.median(returned), host_functions(pstats.Stats(profiler).stats, PROFILED_RUNS)
+
+
 def peak_bytes(step) -> int:
     """Peak bytes one run of `step` allocates beyond what is allocated before it (see `peak_extra_bytes`)."""
     # Earlier runs' kernel maps sit in reference cycles until a garbage collection: collected now, they
@@ -351,10 +404,14 @@ def phase_steps(libraries: list[Library], phase: str, labels: torch.Tensor | Non
 
 
 def measure_phase(libraries: list[Library], phase: str, labels: torch.Tensor | None, device: str, warmup: int,
-                  repeats: int) -> dict[str, Measurement]:
+                  repeats: int, host: bool = False) -> dict[str, Measurement]:
+    """Each library's `Measurement` of `phase`; with `host`, its `host_profile` too."""
     steps = phase_steps(libraries, phase, labels)
     measurements = {name: Measurement(wall_seconds(step, device)) for name, step in steps.items()}
     samples_in_turns(steps, measurements, device, warmup, repeats)
+    if host:
+        for name, step in steps.items():
+            measurements[name].host_ms, measurements[name].functions = host_profile(step, device)
     if device == "cuda":
         for name, step in steps.items():
             measured = measurements[name]
@@ -415,6 +472,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the times per library and phase (matplotlib)")
     parser.add_argument("--kernels", type=arguments.count_or_zero, default=0, metavar="N",
                         help="also list each library's N costliest GPU operations per phase, by name (on the GPU)")
+    parser.add_argument("--host", type=arguments.count_or_zero, default=0, metavar="N",
+                        help="also give each library's host time until a run returns, and its N Python functions "
+                             "with the most own time per phase (cProfile)")
     add_results_page_arguments(parser)
     return parser
 
@@ -635,6 +695,21 @@ def operation_lines(results: dict[tuple[str, str], Measurement], count: int) -> 
     return lines
 
 
+def host_lines(results: dict[tuple[str, str], Measurement], count: int) -> list[str]:
+    """Each library's host time per phase against its wall time, and its `count` functions with the most own
+    time, with their share of the profiled run's."""
+    lines = [f"Host time per run until the step returns, and the {count} functions with the most own time of each "
+             "(cProfile, which slows the host):"]
+    for (phase, library), measured in results.items():
+        profiled = sum(function.ms for function in measured.functions)
+        lines.append(f"{phase}, {library}: {measured.host_ms:.2f} ms until a run returns, wall {measured.ms:.2f} ms; "
+                     f"{profiled:.2f} ms under cProfile")
+        for function in measured.functions[:count]:
+            share = function.ms / profiled if profiled else 0.0
+            lines.append(f"  {function.ms:8.3f} ms {share:6.1%} {function.calls:6.4g}x  {function.name}")
+    return lines
+
+
 def main(argv=None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     if args.from_csv:
@@ -678,7 +753,8 @@ def main(argv=None, prog: str | None = None) -> int:
 
     results, differences = {}, {}
     for phase in PHASES:
-        for name, measurement in measure_phase(libraries, phase, labels, device, args.warmup, args.repeats).items():
+        for name, measurement in measure_phase(libraries, phase, labels, device, args.warmup, args.repeats,
+                                               bool(args.host)).items():
             results[phase, name] = measurement
         if phase == "inference":  # after the tuners' work
             for peer in peers:
@@ -691,6 +767,9 @@ def main(argv=None, prog: str | None = None) -> int:
         print()
         print("\n".join(operation_lines(results, args.kernels)) if device == "cuda"
               else "--kernels: skipped (the GPU's operations are profiled on CUDA only)")
+    if args.host:
+        print()
+        print("\n".join(host_lines(results, args.host)))
     if args.csv:
         write_csv(rows, args.csv)
         write_metadata(args.csv, {"command": args.command, "device": described})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's one-call check: install offline, run the GPU tests, the benchmarks (arguments
 # go to the convolution benchmark, e.g. --channels 32,64), the host-overhead benchmark, the demo and the
-# network benchmark (with each library's costliest GPU operations).
+# network benchmark (with each library's costliest GPU operations and its host time).
 # Results land in $OUT (or ./gpu-check-results). spconv is installed from .peer/ when carried
 # there (see the peer-wheels tool), so the benchmark compares against it.
 set -uo pipefail
@@ -29,7 +29,7 @@ python3 -m cupysparse.scripts.benchmark_host_overhead --csv "$out/benchmark_host
 bench_status=$(( bench_status || PIPESTATUS[0] ))
 python3 -m cupysparse.scripts.demo --train-steps 3 2>&1 | tee "$out/demo.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
-python3 -m cupysparse.scripts.benchmark_network --csv "$out/benchmark_network.csv" --kernels 12 2>&1 | tee "$out/benchmark_network.txt"
+python3 -m cupysparse.scripts.benchmark_network --csv "$out/benchmark_network.csv" --kernels 12 --host 12 2>&1 | tee "$out/benchmark_network.txt"
 bench_status=$(( bench_status || PIPESTATUS[0] ))
 echo "gpu tests exit $tests_status, benchmark exit $bench_status"
 exit $(( tests_status || bench_status ))

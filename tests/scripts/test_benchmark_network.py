@@ -90,6 +90,41 @@ def test_operation_lines_give_each_phase_and_library_its_costliest_operations_an
     assert len(lines) == 3
 
 
+def test_host_time_is_given_per_phase_with_the_functions_that_spend_it(tmp_path, capsys):
+    """--host on the CPU: each phase's time until a run returns beside its wall time, and the functions with the
+    most own time under cProfile; the convolutions' NumPy GEMM is among them."""
+    run_benchmark(tmp_path, "--dtype", "float32", "--host", "4")
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("Host time per run")))
+    for phase, at in (("inference", start + 1), ("training step", start + 6)):
+        heading = lines[at]
+        assert heading.startswith(f"{phase}, cupysparse: ") and "ms until a run returns, wall" in heading
+        functions = lines[at + 1 : at + 5]
+        assert len(functions) == 4 and all(line.split()[1] == "ms" for line in functions)
+        times = [float(line.split()[0]) for line in functions]
+        assert times == sorted(times, reverse=True) and times[-1] > 0
+    assert any("explicit_gemm.py" in line for line in lines[start:])
+
+
+def test_host_functions_are_named_by_file_and_line_and_taken_per_run_costliest_first():
+    stats = {("/somewhere/cupysparse/geometry/hashing.py", 385, "unique_reached"): (4, 4, 0.002, 0.02, {}),
+             ("~", 0, "<method 'get' of 'dict' objects>"): (40, 40, 0.004, 0.004, {}),
+             ("/lib/python3/recursive.py", 7, "walk"): (2, 6, 0.0005, 0.001, {})}
+    assert benchmark_network.host_functions(stats, runs=2) == [
+        benchmark_network.HostFunction("<method 'get' of 'dict' objects>", 2.0, 20.0),
+        benchmark_network.HostFunction("geometry/hashing.py:385(unique_reached)", 1.0, 2.0),
+        benchmark_network.HostFunction("python3/recursive.py:7(walk)", 0.25, 3.0)]  # every call, recursive ones too
+
+
+def test_host_lines_give_each_phase_its_host_time_and_the_functions_shares():
+    measured = benchmark_network.Measurement(0.1, [8.0], host_ms=6.0, functions=[
+        benchmark_network.HostFunction("a.py:1(f)", 3.0, 2.0), benchmark_network.HostFunction("b.py:2(g)", 1.0, 1.0)])
+    lines = benchmark_network.host_lines({("training step", "cupysparse"): measured}, count=1)
+    assert lines[1] == "training step, cupysparse: 6.00 ms until a run returns, wall 8.00 ms; 4.00 ms under cProfile"
+    assert lines[2].split() == ["3.000", "ms", "75.0%", "2x", "a.py:1(f)"]
+    assert len(lines) == 3
+
+
 def test_the_centerpoint_backbone_trains_on_the_mean_square_of_its_features(tmp_path, monkeypatch):
     """--network centerpoint: the padded backbone on spconv's grid (a spatial shape for our input too); its
     training step has no labels and takes the mean square of the output features as its loss."""
@@ -158,7 +193,7 @@ def test_batch_voxels_carry_their_first_points_xyz_and_label():
     ["--batch-size", "0"], ["--num-voxels", "10"], ["--num-voxels", "many"], ["--repeats", "0"],
     ["--warmup", "-1"], ["--width", "0"], ["--width", "nan"], ["--depth", "20"], ["--dtype", "int8"],
     ["--scene", "forest"], ["--peers", "minkowski"], ["--autocast", "--dtype", "float32"], ["--plot", "chart.png"],
-    ["--from-csv", "network.csv"], ["--kernels", "-1"],
+    ["--from-csv", "network.csv"], ["--kernels", "-1"], ["--host", "-1"],
 ])
 def test_invalid_arguments_exit_with_usage_error(arguments):
     with pytest.raises(SystemExit) as exit_info:
