@@ -237,12 +237,12 @@ def gpu_operations(events, runs: int) -> list[GpuOperation]:
 
 @dataclass(frozen=True)
 class HostFunction:
-    """A Python function or built-in in a profiled run: its own host ms (without what it calls) and its calls,
-    per run."""
+    """A Python function or built-in in a profiled run: its own host ms (without what it calls) and its calls
+    (`count`), per run."""
 
     name: str
     ms: float
-    calls: float
+    count: float
 
 
 def function_name(filename: str, line: int, function: str) -> str:
@@ -684,14 +684,18 @@ def write_outputs(args, paths: list[str]) -> None:
         plot(paths, args.plot)
 
 
+def ranked_lines(entries: list, total_ms: float) -> list[str]:
+    """A line per entry (`GpuOperation` or `HostFunction`): its ms and count per run, its share of `total_ms`."""
+    return [f"  {entry.ms:8.3f} ms {entry.ms / total_ms if total_ms else 0.0:6.1%} {entry.count:6.4g}x  {entry.name}"
+            for entry in entries]
+
+
 def operation_lines(results: dict[tuple[str, str], Measurement], count: int) -> list[str]:
     """Each library's `count` costliest GPU operations per phase, with their share of its GPU time."""
     lines = [f"GPU operations per run by name, the {count} costliest of each (torch.profiler):"]
     for (phase, library), measured in results.items():
         lines.append(f"{phase}, {library}: {measured.gpu_ms:.2f} ms in {measured.gpu_ops:.0f} operations")
-        for operation in measured.operations[:count]:
-            share = operation.ms / measured.gpu_ms if measured.gpu_ms else 0.0
-            lines.append(f"  {operation.ms:8.3f} ms {share:6.1%} {operation.count:6.4g}x  {operation.name}")
+        lines += ranked_lines(measured.operations[:count], measured.gpu_ms)
     return lines
 
 
@@ -704,9 +708,7 @@ def host_lines(results: dict[tuple[str, str], Measurement], count: int) -> list[
         profiled = sum(function.ms for function in measured.functions)
         lines.append(f"{phase}, {library}: {measured.host_ms:.2f} ms until a run returns, wall {measured.ms:.2f} ms; "
                      f"{profiled:.2f} ms under cProfile")
-        for function in measured.functions[:count]:
-            share = function.ms / profiled if profiled else 0.0
-            lines.append(f"  {function.ms:8.3f} ms {share:6.1%} {function.calls:6.4g}x  {function.name}")
+        lines += ranked_lines(measured.functions[:count], profiled)
     return lines
 
 
