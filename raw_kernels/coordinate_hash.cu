@@ -1,6 +1,7 @@
 // The GPU coordinate index: hash tables of coordinates, one query kernel that writes pair tables
 // [K, N_out] (input row or -1) for all kernel offsets at once, several tables a launch, the first-occurrence
 // marking behind `unique_coordinates`, and the outputs a padded convolution reaches.
+#include "block_scan.cuh"
 #include "coordinate_key.cuh"
 #include "launch_jobs.cuh"
 
@@ -55,10 +56,11 @@ __device__ __forceinline__ key_t64 divided_row(const int* __restrict__ coords, l
   return key;
 }
 
-// The distinct rows of floor(coords / divisor) for several divisors in one pass each: job j divides by
-// divisor[j], keys into its own slots, and marks its rows at is_first[row_starts[j] + row]; `positions`
-// is the inclusive running count of all the marks, job after job, so every job's rows land in `out`
-// after the previous jobs' (each job's rows are the N coordinates).
+// The distinct rows of floor(coords / divisor) for several divisors in one pass each: job j divides the N rows
+// of `coords` by divisor[j], keys into its own slots, and marks its rows at is_first[row_starts[j] + row]. Jobs
+// start at block boundaries (row_starts), so each block belongs to one job: it counts its marks into
+// block_counts[block] and adds them to level_totals[job], which `scan_counts_by_row` turns into where each
+// block's rows go in `out`, job after job.
 struct Downsampling {
   long long row_starts[MAX_JOBS + 1];
   Divisor divisor[MAX_JOBS];
@@ -66,18 +68,19 @@ struct Downsampling {
   const int* coords;
   key_t64 capacity_mask;
   bool* is_first;
-  const int* positions;
+  unsigned int* block_counts;
+  unsigned int* level_totals;
   int* out;
+  long long num_rows;
   int count;
 };
 
 // Rows may repeat: each key keeps the smallest row that has it, so the result is deterministic.
 template <int D>
 __global__ void insert_smallest_rows(Downsampling jobs) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= jobs.row_starts[jobs.count]) return;
-  const int job = job_of(jobs.row_starts, jobs.count, i);
-  const long long row = i - jobs.row_starts[job];
+  const int job = job_of_block(jobs.row_starts, jobs.count);
+  const long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x - jobs.row_starts[job];
+  if (row >= jobs.num_rows) return;
   int divided[D + 1];
   const key_t64 key = divided_row<D>(jobs.coords, row, jobs.divisor[job], divided);
   atomicMin(&claim_slot(jobs.slots[job], jobs.capacity_mask, key)->y, (key_t64)row);
@@ -85,25 +88,39 @@ __global__ void insert_smallest_rows(Downsampling jobs) {
 
 template <int D>
 __global__ void mark_first_occurrences(Downsampling jobs) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= jobs.row_starts[jobs.count]) return;
-  const int job = job_of(jobs.row_starts, jobs.count, i);
-  const long long row = i - jobs.row_starts[job];
-  int divided[D + 1];
-  const key_t64 key = divided_row<D>(jobs.coords, row, jobs.divisor[job], divided);
-  jobs.is_first[i] = find_key(jobs.slots[job], jobs.capacity_mask, key) == row;
+  const int job = job_of_block(jobs.row_starts, jobs.count);
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, row = i - jobs.row_starts[job];
+  bool first = false;
+  if (row < jobs.num_rows) {
+    int divided[D + 1];
+    const key_t64 key = divided_row<D>(jobs.coords, row, jobs.divisor[job], divided);
+    first = find_key(jobs.slots[job], jobs.capacity_mask, key) == row;
+  }
+  jobs.is_first[i] = first;
+  const int marked = __syncthreads_count(first);
+  if (threadIdx.x == 0) {
+    jobs.block_counts[blockIdx.x] = (unsigned int)marked;
+    atomicAdd(jobs.level_totals + job, (unsigned int)marked);
+  }
 }
 
-// Compaction of the first occurrences: a first occurrence's place in `out` is its running count minus
-// one, so row order is kept.
+// Compaction of the first occurrences, in row order: block b's go from block_counts[b] on (scanned by
+// `scan_counts_by_row`), in thread order within the block. Blocks of whole warps, at most 32 of them.
 template <int D>
 __global__ void write_first_rows(Downsampling jobs) {
+  __shared__ unsigned int warp_marks[WARP_SIZE];
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= jobs.row_starts[jobs.count] || !jobs.is_first[i]) return;
-  const int job = job_of(jobs.row_starts, jobs.count, i);
+  const bool first = jobs.is_first[i];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const unsigned int marks = __ballot_sync(ALL_LANES, first);
+  if (lane == 0) warp_marks[warp] = __popc(marks);
+  __syncthreads();
+  if (!first) return;
+  long long position = jobs.block_counts[blockIdx.x] + __popc(marks & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) position += warp_marks[w];
+  const int job = job_of_block(jobs.row_starts, jobs.count);
   int divided[D + 1];
   divided_row<D>(jobs.coords, i - jobs.row_starts[job], jobs.divisor[job], divided);
-  const long long position = jobs.positions[i] - 1;
 #pragma unroll
   for (int column = 0; column <= D; ++column) jobs.out[position * (D + 1) + column] = divided[column];
 }
@@ -258,31 +275,46 @@ __global__ void insert_reached(const int* __restrict__ coords, long long num_can
     atomicMin(&claim_slot(slots, capacity_mask, key)->y, (key_t64)candidate);
 }
 
+// Marks each output's smallest candidate, and counts each block's marks into block_counts[block] for the
+// compaction's scan (`scan_counts_by_row`).
 template <int D>
 __global__ void mark_first_reached(const int* __restrict__ coords, long long num_candidates, int kernel_volume,
                                    ReachGeometry geometry, const ulonglong2* __restrict__ slots,
                                    key_t64 capacity_mask, unsigned int* __restrict__ out_of_range,
-                                   bool* __restrict__ is_first) {
+                                   bool* __restrict__ is_first, unsigned int* __restrict__ block_counts) {
   const long long candidate = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (candidate >= num_candidates) return;
-  int reached[D + 1];
-  key_t64 key;
-  is_first[candidate] = reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range) &&
-                        find_key(slots, capacity_mask, key) == candidate;
+  bool first = false;
+  if (candidate < num_candidates) {
+    int reached[D + 1];
+    key_t64 key;
+    first = reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range) &&
+            find_key(slots, capacity_mask, key) == candidate;
+    is_first[candidate] = first;
+  }
+  const int marked = __syncthreads_count(first);
+  if (threadIdx.x == 0) block_counts[blockIdx.x] = (unsigned int)marked;
 }
 
-// Compaction, as write_first_rows: `positions` is the inclusive running count of `is_first`.
+// Compaction in candidate order: block b's marked candidates go from block_starts[b] on (its count scanned by
+// `scan_counts_by_row`), in thread order within the block. Blocks of whole warps, at most 32 of them.
 template <int D>
 __global__ void write_first_reached(const int* __restrict__ coords, long long num_candidates, int kernel_volume,
                                     ReachGeometry geometry, unsigned int* __restrict__ out_of_range,
-                                    const bool* __restrict__ is_first, const int* __restrict__ positions,
+                                    const bool* __restrict__ is_first, const unsigned int* __restrict__ block_starts,
                                     int* __restrict__ out) {
+  __shared__ unsigned int warp_marks[WARP_SIZE];
   const long long candidate = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (candidate >= num_candidates || !is_first[candidate]) return;
+  const bool first = candidate < num_candidates && is_first[candidate];
+  const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+  const unsigned int marks = __ballot_sync(ALL_LANES, first);
+  if (lane == 0) warp_marks[warp] = __popc(marks);
+  __syncthreads();
+  if (!first) return;
+  long long i = block_starts[blockIdx.x] + __popc(marks & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) i += warp_marks[w];
   int reached[D + 1];
   key_t64 key;
   reached_output<D>(coords, candidate, kernel_volume, geometry, reached, &key, out_of_range);
-  const long long i = positions[candidate] - 1;
 #pragma unroll
   for (int column = 0; column <= D; ++column) out[i * (D + 1) + column] = reached[column];
 }

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from cupysparse.cuda.backend import is_cupy_array
-from cupysparse.cuda.compile import MAX_JOBS, KernelSource
+from cupysparse.cuda.compile import MAX_JOBS, ROW_BLOCK, KernelSource
 from cupysparse.geometry.coords import MAX_ROWS, check_row_count, key_layout, kernel_offsets, pack_keys
 
+_SCAN_BLOCK = 1024  # threads of a block of `scan_counts_by_row` (raw_kernels/block_scan.cuh)
+_SCAN_BLOCKS = f"scan_counts_by_row<unsigned int, {_SCAN_BLOCK}>"
 _KERNELS = KernelSource(
     "coordinate_hash.cu",
     tuple(
@@ -38,7 +40,7 @@ _KERNELS = KernelSource(
             "write_first_reached",
         )
         for d in (2, 3, 4)
-    ),
+    ) + (_SCAN_BLOCKS,),
 )
 
 # Slots are {key, value} pairs of uint64, both all ones when empty (see coordinate_key.cuh).
@@ -224,14 +226,6 @@ def _capacity(num_keys: int) -> int:
     return 1 << max(4, (2 * num_keys - 1).bit_length())
 
 
-def _empty_slots(num_keys: int):
-    import cupy
-
-    slots = cupy.empty((_capacity(num_keys), 2), dtype=np.uint64)
-    _mark_empty(slots)
-    return slots
-
-
 def _mark_empty(slots) -> None:
     """Every slot EMPTY_SLOT (all bits set): one memset, cheaper to issue than a fill kernel."""
     import cupy
@@ -242,8 +236,8 @@ def _mark_empty(slots) -> None:
 # Mirrors `struct Downsampling` in raw_kernels/coordinate_hash.cu (a `Divisor` is 4 ints).
 _DOWNSAMPLING_DTYPE = np.dtype(
     [("row_starts", np.int64, (MAX_JOBS + 1,)), ("divisor", np.int32, (MAX_JOBS, 4)), ("slots", np.uint64, (MAX_JOBS,)),
-     ("coords", np.uint64), ("capacity_mask", np.uint64), ("is_first", np.uint64), ("positions", np.uint64),
-     ("out", np.uint64), ("count", np.int32)], align=True)
+     ("coords", np.uint64), ("capacity_mask", np.uint64), ("is_first", np.uint64), ("block_counts", np.uint64),
+     ("level_totals", np.uint64), ("out", np.uint64), ("num_rows", np.int64), ("count", np.int32)], align=True)
 
 
 def unique_coordinates(coords, divisor=None):
@@ -279,10 +273,10 @@ def start_unique_coordinates_by(coords, divisors) -> UniqueCoordinates:
     """`unique_coordinates_by(coords, divisors)` started: on the GPU, its launches up to the counts and their
     copy to the host are queued, and the rest waits for `result()`, so the host can queue other work first.
 
-    On the GPU every divisor keys into a table of its own, all in one scratch allocation cleared by one memset,
-    and each pass (insert, mark, write) is one launch for up to `MAX_JOBS` divisors; one running count goes
-    over every divisor's marks in turn, so that it places each divisor's rows after the ones before it in one
-    allocation."""
+    On the GPU every divisor keys into a table of its own, all in one scratch allocation, and each pass (insert,
+    mark, write) is one launch for up to `MAX_JOBS` divisors, each divisor's rows starting at a block boundary:
+    the marking counts each block's first occurrences and each divisor's, and one scan over those counts places
+    each divisor's rows after the ones before it in one allocation and gives where each divisor's rows end."""
     divisors = [tuple(divisor) for divisor in divisors]
     check_row_count(coords.shape[0], "the coordinates to deduplicate")
     if not is_cupy_array(coords):
@@ -297,37 +291,46 @@ def start_unique_coordinates_by(coords, divisors) -> UniqueCoordinates:
         copies = [coords.copy() for _ in divisors]
         return UniqueCoordinates(lambda: copies)
     num_levels = len(divisors)
-    if num_levels * num_coords > MAX_ROWS:  # the running count is int32
-        split = max(1, MAX_ROWS // num_coords)
+    blocks_per_level = -(-num_coords // ROW_BLOCK)
+    span = blocks_per_level * ROW_BLOCK  # a divisor's rows, to its last block's end
+    if num_levels * span > MAX_ROWS:  # the counts are 32-bit
+        split = max(1, MAX_ROWS // span)
         parts = (start_unique_coordinates_by(coords, divisors[:split]),
                  start_unique_coordinates_by(coords, divisors[split:]))
         return UniqueCoordinates(lambda: parts[0].result() + parts[1].result())
     capacity = _capacity(num_coords)
     table_bytes = 16 * capacity
-    # One scratch allocation: every divisor's table, then the running counts and the marks of every divisor.
-    scratch = cupy.empty(num_levels * (table_bytes + 5 * num_coords), dtype=np.uint8)
-    _mark_empty(scratch[: num_levels * table_bytes])
-    positions = scratch[num_levels * table_bytes : num_levels * (table_bytes + 4 * num_coords)].view(np.int32)
-    is_first = scratch[num_levels * (table_bytes + 4 * num_coords) :].view(bool)
+    # One scratch allocation: every divisor's table, its marks, its blocks' counts (then where their rows go),
+    # every divisor's count, then where each divisor's rows start and the total.
+    tables_bytes, marks_bytes = num_levels * table_bytes, num_levels * span
+    counts_bytes = 4 * num_levels * blocks_per_level
+    scratch = cupy.empty(tables_bytes + marks_bytes + counts_bytes + 4 * (2 * num_levels + 1), dtype=np.uint8)
+    stream = cupy.cuda.get_current_stream()
+    tables = scratch.data.ptr
+    is_first, block_counts = tables + tables_bytes, tables + tables_bytes + marks_bytes
+    level_totals = block_counts + counts_bytes
+    level_starts = level_totals + 4 * num_levels
+    cupy.cuda.runtime.memsetAsync(tables, 0xFF, tables_bytes, stream.ptr)  # every slot empty
+    cupy.cuda.runtime.memsetAsync(level_totals, 0, 4 * num_levels, stream.ptr)
     launches = []
     for first in range(0, num_levels, MAX_JOBS):
         levels = range(first, min(first + MAX_JOBS, num_levels))
         jobs = np.zeros((), dtype=_DOWNSAMPLING_DTYPE)
-        jobs["count"] = len(levels)
-        jobs["row_starts"][: len(levels) + 1] = [num_coords * j for j in range(len(levels) + 1)]
+        jobs["count"], jobs["num_rows"] = len(levels), num_coords
+        jobs["row_starts"][: len(levels) + 1] = [span * j for j in range(len(levels) + 1)]
         jobs["divisor"][: len(levels)] = [divisors[level] + (1,) * (4 - spatial_dims) for level in levels]
-        jobs["slots"][: len(levels)] = [scratch.data.ptr + table_bytes * level for level in levels]
+        jobs["slots"][: len(levels)] = [tables + table_bytes * level for level in levels]
         jobs["coords"], jobs["capacity_mask"] = coords.data.ptr, capacity - 1
-        jobs["is_first"] = is_first.data.ptr + num_coords * first
-        jobs["positions"] = positions.data.ptr + 4 * num_coords * first
+        jobs["is_first"] = is_first + span * first
+        jobs["block_counts"] = block_counts + 4 * blocks_per_level * first
+        jobs["level_totals"] = level_totals + 4 * first
         for kernel in ("insert_smallest_rows", "mark_first_occurrences"):
             _KERNELS.launch_jobs(f"{kernel}<{spatial_dims}>", jobs[()])
         launches.append(jobs)
-    cupy.cumsum(is_first, dtype=np.int32, out=positions)  # inclusive, over every divisor's marks in turn
-    stream = cupy.cuda.get_current_stream()
-    last_positions = cupy.ascontiguousarray(positions.reshape(num_levels, num_coords)[:, -1])
-    ends = cupyx.empty_pinned(num_levels, dtype=np.int32)
-    cupy.cuda.runtime.memcpyAsync(ends.ctypes.data, last_positions.data.ptr, ends.nbytes,
+    _KERNELS.prepared(_SCAN_BLOCKS, _SCAN_BLOCK, 5).launch(stream.ptr, block_counts, blocks_per_level, level_totals,
+                                                           num_levels, level_starts, grid=(num_levels, 1, 1))
+    ends = cupyx.empty_pinned(num_levels, dtype=np.uint32)
+    cupy.cuda.runtime.memcpyAsync(ends.ctypes.data, level_starts + 4, ends.nbytes,
                                   cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
     copied = cupy.cuda.Event(block=False, disable_timing=True)
     copied.record(stream)
@@ -388,8 +391,11 @@ def unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, tr
     order of first occurrence, and whether some candidate left the key range (those reach nothing).
 
     A hash table keeps each output's smallest candidate, sized for the most outputs an input reaches (per
-    axis the multiples of the stride among its taps); one synchronisation, for the count and the flag."""
+    axis the multiples of the stride among its taps); the marking kernel counts each block's first candidates,
+    one scan turns the counts into where each block's outputs start and their total, and the compaction places
+    them: four launches into one allocation and one synchronisation, for the count and the flag."""
     import cupy
+    import cupyx
 
     coords = cupy.ascontiguousarray(coords)
     kernel_volume = int(np.prod(kernel_size))
@@ -399,23 +405,34 @@ def unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, tr
         [min(k, -(-((k - 1) * d + 1) // s)) for k, s, d in zip(kernel_size, stride, dilation)]))
     if num_candidates == 0:
         return cupy.empty((0, 1 + spatial_dims), dtype=np.int32), False
-    slots = _empty_slots(num_coords * reached_per_input)
-    capacity_mask = np.uint64(slots.shape[0] - 1)
-    flags = cupy.zeros(2, dtype=np.int32)  # the count, then the out-of-range flag
-    is_first = cupy.empty(num_candidates, dtype=bool)
-    positions = cupy.empty(num_candidates, dtype=np.int32)
+    capacity = _capacity(num_coords * reached_per_input)
+    num_blocks = -(-num_candidates // ROW_BLOCK)
+    # One allocation: the table, each block's count of first candidates (then where its outputs start), three
+    # words (where the outputs start, their count, the out-of-range flag), then a mark per candidate.
+    table_bytes, counts_bytes = 16 * capacity, 4 * num_blocks
+    scratch = cupy.empty(table_bytes + counts_bytes + 16 + num_candidates, dtype=np.uint8)
+    stream = cupy.cuda.get_current_stream().ptr
+    slots = scratch.data.ptr
+    block_counts, words = slots + table_bytes, slots + table_bytes + counts_bytes
+    is_first, flag = words + 16, words + 8
+    cupy.cuda.runtime.memsetAsync(slots, 0xFF, table_bytes, stream)  # every slot empty
+    cupy.cuda.runtime.memsetAsync(words, 0, 16, stream)
+    capacity_mask = np.uint64(capacity - 1)
     geometry = ((3, _reach_struct(tuple(kernel_size), tuple(stride), tuple(dilation), tuple(padding),
                                   None if out_shape is None else tuple(out_shape), transposed)),)
-    flag = flags.data.ptr + 4
     common = (coords.data.ptr, num_candidates, kernel_volume)
-    _KERNELS.launch_per_row(f"insert_reached<{spatial_dims}>", num_candidates, *common, slots.data.ptr,
-                            capacity_mask, flag, fixed=geometry)
-    _KERNELS.launch_per_row(f"mark_first_reached<{spatial_dims}>", num_candidates, *common, slots.data.ptr,
-                            capacity_mask, flag, is_first.data.ptr, fixed=geometry)
-    cupy.cumsum(is_first, dtype=np.int32, out=positions)
-    flags[:1] = positions[-1:]
-    count, out_of_range = (int(value) for value in flags.get())  # the one synchronisation
+    _KERNELS.launch_per_row(f"insert_reached<{spatial_dims}>", num_candidates, *common, slots, capacity_mask, flag,
+                            fixed=geometry)
+    _KERNELS.launch_per_row(f"mark_first_reached<{spatial_dims}>", num_candidates, *common, slots, capacity_mask,
+                            flag, is_first, block_counts, fixed=geometry)
+    _KERNELS.prepared(_SCAN_BLOCKS, _SCAN_BLOCK, 5).launch(stream, block_counts, num_blocks, block_counts, 1, words,
+                                                           grid=(1, 1, 1))
+    count_and_flag = cupyx.empty_pinned(2, dtype=np.uint32)
+    cupy.cuda.runtime.memcpyAsync(count_and_flag.ctypes.data, words + 4, 8, cupy.cuda.runtime.memcpyDeviceToHost,
+                                  stream)
+    cupy.cuda.runtime.streamSynchronize(stream)  # the one synchronisation
+    count, out_of_range = (int(value) for value in count_and_flag)
     outputs = cupy.empty((count, 1 + spatial_dims), dtype=np.int32)
-    _KERNELS.launch_per_row(f"write_first_reached<{spatial_dims}>", num_candidates, *common, flag,
-                            is_first.data.ptr, positions.data.ptr, outputs.data.ptr, fixed=geometry)
+    _KERNELS.launch_per_row(f"write_first_reached<{spatial_dims}>", num_candidates, *common, flag, is_first,
+                            block_counts, outputs.data.ptr, fixed=geometry)
     return outputs, bool(out_of_range)
