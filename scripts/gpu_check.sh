@@ -18,8 +18,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # Everything runs outside the checkout, so the installed package (with its mapped folders) is the
 # one imported, not the source folder in the current directory.
 cd /tmp
+# Where pytest-xdist is installed the GPU tests run in up to 12 processes, a test file each, so that this whole
+# check fits one call of a machine that limits a command's minutes.
+workers=()
+if python3 -c "import xdist" 2>/dev/null; then
+  workers=(-n "$(( $(nproc) < 12 ? $(nproc) : 12 ))" --dist loadfile)
+fi
 python3 -m cupysparse info | tee -a "$out/device.txt"
-python3 -m pytest -m gpu -q -p no:cacheprovider --rootdir="$repo" -c "$repo/pyproject.toml" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider "${workers[@]}" --rootdir="$repo" -c "$repo/pyproject.toml" "$repo/tests" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
 python3 -m cupysparse.scripts.benchmark_kernel_map 2>&1 | tee "$out/benchmark_kernel_map.txt"
 bench_status=${PIPESTATUS[0]}
