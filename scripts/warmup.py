@@ -4,16 +4,21 @@ module the reference networks need into the kernel cache, so that a fresh proces
     python -m cupysparse warmup                        # for the visible GPUs' architectures
     python -m cupysparse warmup --arch sm_90 sm_80     # no GPU needed: for GPUs that will read the cache
     python -m cupysparse warmup --dtypes float16 bfloat16 float32 --networks minkunet18 --list
+    python -m cupysparse warmup --arch sm_90 --dtypes float16 --resources   # registers, spills, warps per kernel
 
 Which modules: see `cupysparse.networks.warmup`. Aimed at the GPUs of this machine (no `--arch`), it
 then runs each network once, forward and backward, on a small scene with every candidate algorithm
 (measured into a throwaway cache, the user's is not touched), so that CuPy's own elementwise and
-reduction kernels are compiled into the same kernel cache; `--compile-only` skips that.
+reduction kernels are compiled into the same kernel cache; `--compile-only` skips that. `--resources` compiles
+the same modules into no cache, with ptxas's report, and prints what each kernel takes of a multiprocessor
+(`cupysparse.cuda.resources`): its registers a thread and the warps a multiprocessor holds at them, its static
+shared memory, stack and spilled bytes. No GPU is needed for either with `--arch`.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import sys
 import tempfile
@@ -22,6 +27,7 @@ import time
 from cupysparse import settings
 from cupysparse.cuda import backend, compile
 from cupysparse.cuda.precision import TF32, fp32_precision, get_fp32_precision
+from cupysparse.cuda.resources import kernel_resources, max_resident_warps
 from cupysparse.data.scenes import make_scene
 from cupysparse.geometry.sparse_tensor import SparseTensor
 from cupysparse.networks.tuning import tune_network
@@ -31,6 +37,7 @@ from cupysparse.networks.warmup import (
     NETWORKS,
     FeatureType,
     ModuleResult,
+    PlannedModule,
     compile_modules,
     parse_architecture,
     plan,
@@ -75,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the modules and their cache files; compile nothing")
     parser.add_argument("--compile-only", action="store_true",
                         help="on a GPU, skip the networks' run that compiles CuPy's own kernels")
+    parser.add_argument("--resources", action="store_true",
+                        help="print each kernel's registers, the warps a multiprocessor holds at them, its shared "
+                             "memory and spilled bytes (ptxas through NVRTC); fill no cache")
 
 
 def _print_result(result: ModuleResult, done: int, total: int) -> None:
@@ -82,6 +92,38 @@ def _print_result(result: ModuleResult, done: int, total: int) -> None:
               f"{'compiled' if result.compiled else 'cached  '} {result.seconds:6.2f} s")
     print(f"[{done:>{len(str(total))}}/{total}] sm_{result.module.capability} {result.module.describe()}  {status}",
           flush=True)
+
+
+def _module_resources(module: PlannedModule):
+    if not module.option.startswith("-arch=sm_"):
+        return None  # PTX: the driver assigns registers when it loads the module
+    return kernel_resources(module.source, module.option)
+
+
+def print_resources(modules: list[PlannedModule], jobs: int) -> int:
+    """Each module's kernels as ptxas reports them, module by module in the plan's order, compiled on `jobs` threads
+    (NVRTC releases the interpreter lock); a kernel that spills is marked. 1 where a module failed to compile."""
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futures = [pool.submit(_module_resources, module) for module in modules]
+        for module, future in zip(modules, futures):
+            print(f"sm_{module.capability} {module.describe()}", flush=True)
+            try:
+                resources = future.result()
+            except RuntimeError as error:
+                failed += 1
+                print(f"    FAILED: {error}", flush=True)
+                continue
+            if resources is None:
+                print(f"    PTX ({module.option}): the driver assigns its registers when it loads it")
+                continue
+            most = max_resident_warps(module.capability)
+            for expression, used in resources.items():
+                spills = (f"  SPILLS {used.spill_stores} B stored, {used.spill_loads} B loaded"
+                          if used.spill_stores or used.spill_loads else "")
+                print(f"    {used.registers:>3} registers  {used.resident_warps(module.capability):>2}/{most} warps  "
+                      f"{used.shared_bytes:>6} B shared  {used.stack_bytes:>4} B stack  {expression}{spills}")
+    return 1 if failed else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             path = compile.kernel_cache_file(module.source, module.option)
             print(f"sm_{module.capability} {module.describe()}\n    {path}")
         return 0
+    if args.resources:
+        return print_resources(modules, args.jobs)
     begin = time.perf_counter()
     results = compile_modules(modules, args.jobs, _print_result)
     compiled = [r for r in results if r.compiled]

@@ -262,10 +262,12 @@ KERNEL_CACHE_FORMAT = 1
 @dataclass(frozen=True)
 class CompiledSource:
     """NVRTC's output for one source and architecture: the image (CUBIN for a real architecture,
-    PTX for a virtual one) and the lowered (mangled) name of each name expression."""
+    PTX for a virtual one), the lowered (mangled) name of each name expression, and the compiler's log
+    (empty when read from the kernel cache)."""
 
     image: bytes
     lowered_names: dict[str, str]
+    log: str = ""
 
 
 @dataclass
@@ -296,22 +298,25 @@ def _nvrtc():
     return nvrtc
 
 
-def nvrtc_compile(source: KernelSource, architecture_option: str) -> CompiledSource:
-    """Compile `source` with NVRTC for `-arch=sm_XY` (CUBIN) or `-arch=compute_XY` (PTX); needs no GPU."""
+def nvrtc_compile(source: KernelSource, architecture_option: str,
+                  extra_options: tuple[str, ...] = ()) -> CompiledSource:
+    """Compile `source` with NVRTC for `-arch=sm_XY` (CUBIN) or `-arch=compute_XY` (PTX), with `extra_options`
+    after the usual ones (e.g. ptxas's report, `cupysparse.cuda.resources`); needs no GPU."""
     nvrtc = _nvrtc()
     program = nvrtc.createProgram(load_source(source.filename), source.filename, [], [])
     try:
         for expression in source.name_expressions:
             nvrtc.addNameExpression(program, expression)
         try:
-            nvrtc.compileProgram(program, [architecture_option, *compile_options(source.filename)])
+            nvrtc.compileProgram(program, [architecture_option, *compile_options(source.filename), *extra_options])
         except nvrtc.NVRTCError as error:
             raise RuntimeError(
                 f"NVRTC failed on {source.filename} ({architecture_option}):\n{nvrtc.getProgramLog(program)}"
             ) from error
         lowered = {expression: nvrtc.getLoweredName(program, expression) for expression in source.name_expressions}
         real = architecture_option.startswith("-arch=sm_")
-        return CompiledSource(nvrtc.getCUBIN(program) if real else nvrtc.getPTX(program), lowered)
+        return CompiledSource(nvrtc.getCUBIN(program) if real else nvrtc.getPTX(program), lowered,
+                              nvrtc.getProgramLog(program))
     finally:
         nvrtc.destroyProgram(program)
 
