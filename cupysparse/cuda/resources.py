@@ -4,8 +4,8 @@ holds at those registers.
 
 A memory-bound kernel lives on its occupancy, which its registers bound: two passes of the training batch norm
 joined into one kernel took 125 registers a thread where each alone took at most 64, and so two blocks of 256
-threads a multiprocessor instead of four, and took a third longer. No test sees that, and a GPU machine's time
-is too short to find it by trial: `cupysparse-warmup --resources` reports every kernel a network loads.
+threads a multiprocessor instead of four. No test sees that, and a GPU machine's time is too short to find it by
+trial: `cupysparse-warmup --resources` reports every kernel a network loads.
 """
 
 from __future__ import annotations
