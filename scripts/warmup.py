@@ -122,7 +122,7 @@ def print_resources(modules: list[PlannedModule], jobs: int) -> int:
                 spills = (f"  SPILLS {used.spill_stores} B stored, {used.spill_loads} B loaded"
                           if used.spill_stores or used.spill_loads else "")
                 print(f"    {used.registers:>3} registers  {used.resident_warps(module.capability):>2}/{most} warps  "
-                      f"{used.shared_bytes:>6} B shared  {used.stack_bytes:>4} B stack  {expression}{spills}")
+                      f"{used.shared_bytes:>6} B static shared  {used.stack_bytes:>4} B stack  {expression}{spills}")
     return 1 if failed else 0
 
 

@@ -102,7 +102,7 @@ def test_warmup_prints_each_kernel_of_each_module_and_marks_spills(probes, monke
     start = lines.index(f"sm_90 {module.describe()}")
     reported = {line.split(" B stack")[1].split()[0]: line for line in lines[start + 1 : start + 5]}
     assert set(reported) == set(probes.name_expressions)
-    assert "4000 B shared" in reported["buffered"]
+    assert "4000 B static shared" in reported["buffered"]
     assert "64/64 warps" in reported["sums<2>"] and "SPILLS" in reported["sums<2>"]
     assert "SPILLS" not in reported["sums<1>"]
 
