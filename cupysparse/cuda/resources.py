@@ -50,14 +50,13 @@ class KernelResources:
         return min(max_resident_warps(capability), REGISTERS_PER_MULTIPROCESSOR // per_warp)
 
 
-def kernel_resources(source: KernelSource, architecture_option: str,
-                     extra_options: tuple[str, ...] = ()) -> dict[str, KernelResources]:
+def kernel_resources(source: KernelSource, architecture_option: str) -> dict[str, KernelResources]:
     """Each name expression of `source` compiled for `architecture_option` (`-arch=sm_XY`: ptxas runs only for a
-    real architecture), with `extra_options` (e.g. `--maxrregcount=32`), as ptxas reports it."""
+    real architecture), as ptxas reports it."""
     if not architecture_option.startswith("-arch=sm_"):
         raise ValueError(f"registers are assigned only for a real architecture (-arch=sm_XY), got "
                          f"{architecture_option!r}: PTX is compiled by the driver when it is loaded")
-    compiled = nvrtc_compile(source, architecture_option, ("-Xptxas=-v", *extra_options))
+    compiled = nvrtc_compile(source, architecture_option, ("-Xptxas=-v",))
     return parse_ptxas_report(compiled.log, compiled.lowered_names)
 
 
