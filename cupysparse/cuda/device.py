@@ -7,6 +7,8 @@ import functools
 
 from cupysparse.cuda.backend import cupy_module
 
+WARP_SIZE = 32  # threads of a warp, on every CUDA device
+
 
 def _attribute(name: str, device_id: int) -> int:
     # One attribute query: `Device.attributes` reads every attribute (a millisecond on first use).

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 
 from cupysparse.cuda.compile import KernelSource, nvrtc_compile
+from cupysparse.cuda.device import WARP_SIZE
 
 REGISTERS_PER_MULTIPROCESSOR = 65536
 REGISTER_UNIT = 256  # a warp's registers are allocated in units of this many
-WARP_SIZE = 32
 # The most warps a multiprocessor holds, by compute capability, where it is not 64 (the CUDA programming
 # guide's table of compute capabilities).
 _MAX_WARPS = {86: 48, 87: 48, 89: 48, 120: 48, 121: 48}

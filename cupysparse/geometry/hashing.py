@@ -114,7 +114,7 @@ def build_indices(coordinate_sets) -> list:
 
     capacities = [_capacity(coords.shape[0]) for coords in coordinate_sets]
     slots = cupy.empty((sum(capacities), 2), dtype=np.uint64)
-    _mark_empty(slots)
+    _mark_empty(slots.data.ptr, slots.nbytes, cupy.cuda.get_current_stream().ptr)
     starts = itertools.accumulate(capacities, initial=0)
     tables = [GpuHashTable(coords, slots[start : start + capacity])
               for coords, start, capacity in zip(coordinate_sets, starts, capacities)]
@@ -226,11 +226,12 @@ def _capacity(num_keys: int) -> int:
     return 1 << max(4, (2 * num_keys - 1).bit_length())
 
 
-def _mark_empty(slots) -> None:
-    """Every slot EMPTY_SLOT (all bits set): one memset, cheaper to issue than a fill kernel."""
+def _mark_empty(address: int, nbytes: int, stream: int) -> None:
+    """Every slot of the tables in `nbytes` at device `address` EMPTY_SLOT (all bits set), on `stream`: one
+    memset, cheaper to issue than a fill kernel."""
     import cupy
 
-    cupy.cuda.runtime.memsetAsync(slots.data.ptr, 0xFF, slots.nbytes, cupy.cuda.get_current_stream().ptr)
+    cupy.cuda.runtime.memsetAsync(address, 0xFF, nbytes, stream)
 
 
 # Mirrors `struct Downsampling` in raw_kernels/coordinate_hash.cu (a `Divisor` is 4 ints).
@@ -310,7 +311,7 @@ def start_unique_coordinates_by(coords, divisors) -> UniqueCoordinates:
     is_first, block_counts = tables + tables_bytes, tables + tables_bytes + marks_bytes
     level_totals = block_counts + counts_bytes
     level_starts = level_totals + 4 * num_levels
-    cupy.cuda.runtime.memsetAsync(tables, 0xFF, tables_bytes, stream.ptr)  # every slot empty
+    _mark_empty(tables, tables_bytes, stream.ptr)
     cupy.cuda.runtime.memsetAsync(level_totals, 0, 4 * num_levels, stream.ptr)
     launches = []
     for first in range(0, num_levels, MAX_JOBS):
@@ -415,7 +416,7 @@ def unique_reached(coords, kernel_size, stride, dilation, padding, out_shape, tr
     slots = scratch.data.ptr
     block_counts, words = slots + table_bytes, slots + table_bytes + counts_bytes
     is_first, flag = words + 16, words + 8
-    cupy.cuda.runtime.memsetAsync(slots, 0xFF, table_bytes, stream)  # every slot empty
+    _mark_empty(slots, table_bytes, stream)
     cupy.cuda.runtime.memsetAsync(words, 0, 16, stream)
     capacity_mask = np.uint64(capacity - 1)
     geometry = ((3, _reach_struct(tuple(kernel_size), tuple(stride), tuple(dilation), tuple(padding),

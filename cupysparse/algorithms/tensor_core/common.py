@@ -32,13 +32,12 @@ import numpy as np
 
 from cupysparse.cuda.backend import array_module, cupy_module, current_device, is_cupy_array
 from cupysparse.cuda.compile import KernelFamily, KernelSource, PreparedLaunch
-from cupysparse.cuda.device import l2_bytes, multiprocessors, resident_threads
+from cupysparse.cuda.device import WARP_SIZE, l2_bytes, multiprocessors, resident_threads
 from cupysparse.cuda.dtypes import BFLOAT16, FLOAT16, FLOAT32, cuda_type_name, short_name
 from cupysparse.settings import FP32_PRECISION
 from cupysparse.algorithms.base import MAX_GRID_Z, Algorithm, BackwardPlan, ConvProblem, ForwardPlan
 
 CHANNEL_MULTIPLE = 16  # weights are padded to multiples of 16 channels: a wmma fragment, a 16-bit mma's k
-WARP_SIZE = 32
 VECTOR_BYTES = 16  # pipelined copies move 16 bytes: 8 fp16/bf16 values, 4 fp32
 MIN_PAIRS_PER_SHARE = 256  # a wgrad share smaller than this is not worth its partial tile
 # Long sums in a tensor core's fp32 accumulator drift toward zero: with a million pairs per share, a
