@@ -12,7 +12,8 @@ from cupysparse.cuda import timing as device_timing
 from cupysparse.cuda.backend import cupy_module
 from cupysparse.cuda.timing import WAIT_KERNELS, QueuedTimer
 
-pytestmark = pytest.mark.gpu
+# Another process's kernels on the GPU would lengthen the measured waits.
+pytestmark = [pytest.mark.gpu, pytest.mark.alone]
 
 MS = 1_000_000  # nanoseconds
 
