@@ -80,16 +80,21 @@ class _Conv:
         self.sources = (source,)
 
     def parameters(self) -> tuple:
-        # The module's dictionary, not its attributes: a step reads every operation's parameters.
-        parameters = self.module._parameters
-        weight, bias = parameters["weight"], parameters.get("bias")
+        weight, bias = self.weight_and_bias()
         return (weight,) if bias is None else (weight, bias)
+
+    def weight_and_bias(self) -> tuple:
+        """The module's weight and bias (None: none), from its dictionary, not its attributes: an attribute costs
+        about a microsecond, and a step reads every operation's parameters."""
+        parameters = self.module._parameters
+        return parameters["weight"], parameters.get("bias")
 
     def operands(self, dtype: torch.dtype, values: list) -> tuple:
         """(input tensor, features and weight in `dtype`, the map's `MapResult`) of a call."""
         place, features = values[self.source]
         conv = self.module
-        weight = conv.weight if conv.weight.dtype == dtype else conv.weight.to(dtype)
+        weight = self.weight_and_bias()[0]
+        weight = weight if weight.dtype == dtype else weight.to(dtype)
         result = place.kernel_map(conv.kernel_size, conv.stride, conv.dilation, conv.transposed, conv.generative,
                                   conv.padding)
         return place, _in_dtype(features, dtype), weight.contiguous(), result
@@ -115,26 +120,26 @@ class _Conv:
         return out
 
     def _add_bias(self, out: torch.Tensor) -> None:
-        bias = self.module.bias
+        bias = self.weight_and_bias()[1]
         if bias is not None:
             out += bias.to(out.dtype)
 
     def backward(self, step: _Step, saved, grads: dict) -> None:
         features, weight, kernel_map = saved
         grad = grads.pop(self.target).contiguous()
-        conv = self.module
-        needs_input, needs_weight = step.requires[self.source], conv.weight.requires_grad
+        parameter, bias = self.weight_and_bias()
+        needs_input, needs_weight = step.requires[self.source], parameter.requires_grad
         if needs_input or needs_weight:
             grad_input, grad_weight = execution.backward(TORCH_ARRAYS, grad, features, weight, kernel_map,
-                                                         _argument(conv.bwd_algo, "backward"), needs_input,
+                                                         _argument(self.module.bwd_algo, "backward"), needs_input,
                                                          needs_weight)
             if needs_weight:
-                step.parameter_grads[id(conv.weight)] = _in_dtype(grad_weight, conv.weight.dtype)
+                step.parameter_grads[id(parameter)] = _in_dtype(grad_weight, parameter.dtype)
             if needs_input:
                 _accumulate(grads, self.source, grad_input)
-        if conv.bias is not None and conv.bias.requires_grad:
-            step.parameter_grads[id(conv.bias)] = grad.sum(0, dtype=torch.promote_types(grad.dtype, torch.float32)).to(
-                conv.bias.dtype)
+        if bias is not None and bias.requires_grad:
+            step.parameter_grads[id(bias)] = grad.sum(0, dtype=torch.promote_types(grad.dtype, torch.float32)).to(
+                bias.dtype)
 
 
 class _Norm:
@@ -154,6 +159,13 @@ class _Norm:
             return weight, bias
         return tuple(parameter for parameter in (weight, bias) if parameter is not None)
 
+    def state(self) -> tuple:
+        """The module's weight, bias, running mean, running variance and count of batches (each None where it has
+        none), from its dictionaries (see `_Conv.weight_and_bias`)."""
+        parameters, buffers = self.module._parameters, self.module._buffers
+        return (parameters.get("weight"), parameters.get("bias"), buffers.get("running_mean"),
+                buffers.get("running_var"), buffers.get("num_batches_tracked"))
+
     def forward(self, step: _Step, values: list):
         place, features = values[self.source]
         residual = None if self.residual is None else values[self.residual][1]
@@ -163,17 +175,18 @@ class _Norm:
                              f"{tuple(features.shape)}")
         if features.shape[1] != norm.num_features:  # the kernels read `num_features` parameters a row
             raise ValueError(f"a batch norm of {norm.num_features} channels got features of {features.shape[1]}")
+        weight, bias, running_mean, running_var, batches_tracked = self.state()
         if step.on_gpu:
             out, saved, _ = training_norm.run_forward(
-                TORCH_ARRAYS, features, residual, norm.weight, norm.bias, norm.running_mean, norm.running_var,
-                norm.momentum, norm.eps, self.relu, core_dtype(norm.running_mean.dtype), norm.num_batches_tracked,
-                step.norm_scratch + self.scratch_offset, step.reduction)
+                TORCH_ARRAYS, features, residual, weight, bias, running_mean, running_var, norm.momentum, norm.eps,
+                self.relu, core_dtype(running_mean.dtype), batches_tracked, step.norm_scratch + self.scratch_offset,
+                step.reduction)
         else:
             core = _core_or_none
             out, mean, invstd = training_norm.training_batch_norm(
-                to_core(features), to_core(norm.running_mean), to_core(norm.running_var), core(norm.weight),
-                core(norm.bias), norm.momentum, norm.eps, residual=core(residual), relu=self.relu)
-            norm.num_batches_tracked.add_(1)
+                to_core(features), to_core(running_mean), to_core(running_var), core(weight), core(bias),
+                norm.momentum, norm.eps, residual=core(residual), relu=self.relu)
+            batches_tracked.add_(1)
             out, saved = from_core(out), (mean, invstd)
         values[self.target] = (place, out)
         return features, out if self.relu else None, saved
@@ -186,19 +199,19 @@ class _Norm:
         """`relu?(norm(features) (+ residual))` under the running statistics, in one pass."""
         norm = self.module
         residual = None if self.residual is None else values[self.residual][1]
-        return batch_norm_epilogue(features, norm.running_mean, norm.running_var, norm.weight, norm.bias, norm.eps,
-                                   residual, self.relu)
+        weight, bias, running_mean, running_var, _ = self.state()
+        return batch_norm_epilogue(features, running_mean, running_var, weight, bias, norm.eps, residual, self.relu)
 
     def backward(self, step: _Step, saved, grads: dict) -> None:
         features, out, statistics = saved
         grad = grads.pop(self.target).contiguous()
-        norm, with_residual = self.module, self.residual is not None
-        weight, bias = norm.weight, norm.bias
+        with_residual = self.residual is not None
+        weight, bias, running_mean, _, _ = self.state()
         wants_parameters = any(parameter is not None and parameter.requires_grad for parameter in (weight, bias))
         if step.on_gpu:
             grad_features, parameter_grads, grad_residual = training_norm.run_backward(
                 TORCH_ARRAYS, grad, features, out, statistics, weight, self.relu, with_residual,
-                core_dtype(norm.running_mean.dtype), wants_parameters, step.norm_scratch + self.scratch_offset,
+                core_dtype(running_mean.dtype), wants_parameters, step.norm_scratch + self.scratch_offset,
                 step.reduction)
             if wants_parameters:
                 parameter_grads = parameter_grads.unbind()
@@ -291,7 +304,7 @@ class _ConvThenNorm:
         conv, norm = self.conv, self.norm
         place, features, weight, result = conv.operands(dtype, values)
         out = None
-        if conv.module.bias is None and features.is_cuda:
+        if conv.weight_and_bias()[1] is None and features.is_cuda:
             scale, shift = norm.module.folded()
             residual = None if norm.residual is None else values[norm.residual][1]
             out = execution.fused_forward(TORCH_ARRAYS, features, weight, result.kernel_map,
@@ -532,7 +545,7 @@ class NetworkProgram:
             execution.derive_backward_formats(TORCH_ARRAYS, [
                 (*saved[index], _argument(operation.module.bwd_algo, "backward"))
                 for index, operation in enumerate(self.operations)
-                if isinstance(operation, _Conv) and operation.module.weight.requires_grad])
+                if isinstance(operation, _Conv) and operation.weight_and_bias()[0].requires_grad])
         for index in range(len(self.operations) - 1, -1, -1):
             operation = self.operations[index]
             if operation.target in grads:

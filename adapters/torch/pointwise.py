@@ -178,17 +178,22 @@ class SparseBatchNorm(nn.BatchNorm1d):
         """fp32 `(scale, shift)` with `self(x) = x · scale + shift` under the running statistics, for a
         convolution's epilogue (`ConvEpilogue`); computed again only when a parameter or statistic moved
         or changed (its address and version counter), so a layer pays a few attribute reads per call."""
-        key = (self.eps, *map(_state, (self.weight, self.bias, self.running_mean, self.running_var)))
-        if self._folded is None or self._folded[0] != key:
+        # The dictionaries, not the attributes: a network's inference asks each of its norms every call.
+        parameters, buffers = self._parameters, self._buffers
+        weight, bias = parameters.get("weight"), parameters.get("bias")
+        running_mean, running_var = buffers["running_mean"], buffers["running_var"]
+        key = (self.eps, _state(weight), _state(bias), _state(running_mean), _state(running_var))
+        folded = self._folded
+        if folded is None or folded[0] != key:
             with torch.no_grad():
-                scale = torch.rsqrt(self.running_var.float() + self.eps)
-                if self.weight is not None:
-                    scale = scale * self.weight.float()
-                shift = -self.running_mean.float() * scale
-                if self.bias is not None:
-                    shift = shift + self.bias.float()
-            self._folded = (key, scale.contiguous(), shift.contiguous())
-        return self._folded[1], self._folded[2]
+                scale = torch.rsqrt(running_var.float() + self.eps)
+                if weight is not None:
+                    scale = scale * weight.float()
+                shift = -running_mean.float() * scale
+                if bias is not None:
+                    shift = shift + bias.float()
+            folded = self._folded = (key, scale.contiguous(), shift.contiguous())
+        return folded[1], folded[2]
 
     def inference_epilogue(self, input: SparseTensor, residual: torch.Tensor | None = None,
                            relu: bool = False) -> SparseTensor:

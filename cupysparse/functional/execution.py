@@ -229,17 +229,17 @@ def _launch_forward(plan, arrays: Arrays, features, weight, kernel_map, reuse_we
 def _check_epilogue(arrays: Arrays, epilogue: ConvEpilogue, features, num_out: int, out_channels: int) -> None:
     """What the kernel reads without looking: fp32 `[C_out]` scale and shift, a residual like the output,
     each contiguous on the features' GPU."""
-    device = arrays.gpu(features)
-    for name, array, shape, dtype in (("scale", epilogue.scale, (out_channels,), np.float32),
-                                      ("shift", epilogue.shift, (out_channels,), np.float32),
-                                      ("residual", epilogue.residual, (num_out, out_channels), None)):
-        if array is None:
-            continue
-        wanted = arrays.core_dtype(features.dtype) if dtype is None else np.dtype(dtype)
-        if (tuple(array.shape) != shape or arrays.core_dtype(array.dtype) != wanted or arrays.gpu(array) != device
-                or not arrays.is_contiguous(array)):
+    device, channels, like_output = arrays.gpu(features), (out_channels,), arrays.core_dtype(features.dtype)
+    for name, array, shape, wanted in (("scale", epilogue.scale, channels, _FLOAT32),
+                                       ("shift", epilogue.shift, channels, _FLOAT32),
+                                       ("residual", epilogue.residual, (num_out, out_channels), like_output)):
+        if array is not None and (array.shape != shape or arrays.gpu(array) != device
+                                  or arrays.core_dtype(array.dtype) != wanted or not arrays.is_contiguous(array)):
             raise ValueError(f"the epilogue's {name} must be a contiguous {np.dtype(wanted).name} array of shape "
                              f"{shape} on the features' GPU, got {array.dtype} of shape {tuple(array.shape)}")
+
+
+_FLOAT32 = np.dtype(np.float32)
 
 
 def backward(arrays: Arrays, grad_output, features, weight, kernel_map, argument: str, needs_input_grad: bool = True,
