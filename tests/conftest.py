@@ -1,6 +1,8 @@
 """What every test shares: the markers' skips and the test helpers' folder on the path.
 
 - `gpu`: needs a CUDA GPU; skipped without one. `pytest -m gpu` on the GPU machine runs them all.
+- `alone`: measures GPU time, so runs with the GPU to itself: `scripts/gpu_check.sh` runs these after the
+  others, which share the GPU among several processes.
 - `huge`: tens of millions of voxels; runs only when selected with `-m huge`.
 - `nvrtc`: compiles CUDA through NVRTC (no GPU needed); skipped when NVRTC is not installed.
 
