@@ -226,6 +226,9 @@ def _launch_forward(plan, arrays: Arrays, features, weight, kernel_map, reuse_we
     return out
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _check_epilogue(arrays: Arrays, epilogue: ConvEpilogue, features, num_out: int, out_channels: int) -> None:
     """What the kernel reads without looking: fp32 `[C_out]` scale and shift, a residual like the output,
     each contiguous on the features' GPU."""
@@ -237,9 +240,6 @@ def _check_epilogue(arrays: Arrays, epilogue: ConvEpilogue, features, num_out: i
                                   or arrays.core_dtype(array.dtype) != wanted or not arrays.is_contiguous(array)):
             raise ValueError(f"the epilogue's {name} must be a contiguous {np.dtype(wanted).name} array of shape "
                              f"{shape} on the features' GPU, got {array.dtype} of shape {tuple(array.shape)}")
-
-
-_FLOAT32 = np.dtype(np.float32)
 
 
 def backward(arrays: Arrays, grad_output, features, weight, kernel_map, argument: str, needs_input_grad: bool = True,
