@@ -1,8 +1,8 @@
 """What every test shares: the markers' skips and the test helpers' folder on the path.
 
 - `gpu`: needs a CUDA GPU; skipped without one. `pytest -m gpu` on the GPU machine runs them all.
-- `alone`: measures GPU time, so runs with the GPU to itself: `scripts/gpu_check.sh` runs these after the
-  others, which share the GPU among several processes.
+- `alone`: measures GPU time, so runs with the GPU to itself: skipped in a pytest-xdist worker (`-n`);
+  `scripts/gpu_check.sh` runs these after the others, which share the GPU among several processes.
 - `huge`: tens of millions of voxels; runs only when selected with `-m huge`.
 - `nvrtc`: compiles CUDA through NVRTC (no GPU needed); skipped when NVRTC is not installed.
 
@@ -48,5 +48,9 @@ def pytest_collection_modifyitems(config, items):
         if "huge" in item.keywords and "huge" not in selected:
             item.add_marker(pytest.mark.skip(reason="runs only when selected with -m huge (minutes, tens of GB of "
                                                     "GPU memory)"))
+        if "alone" in item.keywords and hasattr(config, "workerinput"):  # a pytest-xdist worker: not alone
+            item.add_marker(pytest.mark.skip(reason="measures GPU time, which other processes' kernels would "
+                                                    "lengthen: runs only in a pytest without -n (as "
+                                                    "scripts/gpu_check.sh runs it)"))
         if "nvrtc" in item.keywords and not nvrtc_available():
             item.add_marker(pytest.mark.skip(reason="NVRTC not installed (pip install '.[cuda]')"))
