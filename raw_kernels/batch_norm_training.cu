@@ -5,7 +5,8 @@
 //             `momentum` towards the mean and the unbiased variance;
 //   backward: g = dy where y > 0 (dy itself without the ReLU), the residual's gradient;
 //             dx = weight * invstd * (g - sum(g) / N - xhat * sum(g * xhat) / N),
-//             dweight = sum(g * xhat), dbias = sum(g).
+//             dweight = sum(g * xhat), dbias = sum(g);
+//   and the forward's y again from x and the statistics it saved, for a backward that did not keep y.
 // Sums are fp32, per block in shared memory, then added up across blocks in a workspace, all in a fixed order
 // (`reduce_block_sums`), so every run gives the same bits (atomic adds, in whatever order the blocks came, did
 // not). The forward sums x - x[0]: a shift by each channel's first value keeps the variance from cancelling
@@ -143,6 +144,37 @@ __global__ void __launch_bounds__(BLOCK) batch_norm_statistics(const T* __restri
   reduce_block_sums<VECTOR>(sum, square, groups, channels, partials, tickets, sums);
 }
 
+// A channel's scale = invstd * weight and shift = bias - mean * scale. The forward and the recomputation from the
+// saved statistics share it and `normalise_rows`, so they give the same bits.
+template <typename P>
+__device__ __forceinline__ void affine(const P* __restrict__ weight, const P* __restrict__ bias, int c, float mean,
+                                       float invstd, float& scale, float& shift) {
+  scale = invstd * (weight != nullptr ? to_float(weight[c]) : 1.0f);
+  shift = fmaf(-mean, scale, bias != nullptr ? to_float(bias[c]) : 0.0f);
+}
+
+// y = relu?(x * scale + shift (+ residual)) over a thread's rows.
+template <typename T, int VECTOR>
+__device__ __forceinline__ void normalise_rows(const T* __restrict__ x, const T* __restrict__ residual,
+                                               const float* scale, const float* shift, int relu, int num_rows,
+                                               int channels, int group, long long first_row, long long step,
+                                               T* __restrict__ y) {
+  for (long long row = first_row; row < num_rows; row += step) {
+    const long long offset = row * channels + group * VECTOR;
+    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + offset);
+    Values<T, VECTOR> added, out;
+    if (residual != nullptr) added = *reinterpret_cast<const Values<T, VECTOR>*>(residual + offset);
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      float value = fmaf(to_float(v.value[j]), scale[j], shift[j]);
+      if (residual != nullptr) value += to_float(added.value[j]);
+      if (relu && value <= 0.0f) value = 0.0f;  // NaN stays NaN, as in torch.relu
+      out.value[j] = from_float<T>(value);
+    }
+    *reinterpret_cast<Values<T, VECTOR>*>(y + offset) = out;
+  }
+}
+
 // y = relu?(xhat * weight + bias (+ residual)). The threads of the first rows also write the batch's mean
 // and invstd (fp32, for the backward) and move the running statistics.
 template <typename T, typename P, int VECTOR>
@@ -166,8 +198,7 @@ __global__ void __launch_bounds__(BLOCK)
     const float centred_mean = sums[c] / num_rows;
     const float var = fmaxf(sums[channels + c] / num_rows - centred_mean * centred_mean, 0.0f);
     const float mean = centred_mean + to_float(origin.value[j]), invstd = rsqrtf(var + eps);
-    scale[j] = invstd * (weight != nullptr ? to_float(weight[c]) : 1.0f);
-    shift[j] = (bias != nullptr ? to_float(bias[c]) : 0.0f) - mean * scale[j];
+    affine(weight, bias, c, mean, invstd, scale[j], shift[j]);
     if (first_row == 0) {
       saved_mean[c] = mean;
       saved_invstd[c] = invstd;
@@ -176,20 +207,27 @@ __global__ void __launch_bounds__(BLOCK)
       running_var[c] = from_float<P>((1.0f - momentum) * to_float(running_var[c]) + momentum * unbiased);
     }
   }
-  for (long long row = first_row; row < num_rows; row += rows.step) {
-    const long long offset = row * channels + group * VECTOR;
-    const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x + offset);
-    Values<T, VECTOR> added, out;
-    if (residual != nullptr) added = *reinterpret_cast<const Values<T, VECTOR>*>(residual + offset);
+  normalise_rows<T, VECTOR>(x, residual, scale, shift, relu, num_rows, channels, group, first_row, rows.step, y);
+}
+
+// y again, from x and the mean and invstd the forward saved, the running statistics left alone: a network's
+// backward recomputes the outputs it did not keep.
+template <typename T, typename P, int VECTOR>
+__global__ void __launch_bounds__(BLOCK)
+    batch_norm_renormalise(const T* __restrict__ x, const T* __restrict__ residual, const P* __restrict__ weight,
+                           const P* __restrict__ bias, const float* __restrict__ saved_mean,
+                           const float* __restrict__ saved_invstd, int relu, int num_rows, int channels,
+                           T* __restrict__ y) {
+  const int groups = channels / VECTOR, group = threadIdx.x % groups;
+  const RowWalk rows = row_walk(groups);
+  if (rows.first >= num_rows) return;
+  float scale[VECTOR], shift[VECTOR];
 #pragma unroll
-    for (int j = 0; j < VECTOR; ++j) {
-      float value = fmaf(to_float(v.value[j]), scale[j], shift[j]);
-      if (residual != nullptr) value += to_float(added.value[j]);
-      if (relu && value <= 0.0f) value = 0.0f;  // NaN stays NaN, as in torch.relu
-      out.value[j] = from_float<T>(value);
-    }
-    *reinterpret_cast<Values<T, VECTOR>*>(y + offset) = out;
+  for (int j = 0; j < VECTOR; ++j) {
+    const int c = group * VECTOR + j;
+    affine(weight, bias, c, saved_mean[c], saved_invstd[c], scale[j], shift[j]);
   }
+  normalise_rows<T, VECTOR>(x, residual, scale, shift, relu, num_rows, channels, group, rows.first, rows.step, y);
 }
 
 // sums[c] = sum of g, sums[C + c] = sum of g * (x - mean) (see `reduce_block_sums`); with the ReLU, g is written

@@ -6,7 +6,10 @@ backward over the features `[N, C]` in two passes each (raw_kernels/batch_norm_t
                statistics move by `momentum` towards the mean and the unbiased variance (torch's rule);
     backward:  g = grad_out where out > 0 (grad_out itself without the ReLU), the residual's gradient;
                grad_x = weight · invstd · (g − mean(g) − xhat · mean(g · xhat)),
-               grad_weight = Σ g · xhat, grad_bias = Σ g.
+               grad_weight = Σ g · xhat, grad_bias = Σ g;
+
+and `renormalise`, the forward's output again from its input and the statistics it saved, with the same bits,
+for a network whose backward recomputes the outputs it did not keep.
 
 A torch network in training runs a batch norm, a ReLU and a residual sum as four kernels forward and
 three backward, each a pass over the features; here the statistics are one pass and the normalisation
@@ -54,7 +57,8 @@ def _instantiations(dtype) -> tuple[str, ...]:
                   f"batch_norm_gradient_sums<{cuda_type_name(dtype)}, {vector}>"]
         for parameter_dtype in dict.fromkeys((dtype, FLOAT32)):
             types = f"{cuda_type_name(dtype)}, {cuda_type_name(parameter_dtype)}, {vector}"
-            names += [f"batch_norm_normalise<{types}>", f"batch_norm_input_gradient<{types}>"]
+            names += [f"batch_norm_normalise<{types}>", f"batch_norm_input_gradient<{types}>",
+                      f"batch_norm_renormalise<{types}>"]
     return tuple(names)
 
 
@@ -116,14 +120,16 @@ def reduction_floats(channels: int) -> int:
 
 @functools.cache
 def _launches(device: int, dtype, parameter_dtype, vector: int) -> tuple[_Pass, ...]:
-    """The prepared launches of the forward's two passes and the backward's two on `device`, with their waves,
-    made once: a layer of a network in training would otherwise name and look up four kernels a step."""
+    """The prepared launches of the forward's two passes, the backward's two and the recomputation's one on
+    `device`, with their waves, made once: a layer of a network in training would otherwise name and look up its
+    kernels each step."""
     kernels, value = _KERNELS[dtype], cuda_type_name(dtype)
     types = f"{value}, {cuda_type_name(parameter_dtype)}, {vector}"
     launches = (kernels.prepared(f"batch_norm_statistics<{value}, {vector}>", BLOCK, 6),
                 kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16),
                 kernels.prepared(f"batch_norm_gradient_sums<{value}, {vector}>", BLOCK, 11),
-                kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11))
+                kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11),
+                kernels.prepared(f"batch_norm_renormalise<{types}>", BLOCK, 10))
     return tuple(_Pass(launch, min(_max_blocks(device), multiprocessors(device) * launch.resident_blocks()))
                  for launch in launches)
 
@@ -139,7 +145,7 @@ def launch_forward(stream: int, num_rows: int, channels: int, dtype, parameter_d
     `saved_mean`, `saved_invstd` `[channels]` written for the backward. Nothing is checked."""
     vector = _vector(dtype, channels, features | residual | out)
     device = current_device()
-    statistics, normalise, _, _ = _launches(device, dtype, parameter_dtype, vector)
+    statistics, normalise = _launches(device, dtype, parameter_dtype, vector)[:2]
     statistics.kernel.launch(stream, features, num_rows, channels, sums, reduction + 4 * _ticket_floats(device),
                              reduction, grid=statistics.grid(num_rows, channels, vector))
     normalise.kernel.launch(
@@ -157,13 +163,25 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
     not wanted. Nothing is checked."""
     vector = _vector(dtype, channels, grad_out | features | grad_features | (out | g if relu else 0))
     device = current_device()
-    _, _, gradient_sums, input_gradient = _launches(device, dtype, parameter_dtype, vector)
+    gradient_sums, input_gradient = _launches(device, dtype, parameter_dtype, vector)[2:4]
     gradient_sums.kernel.launch(stream, grad_out, features, out, saved_mean, int(relu), num_rows, channels, sums, g,
                                 reduction + 4 * _ticket_floats(device), reduction,
                                 grid=gradient_sums.grid(num_rows, channels, vector))
     input_gradient.kernel.launch(
         stream, g if relu else grad_out, features, weight, saved_mean, saved_invstd, sums, num_rows, channels,
         grad_features, grad_weight, grad_bias, grid=input_gradient.grid(num_rows, channels, vector))
+
+
+def launch_renormalise(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int,
+                       residual: int, weight: int, bias: int, saved_mean: int, saved_invstd: int, relu: bool,
+                       out: int) -> None:
+    """The forward's output again into `out` from its features, residual, parameters and the `saved_mean` and
+    `saved_invstd` it wrote, over device addresses as `launch_forward` takes them; the running statistics are
+    not touched. Nothing is checked."""
+    vector = _vector(dtype, channels, features | residual | out)
+    renormalise = _launches(current_device(), dtype, parameter_dtype, vector)[4]
+    renormalise.kernel.launch(stream, features, residual, weight, bias, saved_mean, saved_invstd, int(relu), num_rows,
+                              channels, out, grid=renormalise.grid(num_rows, channels, vector))
 
 
 FORWARD_SCRATCH_ROWS = 4  # fp32 rows of C a forward reads and writes: its two sums, then the saved mean and invstd
@@ -196,6 +214,18 @@ def run_forward(arrays, features, residual, weight, bias, running_mean, running_
                    _address(arrays, batches_tracked), momentum, eps, relu, scratch, reduction, scratch + 2 * row,
                    scratch + 3 * row, arrays.address(out))
     return out, (scratch + 2 * row, scratch + 3 * row), kept
+
+
+def run_renormalise(arrays, features, residual, weight, bias, statistics: tuple[int, int], relu: bool,
+                    parameter_dtype):
+    """The output of the `run_forward` that gave `statistics` from these arrays, again (the same bits), on a
+    framework's arrays as `run_forward` takes them."""
+    num_rows, channels = features.shape
+    out = arrays.empty(features, (num_rows, channels))
+    launch_renormalise(arrays.stream(features), num_rows, channels, arrays.core_dtype(features.dtype),
+                       parameter_dtype, arrays.address(features), _address(arrays, residual), _address(arrays, weight),
+                       _address(arrays, bias), *statistics, relu, arrays.address(out))
+    return out
 
 
 def run_backward(arrays, grad_out, features, out, statistics: tuple[int, int], weight, relu: bool,
@@ -258,6 +288,19 @@ def training_batch_norm(features, running_mean, running_var, weight=None, bias=N
     return out, scratch[2], scratch[3]
 
 
+def renormalise(features, mean, invstd, weight=None, bias=None, *, residual=None, relu: bool = False):
+    """The `out` of the `training_batch_norm` that gave `mean` and `invstd` from `features` (with the `weight`,
+    `bias`, `residual` and `relu` it had), again, with the same bits; the running statistics are not touched."""
+    check_norm_arguments(features, {"weight": weight, "bias": bias, "mean": mean, "invstd": invstd},
+                         residual=residual)
+    parameter_dtype = _kernel_parameter_dtype(features, (weight, bias), (residual,))
+    if parameter_dtype is None or any(np.dtype(array.dtype) != np.float32 or not array.flags.c_contiguous
+                                      for array in (mean, invstd)):
+        return _normalise_reference(features, mean, invstd, weight, bias, residual, relu)
+    return run_renormalise(core_arrays(), features, residual, weight, bias, (mean.data.ptr, invstd.data.ptr), relu,
+                           parameter_dtype)
+
+
 def training_batch_norm_backward(grad_output, features, out, mean, invstd, weight=None, *, relu: bool = False,
                                  with_residual: bool = False):
     """`(grad_features, grad_weight, grad_bias, grad_residual)` of the `training_batch_norm` that gave `out`,
@@ -309,7 +352,15 @@ def _forward_reference(features, weight, bias, running_mean, running_var, moment
     mean = x.mean(axis=0)
     var = ((x - mean) ** 2).mean(axis=0)
     invstd = 1 / xp.sqrt(var + compute.type(eps))
-    value = (x - mean) * invstd
+    running_mean[...] = ((1 - momentum) * running_mean.astype(compute) + momentum * mean).astype(running_mean.dtype)
+    unbiased = var * num_rows / (num_rows - 1)
+    running_var[...] = ((1 - momentum) * running_var.astype(compute) + momentum * unbiased).astype(running_var.dtype)
+    return _normalise_reference(features, mean, invstd, weight, bias, residual, relu), mean, invstd
+
+
+def _normalise_reference(features, mean, invstd, weight, bias, residual, relu):
+    compute = np.dtype(np.float64)
+    value = (features.astype(compute) - mean) * invstd
     if weight is not None:
         value = value * weight.astype(compute)
     if bias is not None:
@@ -317,11 +368,8 @@ def _forward_reference(features, weight, bias, running_mean, running_var, moment
     if residual is not None:
         value = value + residual.astype(compute)
     if relu:
-        value = xp.maximum(value, 0)
-    running_mean[...] = ((1 - momentum) * running_mean.astype(compute) + momentum * mean).astype(running_mean.dtype)
-    unbiased = var * num_rows / (num_rows - 1)
-    running_var[...] = ((1 - momentum) * running_var.astype(compute) + momentum * unbiased).astype(running_var.dtype)
-    return value.astype(features.dtype), mean, invstd
+        value = array_module(features).maximum(value, 0)
+    return value.astype(features.dtype)
 
 
 def _backward_reference(grad_out, features, out, mean, invstd, weight, relu, with_residual):

@@ -106,7 +106,7 @@ def test_kernels_take_the_channel_counts_a_block_holds():
 def test_a_pass_launches_one_wave_at_most_and_no_more_blocks_than_the_workspace_has_rows_for(monkeypatch):
     """Each pass's grid covers its rows with blocks up to the blocks the GPU holds of its kernel at once (one
     wave), and never more than `reduction_floats` holds block sums for, whatever the kernel's occupancy."""
-    resident = {"statistics": 4, "normalise": 5, "gradient_sums": 4, "input_gradient": 16}
+    resident = {"statistics": 4, "normalise": 5, "gradient_sums": 4, "input_gradient": 16, "renormalise": 6}
 
     class Kernels:
         def prepared(self, name, block, num_arguments):
@@ -122,7 +122,8 @@ def test_a_pass_launches_one_wave_at_most_and_no_more_blocks_than_the_workspace_
     finally:
         training_norm._launches.cache_clear()  # it holds the stand-ins
     # 400,390 rows of 96 fp16 channels: 12 groups of 8 a row, 21 rows a block, 19,067 blocks to cover them.
-    assert [step.grid(400_390, 96, 8) for step in passes] == [(528, 1, 1), (660, 1, 1), (528, 1, 1), (1056, 1, 1)]
+    assert [step.grid(400_390, 96, 8) for step in passes] == [(528, 1, 1), (660, 1, 1), (528, 1, 1), (1056, 1, 1),
+                                                              (792, 1, 1)]
     assert training_norm._max_blocks(0) == 1056  # the block sums the workspace has rows for
     # 1,336 rows of 256 channels: 32 groups, 8 rows a block, 167 blocks; and one block for a single row.
     assert {step.grid(1336, 256, 8) for step in passes} == {(167, 1, 1)}
@@ -168,6 +169,40 @@ def test_gpu_kernels_equal_the_float64_reference(dtype, parameter_dtype, shape, 
     parameter_eps = EPSILON[np.dtype(parameter_dtype).name]
     np.testing.assert_allclose(running_mean, expected[5], rtol=4 * parameter_eps, atol=4 * parameter_eps)
     np.testing.assert_allclose(running_var, expected[6], rtol=4 * parameter_eps, atol=4 * parameter_eps)
+
+
+def renormalised(arrays: dict, residual: bool, relu: bool, affine: bool, xp=np):
+    """(out of a forward, the same output recomputed by `renormalise` from its statistics)."""
+    args = {name: xp.asarray(value).copy() for name, value in arrays.items()}
+    weight, bias = (args["weight"], args["bias"]) if affine else (None, None)
+    residual = args["residual"] if residual else None
+    out, mean, invstd = cs.training_batch_norm(args["features"], args["running_mean"], args["running_var"], weight,
+                                               bias, MOMENTUM, EPS, residual=residual, relu=relu)
+    running = args["running_mean"].copy(), args["running_var"].copy()
+    again = training_norm.renormalise(args["features"], mean, invstd, weight, bias, residual=residual, relu=relu)
+    for before, after in zip(running, (args["running_mean"], args["running_var"])):
+        assert (before == after).all()  # the running statistics moved once, by the forward
+    return out, again
+
+
+@pytest.mark.parametrize("residual, relu, affine", CASES)
+def test_the_output_recomputed_from_the_saved_statistics_is_the_forwards_on_the_cpu(residual, relu, affine):
+    out, again = renormalised(inputs(301, 12, FLOAT32, FLOAT32), residual, relu, affine)
+    np.testing.assert_array_equal(again, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual, relu, affine", CASES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
+@pytest.mark.parametrize("dtype, parameter_dtype", [(FLOAT32, FLOAT32)]
+                         + [(dtype, parameter) for dtype in LOW_PRECISION for parameter in (dtype, FLOAT32)])
+def test_the_output_recomputed_from_the_saved_statistics_has_the_forwards_bits(dtype, parameter_dtype, shape,
+                                                                               residual, relu, affine):
+    """A network's backward recomputes a batch norm's output it did not keep: the kernel that does gives the
+    forward's bits, so the ReLU's mask and the next convolution's weight gradient see what the forward gave."""
+    arrays = inputs(*shape, dtype, parameter_dtype, seed=shape[0] + 1)
+    out, again = renormalised(arrays, residual, relu, affine, cupy_module())
+    np.testing.assert_array_equal(again.get(), out.get())
 
 
 def test_arguments_are_checked_before_anything_runs():
