@@ -8,9 +8,11 @@ GPU a few microseconds: the step was bound by the host. Here the forward calls t
 directly (`execution.forward`, `training_norm.run_forward`) and keeps what each operation's backward
 reads; the backward calls the core's backward launches (`execution.backward`, `training_norm.run_backward`)
 and adds up the gradients of tensors two operations read (a residual's input, a skip). A batch norm runs
-with the ReLU after it and the residual sum before that, as in the modules' fused path. In inference a
-convolution followed by a batch norm is one launch with the norm, the residual sum and the ReLU in its
-epilogue (`execution.fused_forward`), and a slot's features are freed after their last reader.
+with the ReLU after it and the residual sum before that, as in the modules' fused path. A training step keeps a
+batch norm's input, not its output, where the backward can recompute the output from what it keeps anyway
+(`NetworkProgram._plan_recomputation`): a pass over the features instead of a tensor held from forward to
+backward. In inference a convolution followed by a batch norm is one launch with the norm, the residual sum and
+the ReLU in its epilogue (`execution.fused_forward`). A slot's features are freed after their last reader.
 
 The results are those of the modules, which remain the path of everything the program does not take
 (`NetworkProgram.runs_training`, `runs_inference`): hooks on any of the network's modules, `torch.compile`,
@@ -52,17 +54,24 @@ def _accumulate(grads: dict, slot: int, grad: torch.Tensor) -> None:
 
 class _Step:
     """One call's state: the feature dtype, whether it runs on the GPU, which slots need gradients, what each
-    operation keeps for its backward, the parameters' gradients, and on the GPU the batch norms' fp32 scratch
-    (`NetworkProgram.scratch_floats`) and their reduction workspace, by address."""
+    operation keeps for its backward, the outputs its backward recomputed and reads again, the parameters'
+    gradients, and on the GPU the batch norms' fp32 scratch (`NetworkProgram.scratch_floats`) and their reduction
+    workspace, by address."""
 
-    def __init__(self, dtype: torch.dtype, on_gpu: bool, parameters: list):
-        self.dtype, self.on_gpu, self.parameters = dtype, on_gpu, parameters
+    def __init__(self, program: NetworkProgram, dtype: torch.dtype, on_gpu: bool, parameters: list):
+        self.program, self.dtype, self.on_gpu, self.parameters = program, dtype, on_gpu, parameters
         self.requires: list[bool] = []  # by slot
         self.requires_by_operation: list[bool] = []  # whether any of an operation's parameters requires a gradient
         self.saved: list = []
         self.parameter_grads: dict[int, torch.Tensor] = {}  # by the parameter's id
         self.scratch: torch.Tensor | None = None  # kept for the step: the backward reads it too
         self.norm_scratch = self.reduction = 0
+        self.recomputed: dict[int, torch.Tensor] = {}  # by slot: outputs not kept, while the backward reads them
+        self.position = 0  # the operation whose backward runs
+
+    def recomputed_features(self, slot: int) -> torch.Tensor:
+        """The features of `slot`, an output the step did not keep (`NetworkProgram.recompute`)."""
+        return self.program.recompute(self, slot, True)
 
     def allocate_scratch(self, norm_floats: int, reduction_floats: int, like: torch.Tensor) -> None:
         """The norms' `norm_floats` fp32 words, then a reduction workspace of `reduction_floats`, zeroed (its
@@ -78,6 +87,7 @@ class _Conv:
     def __init__(self, module: SpatiallySparseConv, source: int, target: int):
         self.module, self.source, self.target = module, source, target
         self.sources = (source,)
+        self.input_recomputed = False  # the backward recomputes its input (`NetworkProgram._plan_recomputation`)
 
     def parameters(self) -> tuple:
         weight, bias = self.weight_and_bias()
@@ -105,7 +115,7 @@ class _Conv:
         out = execution.forward(TORCH_ARRAYS, features, weight, kernel_map, _argument(self.module.fwd_algo, "forward"))
         self._add_bias(out)
         values[self.target] = (place.with_map_result(result, out), out)
-        return features, weight, kernel_map
+        return None if self.input_recomputed else features, weight, kernel_map
 
     def infer(self, dtype: torch.dtype, values: list) -> None:
         place, features, weight, result = self.operands(dtype, values)
@@ -130,6 +140,8 @@ class _Conv:
         parameter, bias = self.weight_and_bias()
         needs_input, needs_weight = step.requires[self.source], parameter.requires_grad
         if needs_input or needs_weight:
+            if features is None:
+                features = step.recomputed_features(self.source)
             grad_input, grad_weight = execution.backward(TORCH_ARRAYS, grad, features, weight, kernel_map,
                                                          _argument(self.module.bwd_algo, "backward"), needs_input,
                                                          needs_weight)
@@ -151,6 +163,13 @@ class _Norm:
         self.residual, self.relu = residual, relu
         self.sources = (source,) if residual is None else (source, residual)
         self.scratch_offset = 0  # bytes into the step's norm scratch (`NetworkProgram`)
+        # A training step does not keep its output but recomputes it (`NetworkProgram._plan_recomputation`), from
+        # the residual's features, kept by reference where `keeps` says so, else recomputed too.
+        self.recomputed, self.keeps = False, ()
+
+    def recompute_sources(self) -> tuple:
+        """The slots besides its input, which it keeps anyway, that recomputing its output reads."""
+        return () if self.residual is None else (self.residual,)
 
     def parameters(self) -> tuple:
         parameters = self.module._parameters
@@ -189,7 +208,22 @@ class _Norm:
             batches_tracked.add_(1)
             out, saved = from_core(out), (mean, invstd)
         values[self.target] = (place, out)
-        return features, out if self.relu else None, saved
+        kept_residual = residual if self.keeps and self.keeps[0] else None
+        return features, out if self.relu and not self.recomputed else None, saved, kept_residual
+
+    def recompute(self, step: _Step, saved) -> torch.Tensor:
+        """The output `forward` gave, again (the same bits), from its input, its statistics and the residual's
+        features."""
+        features, _, statistics, residual = saved
+        if self.residual is not None and residual is None:
+            residual = step.program.recompute(step, self.residual, False)
+        weight, bias, running_mean, _, _ = self.state()
+        if step.on_gpu:
+            return training_norm.run_renormalise(TORCH_ARRAYS, features, residual, weight, bias, statistics,
+                                                 self.relu, core_dtype(running_mean.dtype))
+        core = _core_or_none
+        return from_core(training_norm.renormalise(to_core(features), *statistics, core(weight), core(bias),
+                                                   residual=core(residual), relu=self.relu))
 
     def infer(self, dtype: torch.dtype, values: list) -> None:
         place, features = values[self.source]
@@ -203,7 +237,9 @@ class _Norm:
         return batch_norm_epilogue(features, running_mean, running_var, weight, bias, norm.eps, residual, self.relu)
 
     def backward(self, step: _Step, saved, grads: dict) -> None:
-        features, out, statistics = saved
+        features, out, statistics, _ = saved
+        if self.relu and out is None:
+            out = step.recomputed_features(self.target)
         grad = grads.pop(self.target).contiguous()
         with_residual = self.residual is not None
         weight, bias, running_mean, _, _ = self.state()
@@ -270,6 +306,11 @@ class _Concat:
     def __init__(self, source: int, skip: int, target: int, name: str):
         self.source, self.skip, self.target, self.name = source, skip, target, name
         self.sources = (source, skip)
+        # As `_Norm`'s: a training step recomputes the output, from the parts `keeps` (by source) it keeps.
+        self.recomputed, self.keeps = False, ()
+
+    def recompute_sources(self) -> tuple:
+        return self.sources
 
     def parameters(self) -> tuple:
         return ()
@@ -280,12 +321,22 @@ class _Concat:
             raise ValueError(f"the tensor saved as {self.name!r} has other coordinates than the one it is appended "
                              f"to; a skip must come from the level a transposed convolution returns to")
         values[self.target] = (place, torch.cat([features, skip_features], dim=1))
-        return features.shape[1]
+        parts = None
+        if self.recomputed:
+            parts = tuple(part if kept else None for part, kept in zip((features, skip_features), self.keeps))
+        return features.shape[1], parts
+
+    def recompute(self, step: _Step, saved) -> torch.Tensor:
+        """The output `forward` gave, again, from its parts: those it kept and those recomputed."""
+        parts = [step.program.recompute(step, slot, False) if part is None else part
+                 for slot, part in zip(self.sources, saved[1])]
+        return torch.cat(parts, dim=1)
 
     def infer(self, dtype: torch.dtype, values: list) -> None:
         self.forward(None, values)
 
-    def backward(self, step: _Step, channels: int, grads: dict) -> None:
+    def backward(self, step: _Step, saved, grads: dict) -> None:
+        channels = saved[0]
         grad = grads.pop(self.target)
         _accumulate(grads, self.source, grad[:, :channels])
         _accumulate(grads, self.skip, grad[:, channels:])
@@ -319,22 +370,89 @@ class NetworkProgram:
     """The operations of a network's step over numbered slots of features (slot 0 the input), compiled from its
     description, each bound to the modules that hold its parameters (`modules`: the network's, whose types its
     caller has checked to be those the description builds): `operations` for a training step,
-    `inference_operations` for inference, with the slots freed after each of those (`releases`)."""
+    `inference_operations` for inference, with the slots freed after each of those (`releases`, and for training
+    `training_releases`)."""
 
     def __init__(self, network: torch.nn.Module, description: networks.Network, modules: list):
         self._network = network  # while compiling
         self.operations: list = []
         self.slots = 1
+        self._last_reading: dict[int, int] = {}  # a recomputed slot's first reader in the forward, its last backward
         self.output = self._compile(description.root, "", 0, {})
         del self._network
+        self._producers = {operation.target: index for index, operation in enumerate(self.operations)}
+        self._frees = self._plan_recomputation()
         # The network's modules (not itself, whose hooks run around the program) when it was compiled.
         self.modules = modules
         self.scratch_floats, self.widest_norm = self._lay_out_scratch()
         self.inference_operations = self._fold_norms()
         self.releases = self._releases(self.inference_operations)
+        self.training_releases = self._releases(self.operations)
         # What each call checks: the modules' state may have changed since (moved, cast, a norm switched to training).
         self._convolutions = [operation.module for operation in self.operations if isinstance(operation, _Conv)]
         self._norms = [operation.module for operation in self.operations if isinstance(operation, _Norm)]
+
+    def _plan_recomputation(self) -> list[tuple[int, ...]]:
+        """Mark the batch norms and concatenations whose output a training step recomputes in its backward instead
+        of keeping it, and the convolutions reading it. A MinkUNet18 step kept about 1,300 values a voxel at full
+        resolution, over half of them outputs of this kind that the next convolution (for its weight's gradient)
+        and a ReLU's mask read: a pass over the features recomputes one. Not recomputed: the network's output,
+        and an output another norm keeps as its input. Recomputing reads slots besides what the operation keeps
+        (`recompute_sources`): each must be recomputed too or kept anyway by another operation, then this one keeps
+        a reference. Returns, by operation, the recomputed slots whose last reader in the backward it is: freed
+        after its backward."""
+        readers: dict[int, list] = {}
+        for operation in self.operations:
+            for slot in operation.sources:
+                readers.setdefault(slot, []).append(operation)
+        recomputed: set[int] = set()
+
+        def kept_anyway(slot: int) -> bool:
+            producer = self.operations[self._producers[slot]] if slot in self._producers else None
+            if isinstance(producer, _ReLU) or (isinstance(producer, _Norm) and producer.relu):
+                return True
+            return slot != 0 and any(isinstance(reader, (_Conv, _Norm)) and reader.source == slot
+                                     for reader in readers.get(slot, ()))
+
+        for operation in self.operations:
+            if not isinstance(operation, (_Norm, _Concat)) or operation.target == self.output:
+                continue
+            if not all(isinstance(reader, (_Conv, _Concat, _ReLU)) or (
+                    isinstance(reader, _Norm) and reader.source != operation.target)
+                    for reader in readers.get(operation.target, ())):
+                continue  # a norm reading it as its input keeps it
+            needed = operation.recompute_sources()
+            if all(slot in recomputed or kept_anyway(slot) for slot in needed):
+                operation.recomputed, operation.keeps = True, tuple(slot not in recomputed for slot in needed)
+                recomputed.add(operation.target)
+        frees = [[] for _ in self.operations]
+        for slot in recomputed:
+            # Read in the backward by the convolutions reading it and, for its mask, a norm with a ReLU.
+            readings = [index for index, reader in enumerate(self.operations)
+                        if isinstance(reader, _Conv) and reader.source == slot]
+            for index in readings:
+                self.operations[index].input_recomputed = True
+            producer = self._producers[slot]
+            if isinstance(self.operations[producer], _Norm) and self.operations[producer].relu:
+                readings.append(producer)
+            if readings:
+                self._last_reading[slot] = min(readings)
+                frees[min(readings)].append(slot)
+        return [tuple(slots) for slots in frees]
+
+    def recompute(self, step: _Step, slot: int, cache: bool) -> torch.Tensor:
+        """The features of `slot`, an output the step did not keep (`_plan_recomputation`), recomputed from what it
+        kept; held in `step.recomputed` where `cache` and a later operation of the backward reads them too. Slots
+        that recomputing another reads are not held: a skip's features, read again at the start of the network,
+        would be held through the whole backward."""
+        features = step.recomputed.get(slot)
+        if features is not None:
+            return features
+        index = self._producers[slot]
+        features = self.operations[index].recompute(step, step.saved[index])
+        if cache and self._last_reading.get(slot, step.position) < step.position:
+            step.recomputed[slot] = features
+        return features
 
     def _fold_norms(self) -> list:
         """`operations` with each batch norm that alone reads a convolution's output run with it (`_ConvThenNorm`)."""
@@ -353,8 +471,8 @@ class NetworkProgram:
         return [operation for operation in operations if operation not in folded]
 
     def _releases(self, operations: list) -> list[tuple[int, ...]]:
-        """The slots each of `operations` reads last (not the output's): freed after it, so that inference holds
-        only the features still to be read."""
+        """The slots each of `operations` reads last (not the output's): freed after it, so that a step holds only
+        the features still to be read (and in training what its operations keep for the backward)."""
         last = {slot: index for index, operation in enumerate(operations) for slot in operation.sources}
         releases = [[] for _ in operations]
         for slot, index in last.items():
@@ -517,7 +635,7 @@ class NetworkProgram:
             operation_parameters = operation.parameters()
             parameters.extend(operation_parameters)
             requires_by_operation.append(any([parameter.requires_grad for parameter in operation_parameters]))
-        step = _Step(self._dtype(input.features), input.features.is_cuda, parameters)
+        step = _Step(self, self._dtype(input.features), input.features.is_cuda, parameters)
         step.requires_by_operation = requires_by_operation
         holder = []
         features = _NetworkStep.apply(self, step, input, holder, input.features.contiguous(), *parameters)
@@ -534,7 +652,11 @@ class NetworkProgram:
         step.requires = requires
         if step.on_gpu:
             step.allocate_scratch(self.scratch_floats, training_norm.reduction_floats(self.widest_norm), features)
-        step.saved = [operation.forward(step, values) for operation in self.operations]
+        saved = step.saved = []
+        for operation, released in zip(self.operations, self.training_releases):
+            saved.append(operation.forward(step, values))
+            for slot in released:  # what the backward reads, the operations keep
+                values[slot] = None
         return values[self.output]
 
     def backward(self, step: _Step, grad_output: torch.Tensor) -> torch.Tensor | None:
@@ -542,15 +664,25 @@ class NetworkProgram:
         grads = {self.output: grad_output}
         saved = step.saved
         if step.on_gpu:  # the weight gradients' shares of every fresh map, in one allocation
-            execution.derive_backward_formats(TORCH_ARRAYS, [
-                (*saved[index], _argument(operation.module.bwd_algo, "backward"))
-                for index, operation in enumerate(self.operations)
-                if isinstance(operation, _Conv) and operation.weight_and_bias()[0].requires_grad])
+            calls = []
+            for index, operation in enumerate(self.operations):
+                if isinstance(operation, _Conv) and operation.weight_and_bias()[0].requires_grad:
+                    features, weight, kernel_map = saved[index]
+                    if features is None:  # recomputed later: a norm's input has the shape and dtype it will have
+                        producer = self._producers[operation.source]
+                        if isinstance(self.operations[producer], _Concat):
+                            continue  # nothing kept has its shape: the convolution derives its own on first use
+                        features = saved[producer][0]
+                    calls.append((features, weight, kernel_map, _argument(operation.module.bwd_algo, "backward")))
+            execution.derive_backward_formats(TORCH_ARRAYS, calls)
         for index in range(len(self.operations) - 1, -1, -1):
             operation = self.operations[index]
             if operation.target in grads:
+                step.position = index
                 operation.backward(step, saved[index], grads)
             saved[index] = None  # freed as the modules' autograd nodes free theirs
+            for slot in self._frees[index]:
+                step.recomputed.pop(slot, None)
         return grads.get(0)
 
 

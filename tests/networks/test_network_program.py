@@ -97,6 +97,44 @@ def test_a_training_step_as_one_node_equals_the_modules_step(name):
     hook.remove()
 
 
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+
+
+@pytest.mark.parametrize("name", ["MinkUNet18", "odd"])
+def test_a_training_step_keeps_of_each_voxel_only_what_it_cannot_recompute(name):
+    """Between the forward and the backward, a step holds at full resolution the batch norms' inputs, the first
+    convolution's input and the ReLUs' outputs: not the norms' outputs, nor a skip's concatenation, which the
+    backward recomputes (the gradients equal the modules', above). The odd network's classifier also keeps its
+    input, the concatenation of a skip with an upsampling convolution's output that nothing else keeps."""
+    model = torch_networks.SparseNetwork(DESCRIPTIONS[name]()).double().train()
+    x = _input()
+    output = model(x).features
+    program, step = output.grad_fn.program, output.grad_fn.step
+    rows = len(x.features)
+    kept = {tensor.untyped_storage().data_ptr(): tensor.shape[1] for tensor in _tensors(step.saved)
+            if tensor.shape[0] == rows}
+    expected = {x.features.untyped_storage().data_ptr()}
+    for operation, saved in zip(program.operations, step.saved):
+        kind = type(operation).__name__
+        if kind == "_Norm" and saved[0].shape[0] == rows:
+            expected.add(saved[0].untyped_storage().data_ptr())
+        elif kind == "_ReLU" and saved.shape[0] == rows:
+            expected.add(saved.untyped_storage().data_ptr())
+    assert expected <= kept.keys()
+    others = sorted(channels for storage, channels in kept.items() if storage not in expected)
+    assert others == ([] if name == "MinkUNet18" else [14])
+    recomputed = [type(operation).__name__ for operation in program.operations if getattr(operation, "recomputed",
+                                                                                           False)]
+    assert ("_Concat" in recomputed) == (name == "MinkUNet18")  # the odd network's skip joins a convolution's output
+    output.sum().backward()
+    assert not step.recomputed  # each freed after its last reader
+
+
 def test_a_frozen_part_gets_no_gradient_and_the_rest_the_modules_gradients():
     torch.manual_seed(0)
     model = torch_networks.MinkUNet14(3, 5, width=0.25).double().train()
