@@ -145,12 +145,21 @@ __global__ void __launch_bounds__(BLOCK) batch_norm_statistics(const T* __restri
 }
 
 // A channel's scale = invstd * weight and shift = bias - mean * scale. The forward and the recomputation from the
-// saved statistics share it and `normalise_rows`, so they give the same bits.
+// saved statistics share it and `normalised`, so they give the same bits.
 template <typename P>
 __device__ __forceinline__ void affine(const P* __restrict__ weight, const P* __restrict__ bias, int c, float mean,
                                        float invstd, float& scale, float& shift) {
   scale = invstd * (weight != nullptr ? to_float(weight[c]) : 1.0f);
   shift = fmaf(-mean, scale, bias != nullptr ? to_float(bias[c]) : 0.0f);
+}
+
+// relu?(x * scale + shift (+ residual)) of one element, as the forward stores it and a recomputation again.
+__device__ __forceinline__ float normalised(float x, float scale, float shift, bool with_residual, float residual,
+                                            int relu) {
+  float value = fmaf(x, scale, shift);
+  if (with_residual) value += residual;
+  if (relu && value <= 0.0f) value = 0.0f;  // NaN stays NaN, as in torch.relu
+  return value;
 }
 
 // y = relu?(x * scale + shift (+ residual)) over a thread's rows.
@@ -166,10 +175,9 @@ __device__ __forceinline__ void normalise_rows(const T* __restrict__ x, const T*
     if (residual != nullptr) added = *reinterpret_cast<const Values<T, VECTOR>*>(residual + offset);
 #pragma unroll
     for (int j = 0; j < VECTOR; ++j) {
-      float value = fmaf(to_float(v.value[j]), scale[j], shift[j]);
-      if (residual != nullptr) value += to_float(added.value[j]);
-      if (relu && value <= 0.0f) value = 0.0f;  // NaN stays NaN, as in torch.relu
-      out.value[j] = from_float<T>(value);
+      const float sum = residual != nullptr ? to_float(added.value[j]) : 0.0f;
+      out.value[j] =
+          from_float<T>(normalised(to_float(v.value[j]), scale[j], shift[j], residual != nullptr, sum, relu));
     }
     *reinterpret_cast<Values<T, VECTOR>*>(y + offset) = out;
   }
@@ -210,24 +218,58 @@ __global__ void __launch_bounds__(BLOCK)
   normalise_rows<T, VECTOR>(x, residual, scale, shift, relu, num_rows, channels, group, first_row, rows.step, y);
 }
 
-// y again, from x and the mean and invstd the forward saved, the running statistics left alone: a network's
-// backward recomputes the outputs it did not keep.
+// The most batch norms one recomputation runs through: a residual block's output, the output of the block before
+// it (its residual), and that block's shortcut norm (the residual of that).
+constexpr int CHAIN = 3;
+
+// Outputs again, from the norms' inputs and the mean and invstd their forwards saved (the running statistics left
+// alone), for a network's backward that did not keep them: norm `links - 1`'s output over `residual` (null: none),
+// which is norm `links - 2`'s residual, and so on to norm 0's, written to y. Bit i of `relu_bits`: norm i's ReLU.
+// Each output is rounded to T before the next norm adds it, as the forward stored it: y has the forward's bits.
 template <typename T, typename P, int VECTOR>
 __global__ void __launch_bounds__(BLOCK)
-    batch_norm_renormalise(const T* __restrict__ x, const T* __restrict__ residual, const P* __restrict__ weight,
-                           const P* __restrict__ bias, const float* __restrict__ saved_mean,
-                           const float* __restrict__ saved_invstd, int relu, int num_rows, int channels,
-                           T* __restrict__ y) {
+    batch_norm_renormalise(const T* x0, const T* x1, const T* x2, const P* weight0, const P* weight1,
+                           const P* weight2, const P* bias0, const P* bias1, const P* bias2, const float* mean0,
+                           const float* mean1, const float* mean2, const float* invstd0, const float* invstd1,
+                           const float* invstd2, int links, int relu_bits, const T* __restrict__ residual,
+                           int num_rows, int channels, T* __restrict__ y) {
+  const T* const x[CHAIN] = {x0, x1, x2};
+  const P* const weight[CHAIN] = {weight0, weight1, weight2};
+  const P* const bias[CHAIN] = {bias0, bias1, bias2};
+  const float* const mean[CHAIN] = {mean0, mean1, mean2};
+  const float* const invstd[CHAIN] = {invstd0, invstd1, invstd2};
   const int groups = channels / VECTOR, group = threadIdx.x % groups;
   const RowWalk rows = row_walk(groups);
   if (rows.first >= num_rows) return;
-  float scale[VECTOR], shift[VECTOR];
+  float scale[CHAIN][VECTOR], shift[CHAIN][VECTOR];
 #pragma unroll
-  for (int j = 0; j < VECTOR; ++j) {
-    const int c = group * VECTOR + j;
-    affine(weight, bias, c, saved_mean[c], saved_invstd[c], scale[j], shift[j]);
+  for (int link = 0; link < CHAIN; ++link) {
+    if (link >= links) break;
+#pragma unroll
+    for (int j = 0; j < VECTOR; ++j) {
+      const int c = group * VECTOR + j;
+      affine(weight[link], bias[link], c, mean[link][c], invstd[link][c], scale[link][j], shift[link][j]);
+    }
   }
-  normalise_rows<T, VECTOR>(x, residual, scale, shift, relu, num_rows, channels, group, rows.first, rows.step, y);
+  for (long long row = rows.first; row < num_rows; row += rows.step) {
+    const long long offset = row * channels + group * VECTOR;
+    Values<T, VECTOR> carried;  // the deeper norm's output: the next one's residual
+    bool with_residual = residual != nullptr;
+    if (with_residual) carried = *reinterpret_cast<const Values<T, VECTOR>*>(residual + offset);
+#pragma unroll
+    for (int link = CHAIN - 1; link >= 0; --link) {
+      if (link >= links) continue;
+      const Values<T, VECTOR> v = *reinterpret_cast<const Values<T, VECTOR>*>(x[link] + offset);
+#pragma unroll
+      for (int j = 0; j < VECTOR; ++j) {
+        const float sum = with_residual ? to_float(carried.value[j]) : 0.0f;
+        carried.value[j] = from_float<T>(normalised(to_float(v.value[j]), scale[link][j], shift[link][j],
+                                                    with_residual, sum, (relu_bits >> link) & 1));
+      }
+      with_residual = true;
+    }
+    *reinterpret_cast<Values<T, VECTOR>*>(y + offset) = carried;
+  }
 }
 
 // sums[c] = sum of g, sums[C + c] = sum of g * (x - mean) (see `reduce_block_sums`); with the ReLU, g is written

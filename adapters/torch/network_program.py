@@ -211,19 +211,8 @@ class _Norm:
         kept_residual = residual if self.keeps and self.keeps[0] else None
         return features, out if self.relu and not self.recomputed else None, saved, kept_residual
 
-    def recompute(self, step: _Step, saved) -> torch.Tensor:
-        """The output `forward` gave, again (the same bits), from its input, its statistics and the residual's
-        features."""
-        features, _, statistics, residual = saved
-        if self.residual is not None and residual is None:
-            residual = step.program.recompute(step, self.residual, False)
-        weight, bias, running_mean, _, _ = self.state()
-        if step.on_gpu:
-            return training_norm.run_renormalise(TORCH_ARRAYS, features, residual, weight, bias, statistics,
-                                                 self.relu, core_dtype(running_mean.dtype))
-        core = _core_or_none
-        return from_core(training_norm.renormalise(to_core(features), *statistics, core(weight), core(bias),
-                                                   residual=core(residual), relu=self.relu))
+    def parameter_dtype(self) -> torch.dtype:
+        return self.module._buffers["running_mean"].dtype
 
     def infer(self, dtype: torch.dtype, values: list) -> None:
         place, features = values[self.source]
@@ -270,6 +259,24 @@ class _Norm:
 
 def _core_or_none(tensor):
     return None if tensor is None else to_core(tensor)
+
+
+def _renormalised(step: _Step, chain: list, residual) -> torch.Tensor:
+    """The output of the first of `chain`'s norms again, with the bits its forward gave: `chain` (norm, its input,
+    its statistics) the norms whose outputs are one another's residuals, the last one's over `residual` (None:
+    none). On the GPU one pass (`training_norm.run_renormalise`), on the CPU a norm at a time."""
+    links = []
+    for norm, features, statistics in chain:
+        weight, bias, _, _, _ = norm.state()
+        links.append(training_norm.NormLink(features, weight, bias, *statistics, norm.relu))
+    if step.on_gpu:
+        return training_norm.run_renormalise(TORCH_ARRAYS, links, residual, core_dtype(chain[0][0].parameter_dtype()))
+    core = _core_or_none
+    for link in reversed(links):
+        residual = from_core(training_norm.renormalise(to_core(link.features), link.saved_mean, link.saved_invstd,
+                                                       core(link.weight), core(link.bias), residual=core(residual),
+                                                       relu=link.relu))
+    return residual
 
 
 class _ReLU:
@@ -449,10 +456,36 @@ class NetworkProgram:
         if features is not None:
             return features
         index = self._producers[slot]
-        features = self.operations[index].recompute(step, step.saved[index])
+        operation = self.operations[index]
+        if isinstance(operation, _Concat):
+            features = operation.recompute(step, step.saved[index])
+        else:
+            features = self._renormalised_from(step, index)
         if cache and self._last_reading.get(slot, step.position) < step.position:
             step.recomputed[slot] = features
         return features
+
+    def _renormalised_from(self, step: _Step, index: int) -> torch.Tensor:
+        """The output of the batch norm `operations[index]` again: through the norms whose outputs, not kept, are
+        its residual, that one's, and so on, up to `training_norm.CHAIN` of them in one pass, over the residual
+        the last one keeps or is given (recomputed alone, or held)."""
+        chain = []
+        while True:
+            norm = self.operations[index]
+            features, _, statistics, residual = step.saved[index]
+            chain.append((norm, features, statistics))
+            if norm.residual is None or residual is not None:
+                break
+            residual = step.recomputed.get(norm.residual)
+            producer = self._producers[norm.residual]
+            if residual is not None:
+                break
+            if (len(chain) == training_norm.CHAIN or not isinstance(self.operations[producer], _Norm)
+                    or self.operations[producer].parameter_dtype() != norm.parameter_dtype()):
+                residual = self.recompute(step, norm.residual, False)
+                break
+            index = producer
+        return _renormalised(step, chain, residual)
 
     def _fold_norms(self) -> list:
         """`operations` with each batch norm that alone reads a convolution's output run with it (`_ConvThenNorm`)."""

@@ -9,7 +9,8 @@ backward over the features `[N, C]` in two passes each (raw_kernels/batch_norm_t
                grad_weight = Σ g · xhat, grad_bias = Σ g;
 
 and `renormalise`, the forward's output again from its input and the statistics it saved, with the same bits,
-for a network whose backward recomputes the outputs it did not keep.
+for a network whose backward recomputes the outputs it did not keep (on the GPU, through up to CHAIN norms whose
+outputs are one another's residuals, in one pass: `launch_renormalise`).
 
 A torch network in training runs a batch norm, a ReLU and a residual sum as four kernels forward and
 three backward, each a pass over the features; here the statistics are one pass and the normalisation
@@ -29,6 +30,7 @@ error in fp32 grows with the rows (at 20,000 rows of mean 5, the input gradient 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +43,7 @@ from cupysparse.functional.epilogue import VECTOR_BYTES, check_norm_arguments, f
 from cupysparse.functional.execution import core_arrays
 
 BLOCK = 256  # threads of a block, as in the kernel source: at most this many channel groups
+CHAIN = 3  # the most norms one recomputation runs through, as in the kernel source
 GROUP = 32  # blocks whose sums one of them adds up, as in the kernel source
 KERNEL_DTYPES = tuple(dtype for dtype in (FLOAT32, FLOAT16, BFLOAT16) if dtype is not None)
 
@@ -129,7 +132,7 @@ def _launches(device: int, dtype, parameter_dtype, vector: int) -> tuple[_Pass, 
                 kernels.prepared(f"batch_norm_normalise<{types}>", BLOCK, 16),
                 kernels.prepared(f"batch_norm_gradient_sums<{value}, {vector}>", BLOCK, 11),
                 kernels.prepared(f"batch_norm_input_gradient<{types}>", BLOCK, 11),
-                kernels.prepared(f"batch_norm_renormalise<{types}>", BLOCK, 10))
+                kernels.prepared(f"batch_norm_renormalise<{types}>", BLOCK, 5 * CHAIN + 6))
     return tuple(_Pass(launch, min(_max_blocks(device), multiprocessors(device) * launch.resident_blocks()))
                  for launch in launches)
 
@@ -172,15 +175,30 @@ def launch_backward(stream: int, num_rows: int, channels: int, dtype, parameter_
         grad_features, grad_weight, grad_bias, grid=input_gradient.grid(num_rows, channels, vector))
 
 
-def launch_renormalise(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, features: int,
-                       residual: int, weight: int, bias: int, saved_mean: int, saved_invstd: int, relu: bool,
+class NormLink(NamedTuple):
+    """One norm of a recomputation (`launch_renormalise`, `run_renormalise`): its forward's input features, weight
+    and bias (None or 0: none), the mean and invstd it saved (the kernels take their addresses), and its ReLU."""
+
+    features: object
+    weight: object
+    bias: object
+    saved_mean: object
+    saved_invstd: object
+    relu: bool
+
+
+def launch_renormalise(stream: int, num_rows: int, channels: int, dtype, parameter_dtype, links, residual: int,
                        out: int) -> None:
-    """The forward's output again into `out` from its features, residual, parameters and the `saved_mean` and
-    `saved_invstd` it wrote, over device addresses as `launch_forward` takes them; the running statistics are
-    not touched. Nothing is checked."""
-    vector = _vector(dtype, channels, features | residual | out)
+    """Forward outputs again, over device addresses as `launch_forward` takes them, the running statistics left
+    alone: `links` (1 to CHAIN `NormLink`s of addresses), the last one's output over `residual` (0: none), which
+    is the residual of the one before it, and so on; the first one's output is written to `out`, with the bits
+    its forward gave. Nothing is checked."""
+    padded = [*links, *[NormLink(0, 0, 0, 0, 0, False)] * (CHAIN - len(links))]
+    features, weights, biases, means, invstds, relus = zip(*padded)
+    vector = _vector(dtype, channels, functools.reduce(operator.or_, features, residual | out))
     renormalise = _launches(current_device(), dtype, parameter_dtype, vector)[4]
-    renormalise.kernel.launch(stream, features, residual, weight, bias, saved_mean, saved_invstd, int(relu), num_rows,
+    renormalise.kernel.launch(stream, *features, *weights, *biases, *means, *invstds, len(links),
+                              sum(1 << index for index, relu in enumerate(relus) if relu), residual, num_rows,
                               channels, out, grid=renormalise.grid(num_rows, channels, vector))
 
 
@@ -216,15 +234,16 @@ def run_forward(arrays, features, residual, weight, bias, running_mean, running_
     return out, (scratch + 2 * row, scratch + 3 * row), kept
 
 
-def run_renormalise(arrays, features, residual, weight, bias, statistics: tuple[int, int], relu: bool,
-                    parameter_dtype):
-    """The output of the `run_forward` that gave `statistics` from these arrays, again (the same bits), on a
-    framework's arrays as `run_forward` takes them."""
-    num_rows, channels = features.shape
-    out = arrays.empty(features, (num_rows, channels))
-    launch_renormalise(arrays.stream(features), num_rows, channels, arrays.core_dtype(features.dtype),
-                       parameter_dtype, arrays.address(features), _address(arrays, residual), _address(arrays, weight),
-                       _address(arrays, bias), *statistics, relu, arrays.address(out))
+def run_renormalise(arrays, links, residual, parameter_dtype):
+    """`launch_renormalise` on a framework's arrays as `run_forward` takes them: `links` `NormLink`s of arrays
+    (their statistics the addresses `run_forward` returned), all with parameters of `parameter_dtype`."""
+    first = links[0].features
+    num_rows, channels = first.shape
+    out = arrays.empty(first, (num_rows, channels))
+    launch_renormalise(arrays.stream(first), num_rows, channels, arrays.core_dtype(first.dtype), parameter_dtype,
+                       [NormLink(arrays.address(link.features), _address(arrays, link.weight),
+                                 _address(arrays, link.bias), link.saved_mean, link.saved_invstd, link.relu)
+                        for link in links], _address(arrays, residual), arrays.address(out))
     return out
 
 
@@ -297,8 +316,8 @@ def renormalise(features, mean, invstd, weight=None, bias=None, *, residual=None
     if parameter_dtype is None or any(np.dtype(array.dtype) != np.float32 or not array.flags.c_contiguous
                                       for array in (mean, invstd)):
         return _normalise_reference(features, mean, invstd, weight, bias, residual, relu)
-    return run_renormalise(core_arrays(), features, residual, weight, bias, (mean.data.ptr, invstd.data.ptr), relu,
-                           parameter_dtype)
+    return run_renormalise(core_arrays(), [NormLink(features, weight, bias, mean.data.ptr, invstd.data.ptr, relu)],
+                           residual, parameter_dtype)
 
 
 def training_batch_norm_backward(grad_output, features, out, mean, invstd, weight=None, *, relu: bool = False,

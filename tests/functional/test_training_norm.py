@@ -205,6 +205,31 @@ def test_the_output_recomputed_from_the_saved_statistics_has_the_forwards_bits(d
     np.testing.assert_array_equal(again.get(), out.get())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("terminal", [False, True], ids=["chain of three", "two over a residual"])
+@pytest.mark.parametrize("dtype, parameter_dtype", [(FLOAT32, FLOAT32), (FLOAT16, FLOAT16), (FLOAT16, FLOAT32)])
+def test_a_chain_of_norms_recomputed_in_one_pass_has_the_forwards_bits(dtype, parameter_dtype, terminal):
+    """Three norms as in residual blocks: a shortcut's (no ReLU), a block's output over it, the next block's
+    output over that. One pass from their inputs and saved statistics gives the last one's forward output, bit
+    for bit; or two of them over the first one's output given as a residual."""
+    cupy = cupy_module()
+    outputs, links, statistics, residual = [], [], [], None
+    for seed, relu in ((5, False), (6, True), (7, True)):
+        args = {name: cupy.asarray(value) for name, value in inputs(3000, 96, dtype, parameter_dtype, seed).items()}
+        out, mean, invstd = cs.training_batch_norm(args["features"], args["running_mean"], args["running_var"],
+                                                   args["weight"], args["bias"], MOMENTUM, EPS, residual=residual,
+                                                   relu=relu)
+        outputs.append(out)
+        statistics += [mean, invstd]  # the links hold their addresses only
+        links.insert(0, training_norm.NormLink(args["features"], args["weight"], args["bias"], mean.data.ptr,
+                                               invstd.data.ptr, relu))
+        residual = out
+    given = outputs[0] if terminal else None
+    again = training_norm.run_renormalise(core_arrays(), links[:2] if terminal else links, given,
+                                          np.dtype(parameter_dtype))
+    np.testing.assert_array_equal(again.get(), outputs[-1].get())
+
+
 def test_arguments_are_checked_before_anything_runs():
     arrays = inputs(50, 4, FLOAT32, FLOAT32)
     stats = arrays["running_mean"], arrays["running_var"]
