@@ -212,7 +212,6 @@ class _Norm:
         return features, out if self.relu and not self.recomputed else None, saved, kept_residual
 
     def parameter_dtype(self) -> torch.dtype:
-        """The dtype of its parameters and statistics, one for all of them (`SparseBatchNorm.training_norm_takes`)."""
         return self.module._buffers["running_mean"].dtype
 
     def infer(self, dtype: torch.dtype, values: list) -> None:
@@ -478,9 +477,9 @@ class NetworkProgram:
             if norm.residual is None or residual is not None:
                 break
             residual = step.recomputed.get(norm.residual)
+            producer = self._producers[norm.residual]
             if residual is not None:
                 break
-            producer = self._producers[norm.residual]
             if (len(chain) == training_norm.CHAIN or not isinstance(self.operations[producer], _Norm)
                     or self.operations[producer].parameter_dtype() != norm.parameter_dtype()):
                 residual = self.recompute(step, norm.residual, False)
